@@ -1,0 +1,333 @@
+"""Reference math of HSMLA attention (DESIGN.md §3), in plain PyTorch, 2D and 3D.
+
+Every tensor of attention features has the layout ``(batch, heads, *spatial, head_dim)`` with
+``spatial = (H, W)`` or ``(D, H, W)``. These functions are the reference the Triton kernels are
+tested against, and the path the :class:`~hsmla_med.nn.HSMLA` layer takes on CPU and in training.
+
+The local window terms are evaluated per spatial *tile*: the map is cut into non-overlapping
+``block``-sized tiles, each tile's queries attend to a halo of ``block + window - 1`` keys per
+axis with a fixed band mask selecting each query's own ``window``-sized neighbourhood. This is
+the paper's tile-compacted schedule; it makes the work proportional to the number of tiles
+processed, so the inference path can evaluate only the tiles that the gate selects while the
+full-map functions below are the same computation over every tile.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "linear_attention",
+    "local_attention",
+    "local_linear_attention",
+    "local_refine",
+    "tile_grid",
+    "tile_average",
+    "gate_regularizers",
+]
+
+DEFAULT_EPS = 1e-6
+# Tile size used by the full-map local functions; the result does not depend on it.
+_FULL_MAP_BLOCK = 8
+
+
+def _check_features(name: str, x: torch.Tensor) -> int:
+    if x.dim() not in (5, 6):
+        raise ValueError(
+            f"{name} must have shape (batch, heads, *spatial, head_dim) with 2 or 3 spatial dims, "
+            f"got {tuple(x.shape)}."
+        )
+    return x.dim() - 3
+
+
+def _check_window(window: int) -> None:
+    if not isinstance(window, int) or window <= 0 or window % 2 == 0:
+        raise ValueError(f"window must be a positive odd integer, got {window!r}.")
+
+
+def _check_block(block: int) -> None:
+    if not isinstance(block, int) or block <= 0:
+        raise ValueError(f"block must be a positive integer, got {block!r}.")
+
+
+def _check_same_map(**tensors: torch.Tensor) -> None:
+    shapes = {name: t.shape[:-1] for name, t in tensors.items()}
+    if len(set(shapes.values())) != 1:
+        raise ValueError(f"features must share (batch, heads, *spatial): {shapes}.")
+
+
+def _float32(*xs: torch.Tensor) -> list[torch.Tensor]:
+    return [x.float() for x in xs]
+
+
+def linear_attention(
+    qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, eps: float = DEFAULT_EPS
+) -> torch.Tensor:
+    """Global ReLU linear attention, DESIGN.md §3 step 3.
+
+    ``out_i = phi(qh_i) Z / (phi(qh_i) . Dn + eps)`` with ``Z = sum_j phi(kh_j)^T vh_j`` and
+    ``Dn = sum_j phi(kh_j)``, ``phi = relu``, per batch element and head.
+
+    Args:
+        qh, kh, vh: multi-scale queries, keys, values, ``(batch, heads, *spatial, head_dim)``.
+        eps: added to the denominator.
+
+    Returns:
+        Tensor of the shape and dtype of ``qh``. The aggregates and the division run in float32
+        whatever the input dtype or autocast state (sums over N tokens overflow float16).
+    """
+    _check_features("qh", qh)
+    _check_same_map(qh=qh, kh=kh, vh=vh)
+    with torch.autocast(device_type=qh.device.type, enabled=False):
+        q, k, v = (t.flatten(2, -2) for t in _float32(qh, kh, vh))
+        q, k = q.relu(), k.relu()
+        z = k.transpose(-1, -2) @ v  # (b, h, d, d)
+        dn = k.sum(dim=-2)  # (b, h, d)
+        out = (q @ z) / ((q @ dn.unsqueeze(-1)) + eps)
+    return out.reshape(qh.shape).to(qh.dtype)
+
+
+@lru_cache(maxsize=32)
+def _band_mask(spatial_dims: int, block: int, window: int) -> torch.Tensor:
+    """``(block**s, (block+window-1)**s)`` bool: halo key ``u`` lies in query ``p``'s window.
+
+    Query ``p`` sits at halo coordinate ``p + window//2``, so its window covers halo
+    coordinates ``p .. p + window - 1`` on every axis.
+    """
+    halo = block + window - 1
+    p = torch.arange(block).view(-1, 1)
+    u = torch.arange(halo).view(1, -1)
+    axis = (u >= p) & (u <= p + window - 1)  # (block, halo)
+    mask = axis
+    for _ in range(spatial_dims - 1):  # row-major outer product over the axes
+        mask = (mask[:, None, :, None] & axis[None, :, None, :]).flatten(2, 3).flatten(0, 1)
+    return mask
+
+
+def tile_grid(spatial: tuple[int, ...], block: int) -> tuple[int, ...]:
+    """Number of ``block``-sized tiles per axis (edge tiles may be partial)."""
+    return tuple(math.ceil(s / block) for s in spatial)
+
+
+def _tiles(x: torch.Tensor, block: int, halo: int, index: torch.Tensor) -> torch.Tensor:
+    """Gather tiles of a ``(batch, heads, *spatial, d)`` map.
+
+    ``halo = 0`` gives the ``block``-sized query tiles; ``halo = r`` gives the keys of the tile
+    grown by ``r`` on every side, with zeros outside the map. ``index`` is ``(n, 1 + s)`` of
+    ``(batch, *tile)`` coordinates. Returns ``(n, heads, (block + 2*halo)**s, d)``.
+    """
+    s = x.dim() - 3
+    spatial = x.shape[2:-1]
+    grid = tile_grid(tuple(spatial), block)
+    pad = []
+    for size, tiles in zip(reversed(spatial), reversed(grid)):
+        pad += [halo, halo + tiles * block - size]
+    x = F.pad(x, [0, 0] + pad)
+    size = block + 2 * halo
+    for axis in range(s):
+        x = x.unfold(2 + axis, size, block)  # (b, h, *grid, d, *window)
+    # -> (b, *grid, h, *window, d)
+    x = x.permute(0, *range(2, 2 + s), 1, *range(3 + s, 3 + 2 * s), 2 + s)
+    return x[tuple(index.unbind(-1))].flatten(2, -2)
+
+
+def _untile(r: torch.Tensor, index: torch.Tensor, shape: torch.Size, block: int) -> torch.Tensor:
+    """Scatter ``(n, heads, block**s, d)`` tile values into a zero map of ``shape``."""
+    b, h = shape[:2]
+    spatial, d = tuple(shape[2:-1]), shape[-1]
+    s = len(spatial)
+    grid = tile_grid(spatial, block)
+    out = r.new_zeros((b, *grid, h, *([block] * s), d))
+    out[tuple(index.unbind(-1))] = r.reshape(-1, h, *([block] * s), d)
+    # (b, *grid, h, *block, d) -> (b, h, g1, B, g2, B, ..., d)
+    order = [0, 1 + s]
+    for axis in range(s):
+        order += [1 + axis, 2 + s + axis]
+    out = out.permute(*order, out.dim() - 1).reshape(b, h, *(g * block for g in grid), d)
+    return out[(slice(None), slice(None), *(slice(0, n) for n in spatial))]
+
+
+def _all_tiles(shape: torch.Size, block: int, device: torch.device) -> torch.Tensor:
+    grid = tile_grid(tuple(shape[2:-1]), block)
+    ranges = [torch.arange(n, device=device) for n in (shape[0], *grid)]
+    return torch.cartesian_prod(*ranges).reshape(-1, 1 + len(grid))
+
+
+def _key_mask(shape: torch.Size, block: int, window: int, index: torch.Tensor) -> torch.Tensor:
+    """``(n, 1, block**s, halo**s)`` bool: key inside the map and inside the query's window."""
+    s = len(shape) - 3
+    ones = torch.ones((1, 1, *shape[2:-1], 1), device=index.device)
+    tile_index = torch.cat([torch.zeros_like(index[:, :1]), index[:, 1:]], dim=1)
+    inside = _tiles(ones, block, window // 2, tile_index)[:, 0, :, 0] > 0  # (n, halo**s)
+    band = _band_mask(s, block, window).to(index.device)
+    return (band.unsqueeze(0) & inside.unsqueeze(1)).unsqueeze(1)
+
+
+def _window_softmax(q, k, v, mask):
+    """Masked softmax attention of tile queries over their halo keys, float32."""
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+    # The finite minimum (not -inf) keeps rows of padded queries in partial tiles finite.
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    return scores.softmax(dim=-1) @ v
+
+
+def _window_linear(qh, kh, vh, mask, eps):
+    """Local ReLU linear attention of tile queries over their halo keys, float32.
+
+    ``phi(qh_i) Z_N(i) = sum_{j in N(i)} (phi(qh_i) . phi(kh_j)) vh_j``: the same band as the
+    softmax, with unnormalised non-negative weights; keys outside the map are zero-padded and
+    so contribute ``phi(0) = 0`` to both numerator and denominator.
+    """
+    weights = (qh.relu() @ kh.relu().transpose(-1, -2)) * mask
+    return (weights @ vh) / (weights.sum(dim=-1, keepdim=True) + eps)
+
+
+def _local_terms(
+    tensors: dict[str, torch.Tensor],
+    window: int,
+    block: int,
+    index: torch.Tensor,
+    eps: float,
+    softmax: bool,
+    linear: bool,
+) -> torch.Tensor:
+    """``softmax`` and/or ``-linear`` local terms for the tiles in ``index``, float32."""
+    ref = next(iter(tensors.values()))
+    r = window // 2
+    mask = _key_mask(ref.shape, block, window, index)
+    out = 0
+    with torch.autocast(device_type=ref.device.type, enabled=False):
+        if softmax:
+            q = _tiles(tensors["q"].float(), block, 0, index)
+            k, v = (_tiles(tensors[n].float(), block, r, index) for n in ("k", "v"))
+            out = out + _window_softmax(q, k, v, mask)
+        if linear:
+            qh = _tiles(tensors["qh"].float(), block, 0, index)
+            kh, vh = (_tiles(tensors[n].float(), block, r, index) for n in ("kh", "vh"))
+            out = out - _window_linear(qh, kh, vh, mask, eps)
+    return out
+
+
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+    """Softmax attention over the ``window``-sized neighbourhood centred on each query.
+
+    DESIGN.md §3 step 5: ``O_loc_i = softmax(q_i k_N(i)^T / sqrt(d)) v_N(i)``; keys outside the
+    map are excluded from the softmax (masked), not zero-padded.
+
+    Args:
+        q, k, v: ``(batch, heads, *spatial, head_dim)``.
+        window: odd window size per axis.
+
+    Returns:
+        Tensor of the shape and dtype of ``q`` (computed in float32).
+    """
+    _check_features("q", q)
+    _check_window(window)
+    _check_same_map(q=q, k=k, v=v)
+    index = _all_tiles(q.shape, _FULL_MAP_BLOCK, q.device)
+    out = _local_terms(dict(q=q, k=k, v=v), window, _FULL_MAP_BLOCK, index, 0.0, True, False)
+    return _untile(out, index, q.shape, _FULL_MAP_BLOCK).to(q.dtype)
+
+
+def local_linear_attention(
+    qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, window: int, eps: float = DEFAULT_EPS
+) -> torch.Tensor:
+    """ReLU linear attention restricted to the ``window``-sized neighbourhood of each query.
+
+    DESIGN.md §3 step 5: ``phi(qh_i) Z_N(i) / (phi(qh_i) . Dn_N(i) + eps)`` with the sums over
+    keys inside both the window and the map.
+
+    Returns:
+        Tensor of the shape and dtype of ``qh`` (computed in float32).
+    """
+    _check_features("qh", qh)
+    _check_window(window)
+    _check_same_map(qh=qh, kh=kh, vh=vh)
+    index = _all_tiles(qh.shape, _FULL_MAP_BLOCK, qh.device)
+    out = _local_terms(dict(qh=qh, kh=kh, vh=vh), window, _FULL_MAP_BLOCK, index, eps, False, True)
+    return (-_untile(out, index, qh.shape, _FULL_MAP_BLOCK)).to(qh.dtype)
+
+
+def local_refine(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qh: torch.Tensor,
+    kh: torch.Tensor,
+    vh: torch.Tensor,
+    gate: torch.Tensor | None,
+    tau: float,
+    block: int,
+    window: int,
+    eps: float = DEFAULT_EPS,
+) -> torch.Tensor:
+    """Local residual ``R = O_loc - O_linloc`` on the tiles whose gate exceeds ``tau``.
+
+    DESIGN.md §3 steps 5-6: the active tiles are compacted into a dense list, gathered with a
+    halo of ``window // 2``, evaluated, and scattered back; tiles whose gate is ``<= tau``
+    are never computed and hold exact zeros.
+
+    Args:
+        q, k, v: raw projections, ``(batch, heads, *spatial, head_dim)``.
+        qh, kh, vh: multi-scale projections, same shape.
+        gate: ``(batch, *tiles)`` with ``tiles = ceil(spatial / block)``; ``None`` selects
+            every tile (dense evaluation, used by the soft training path).
+        tau: threshold; a tile is active when ``gate > tau``.
+        block: tile size per axis.
+        window: odd local window size per axis.
+
+    Returns:
+        ``R``, shape and dtype of ``q``.
+    """
+    _check_features("q", q)
+    _check_window(window)
+    _check_block(block)
+    _check_same_map(q=q, k=k, v=v, qh=qh, kh=kh, vh=vh)
+    if gate is None:
+        index = _all_tiles(q.shape, block, q.device)
+    else:
+        expected = (q.shape[0], *tile_grid(tuple(q.shape[2:-1]), block))
+        if tuple(gate.shape) != expected:
+            raise ValueError(f"gate must have shape {expected} (batch, *tiles), got {tuple(gate.shape)}.")
+        index = torch.nonzero(gate > tau)
+    if index.shape[0] == 0:
+        return torch.zeros_like(q)
+    tensors = dict(q=q, k=k, v=v, qh=qh, kh=kh, vh=vh)
+    r = _local_terms(tensors, window, block, index, eps, True, True)
+    return _untile(r, index, q.shape, block).to(q.dtype)
+
+
+def tile_average(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Mean of ``(batch, C, *spatial)`` over ``block``-sized tiles -> ``(batch, C, *tiles)``.
+
+    Partial edge tiles average over the tokens that exist.
+    """
+    s = x.dim() - 2
+    pool = (F.avg_pool2d, F.avg_pool3d)[s - 2]
+    spatial = x.shape[2:]
+    grid = tile_grid(tuple(spatial), block)
+    pad = []
+    for size, tiles in zip(reversed(spatial), reversed(grid)):
+        pad += [0, tiles * block - size]
+    if not any(pad):
+        return pool(x, block)
+    sums = pool(F.pad(x, pad), block, divisor_override=1)
+    counts = pool(F.pad(torch.ones_like(x[:1, :1]), pad), block, divisor_override=1)
+    return sums / counts
+
+
+def gate_regularizers(gate: torch.Tensor, rho: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Budget and smoothness terms of a block gate ``(batch, *tiles)``, DESIGN.md §3 step 7.
+
+    budget = ``|mean_b M_b - rho|`` and smoothness = ``sum_{adjacent b, b'} |M_b - M_b'|``
+    (4-neighbourhood in 2D, 6 in 3D), each per sample and then averaged over the batch.
+    """
+    budget = (gate.flatten(1).mean(dim=1) - rho).abs().mean()
+    smooth = gate.new_zeros(())
+    for axis in range(1, gate.dim()):
+        smooth = smooth + gate.diff(dim=axis).abs().flatten(1).sum(dim=1).mean()
+    return budget, smooth
