@@ -1,0 +1,25 @@
+"""HSMLA layer, blocks and networks (MONAI-style, 2D and 3D)."""
+
+from hsmla_med.nn import functional
+from hsmla_med.nn.attention import BACKENDS, HSMLA, ROUTING_MODES, calibrate_tau
+from hsmla_med.nn.blocks import ChannelLayerNorm, ConvNormAct, DSConv, HSMLABlock, MBConv
+from hsmla_med.nn.hsmla_net import VARIANTS, GatedNetwork, HSMLABackbone, HSMLAClassifier, HSMLASegNet, Variant
+
+__all__ = [
+    "functional",
+    "HSMLA",
+    "ROUTING_MODES",
+    "BACKENDS",
+    "calibrate_tau",
+    "ChannelLayerNorm",
+    "ConvNormAct",
+    "DSConv",
+    "HSMLABlock",
+    "MBConv",
+    "VARIANTS",
+    "Variant",
+    "GatedNetwork",
+    "HSMLABackbone",
+    "HSMLASegNet",
+    "HSMLAClassifier",
+]

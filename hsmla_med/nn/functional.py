@@ -60,8 +60,19 @@ def _check_same_map(**tensors: torch.Tensor) -> None:
         raise ValueError(f"features must share (batch, heads, *spatial): {shapes}.")
 
 
-def _float32(*xs: torch.Tensor) -> list[torch.Tensor]:
-    return [x.float() for x in xs]
+def _channel_first(x: torch.Tensor) -> torch.Tensor:
+    """``(b, h, *S, d)`` -> ``(b, h, d, *S)`` view.
+
+    The HSMLA layer's features are views of channel-first maps, so in this layout token rows
+    are contiguous: gathers and matrix products read memory in order, and results map back to
+    the channel-first output without a copy.
+    """
+    return x.movedim(-1, 2)
+
+
+def _feature_view(x_cf: torch.Tensor) -> torch.Tensor:
+    """``(b, h, d, *S)`` -> ``(b, h, *S, d)`` view (the public layout)."""
+    return x_cf.movedim(2, -1)
 
 
 def linear_attention(
@@ -83,12 +94,12 @@ def linear_attention(
     _check_features("qh", qh)
     _check_same_map(qh=qh, kh=kh, vh=vh)
     with torch.autocast(device_type=qh.device.type, enabled=False):
-        q, k, v = (t.flatten(2, -2) for t in _float32(qh, kh, vh))
+        q, k, v = (_channel_first(t).float().flatten(3) for t in (qh, kh, vh))  # (b, h, d, N)
         q, k = q.relu(), k.relu()
-        z = k.transpose(-1, -2) @ v  # (b, h, d, d)
-        dn = k.sum(dim=-2)  # (b, h, d)
-        out = (q @ z) / ((q @ dn.unsqueeze(-1)) + eps)
-    return out.reshape(qh.shape).to(qh.dtype)
+        z_t = v @ k.transpose(-1, -2)  # Z^T, (b, h, d, d)
+        dn = k.sum(dim=-1).unsqueeze(-2)  # (b, h, 1, d)
+        out = (z_t @ q) / ((dn @ q) + eps)  # (b, h, d, N)
+    return _feature_view(out.view(*out.shape[:3], *qh.shape[2:-1])).to(qh.dtype)
 
 
 @lru_cache(maxsize=32)
@@ -113,42 +124,45 @@ def tile_grid(spatial: tuple[int, ...], block: int) -> tuple[int, ...]:
     return tuple(math.ceil(s / block) for s in spatial)
 
 
+def _flat_positions(index: torch.Tensor, block: int, size: int, padded: tuple[int, ...]) -> torch.Tensor:
+    """Flat positions in a ``(batch, *padded)`` map of the ``size``-wide windows that start at
+    ``block * tile`` for each ``(batch, *tile)`` row of ``index``: ``(n * size**s,)``."""
+    strides = [math.prod(padded[a + 1 :]) for a in range(len(padded))]
+    origin = index[:, 0] * math.prod(padded)
+    local = torch.zeros((), dtype=torch.long, device=index.device)
+    for axis, stride in enumerate(strides):
+        origin = origin + index[:, 1 + axis] * (block * stride)
+        local = (local.unsqueeze(-1) + torch.arange(size, device=index.device) * stride).flatten()
+    return (origin.unsqueeze(1) + local.unsqueeze(0)).flatten()
+
+
 def _tiles(x: torch.Tensor, block: int, halo: int, index: torch.Tensor) -> torch.Tensor:
     """Gather tiles of a ``(batch, heads, *spatial, d)`` map.
 
-    ``halo = 0`` gives the ``block``-sized query tiles; ``halo = r`` gives the keys of the tile
-    grown by ``r`` on every side, with zeros outside the map. ``index`` is ``(n, 1 + s)`` of
-    ``(batch, *tile)`` coordinates. Returns ``(n, heads, (block + 2*halo)**s, d)``.
+    ``halo = 0`` gives the ``block``-sized query tiles; ``halo = r`` gives the tile grown by
+    ``r`` on every side, zeros outside the map. ``index`` is ``(n, 1 + s)`` of
+    ``(batch, *tile)`` coordinates. Returns ``(heads, n, (block + 2*halo)**s, d)``.
     """
-    s = x.dim() - 3
-    spatial = x.shape[2:-1]
-    grid = tile_grid(tuple(spatial), block)
+    h, d = x.shape[1], x.shape[-1]
+    spatial = tuple(x.shape[2:-1])
     pad = []
-    for size, tiles in zip(reversed(spatial), reversed(grid)):
+    for size, tiles in zip(reversed(spatial), reversed(tile_grid(spatial, block))):
         pad += [halo, halo + tiles * block - size]
-    x = F.pad(x, [0, 0] + pad)
+    # (heads, batch, *padded, d): a single index_select over contiguous rows gathers the tiles.
+    xp = F.pad(x.transpose(0, 1), [0, 0] + pad)
     size = block + 2 * halo
-    for axis in range(s):
-        x = x.unfold(2 + axis, size, block)  # (b, h, *grid, d, *window)
-    # -> (b, *grid, h, *window, d)
-    x = x.permute(0, *range(2, 2 + s), 1, *range(3 + s, 3 + 2 * s), 2 + s)
-    return x[tuple(index.unbind(-1))].flatten(2, -2)
+    flat = _flat_positions(index, block, size, tuple(xp.shape[2:-1]))
+    return xp.reshape(h, -1, d).index_select(1, flat).view(h, index.shape[0], size ** len(spatial), d)
 
 
 def _untile(r: torch.Tensor, index: torch.Tensor, shape: torch.Size, block: int) -> torch.Tensor:
-    """Scatter ``(n, heads, block**s, d)`` tile values into a zero map of ``shape``."""
+    """Scatter ``(heads, n, block**s, d)`` tile values into a zero ``(b, h, *S, d)`` map."""
     b, h = shape[:2]
     spatial, d = tuple(shape[2:-1]), shape[-1]
-    s = len(spatial)
-    grid = tile_grid(spatial, block)
-    out = r.new_zeros((b, *grid, h, *([block] * s), d))
-    out[tuple(index.unbind(-1))] = r.reshape(-1, h, *([block] * s), d)
-    # (b, *grid, h, *block, d) -> (b, h, g1, B, g2, B, ..., d)
-    order = [0, 1 + s]
-    for axis in range(s):
-        order += [1 + axis, 2 + s + axis]
-    out = out.permute(*order, out.dim() - 1).reshape(b, h, *(g * block for g in grid), d)
-    return out[(slice(None), slice(None), *(slice(0, n) for n in spatial))]
+    padded = tuple(g * block for g in tile_grid(spatial, block))
+    out = r.new_zeros((h, b, *padded, d))
+    out.view(h, -1, d).index_copy_(1, _flat_positions(index, block, block, padded), r.flatten(1, 2))
+    return out[(slice(None), slice(None), *(slice(0, n) for n in spatial))].transpose(0, 1)
 
 
 def _all_tiles(shape: torch.Size, block: int, device: torch.device) -> torch.Tensor:
@@ -157,18 +171,25 @@ def _all_tiles(shape: torch.Size, block: int, device: torch.device) -> torch.Ten
     return torch.cartesian_prod(*ranges).reshape(-1, 1 + len(grid))
 
 
+@lru_cache(maxsize=64)
+def _inside_map(spatial: tuple[int, ...], block: int, window: int, device: torch.device) -> torch.Tensor:
+    """``(*grid, halo**s)`` bool: which halo keys of each tile lie inside the map."""
+    ones = torch.ones((1, 1, *spatial, 1), device=device)
+    index = _all_tiles(ones.shape, block, device)
+    inside = _tiles(ones, block, window // 2, index)[0, :, :, 0] > 0
+    return inside.view(*tile_grid(spatial, block), -1)
+
+
 def _key_mask(shape: torch.Size, block: int, window: int, index: torch.Tensor) -> torch.Tensor:
-    """``(n, 1, block**s, halo**s)`` bool: key inside the map and inside the query's window."""
+    """``(1, n, block**s, halo**s)`` bool: key inside the map and inside the query's window."""
     s = len(shape) - 3
-    ones = torch.ones((1, 1, *shape[2:-1], 1), device=index.device)
-    tile_index = torch.cat([torch.zeros_like(index[:, :1]), index[:, 1:]], dim=1)
-    inside = _tiles(ones, block, window // 2, tile_index)[:, 0, :, 0] > 0  # (n, halo**s)
+    inside = _inside_map(tuple(shape[2:-1]), block, window, index.device)[tuple(index[:, 1:].unbind(-1))]
     band = _band_mask(s, block, window).to(index.device)
-    return (band.unsqueeze(0) & inside.unsqueeze(1)).unsqueeze(1)
+    return (band.unsqueeze(0) & inside.unsqueeze(1)).unsqueeze(0)
 
 
 def _window_softmax(q, k, v, mask):
-    """Masked softmax attention of tile queries over their halo keys, float32."""
+    """Masked softmax attention of tile queries ``(..., Bq, d)`` over halo keys ``(..., Bk, d)``."""
     scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
     # The finite minimum (not -inf) keeps rows of padded queries in partial tiles finite.
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
@@ -176,7 +197,7 @@ def _window_softmax(q, k, v, mask):
 
 
 def _window_linear(qh, kh, vh, mask, eps):
-    """Local ReLU linear attention of tile queries over their halo keys, float32.
+    """Local ReLU linear attention of tile queries over their halo keys.
 
     ``phi(qh_i) Z_N(i) = sum_{j in N(i)} (phi(qh_i) . phi(kh_j)) vh_j``: the same band as the
     softmax, with unnormalised non-negative weights; keys outside the map are zero-padded and
@@ -195,19 +216,21 @@ def _local_terms(
     softmax: bool,
     linear: bool,
 ) -> torch.Tensor:
-    """``softmax`` and/or ``-linear`` local terms for the tiles in ``index``, float32."""
+    """``softmax`` and/or ``-linear`` local terms for the tiles in ``index``, float32,
+    ``(heads, n, block**s, d)``."""
     ref = next(iter(tensors.values()))
     r = window // 2
     mask = _key_mask(ref.shape, block, window, index)
     out = 0
     with torch.autocast(device_type=ref.device.type, enabled=False):
+        t = {name: x.float() for name, x in tensors.items()}
         if softmax:
-            q = _tiles(tensors["q"].float(), block, 0, index)
-            k, v = (_tiles(tensors[n].float(), block, r, index) for n in ("k", "v"))
+            q = _tiles(t["q"], block, 0, index)
+            k, v = (_tiles(t[n], block, r, index) for n in ("k", "v"))
             out = out + _window_softmax(q, k, v, mask)
         if linear:
-            qh = _tiles(tensors["qh"].float(), block, 0, index)
-            kh, vh = (_tiles(tensors[n].float(), block, r, index) for n in ("kh", "vh"))
+            qh = _tiles(t["qh"], block, 0, index)
+            kh, vh = (_tiles(t[n], block, r, index) for n in ("kh", "vh"))
             out = out - _window_linear(qh, kh, vh, mask, eps)
     return out
 

@@ -1,0 +1,265 @@
+"""The HSMLA layer: multi-scale ReLU linear attention plus gated local softmax refinement."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from monai.networks.layers.factories import Conv
+
+from hsmla_med.nn import functional as HF
+
+__all__ = ["HSMLA", "ROUTING_MODES", "BACKENDS", "calibrate_tau"]
+
+#: ``gate``: learned routing (soft in training, hard at inference); ``off``: linear attention
+#: only (the paper's "MSLA only" ablation); ``all``: local refinement everywhere (alpha = 1).
+ROUTING_MODES = ("gate", "off", "all")
+#: ``auto``: Triton kernels at inference on CUDA, the reference otherwise.
+BACKENDS = ("auto", "reference", "triton")
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    return value
+
+
+class HSMLA(nn.Module):
+    """Hierarchical Softmax Multi-scale Linear Attention over a ``(batch, C, *spatial)`` map.
+
+    Computes DESIGN.md §3: a 1x1 projection to ``Q, K, V``; multi-scale depthwise tokens
+    ``Qh, Kh, Vh`` (sum over ``scales``); global ReLU linear attention for every token; a
+    hierarchical head -> block gate ``M`` over ``block``-sized tiles; and the local residual
+    ``R = O_loc - O_linloc`` over a ``window``-sized neighbourhood. Training mixes
+    ``O_lin + M * R`` (differentiable); inference adds ``R`` only on tiles with ``M > tau``,
+    computing it for those tiles alone. A 1x1 projection maps back to ``in_channels``.
+
+    After each forward the layer keeps ``last_gate`` (``(batch, *tiles)``, ``None`` unless
+    routing is ``"gate"``) and ``last_alpha`` (fraction of tiles refined, or that would be at
+    ``tau`` in training).
+
+    Args:
+        spatial_dims: 2 or 3.
+        in_channels: channels ``C`` of the input and output.
+        head_dim: channels per head ``d``; ``C`` must be a multiple (``heads = C // d``).
+        scales: odd depthwise kernel sizes summed into the multi-scale tokens.
+        window: odd local window size per axis.
+        block: gate tile size per axis (edge tiles may be partial).
+        tau: inference threshold on the block gate (a buffer, saved in checkpoints).
+        rho: target mean gate of the budget regulariser.
+        eps: linear-attention denominator term.
+        routing: one of :data:`ROUTING_MODES`.
+        backend: one of :data:`BACKENDS`.
+    """
+
+    def __init__(
+        self,
+        spatial_dims: int,
+        in_channels: int,
+        head_dim: int = 32,
+        scales: Sequence[int] = (3, 5, 7),
+        window: int = 7,
+        block: int = 8,
+        tau: float = 0.15,
+        rho: float = 0.3,
+        eps: float = HF.DEFAULT_EPS,
+        routing: str = "gate",
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        if spatial_dims not in (2, 3):
+            raise ValueError(f"spatial_dims must be 2 or 3, got {spatial_dims!r}.")
+        _positive_int("in_channels", in_channels)
+        _positive_int("head_dim", head_dim)
+        if in_channels % head_dim:
+            raise ValueError(f"in_channels ({in_channels}) must be a multiple of head_dim ({head_dim}).")
+        _positive_int("window", window)
+        if window % 2 == 0:
+            raise ValueError(f"window must be odd so that it is centred on the query, got {window}.")
+        _positive_int("block", block)
+        scales = tuple(scales)
+        if not scales or any(isinstance(k, bool) or not isinstance(k, int) or k <= 0 or k % 2 == 0 for k in scales):
+            raise ValueError(f"scales must be a non-empty sequence of positive odd kernel sizes, got {scales!r}.")
+        if not 0.0 <= rho <= 1.0:
+            raise ValueError(f"rho must lie in [0, 1], got {rho!r}.")
+        self.spatial_dims = spatial_dims
+        self.in_channels = in_channels
+        self.head_dim = head_dim
+        self.heads = in_channels // head_dim
+        self.scales = scales
+        self.window = window
+        self.block = block
+        self.rho = float(rho)
+        self.eps = float(eps)
+        self.routing = routing
+        self.backend = backend
+        self.register_buffer("tau", torch.tensor(float(tau)))
+
+        conv = Conv[Conv.CONV, spatial_dims]
+        c3 = 3 * in_channels
+        self.qkv = conv(in_channels, c3, kernel_size=1, bias=False)
+        self.multiscale = nn.ModuleList(conv(c3, c3, k, padding=k // 2, groups=c3) for k in scales)
+        self.gate_conv = conv(c3, c3, 3, padding=1, groups=c3)
+        # Per-head gate projection w_h over that head's [Qh; Kh; Vh] channels, and bias b_h.
+        self.gate_weight = nn.Parameter(torch.randn(3, self.heads, head_dim) * (3 * head_dim) ** -0.5)
+        self.gate_bias = nn.Parameter(torch.zeros(self.heads))
+        self.proj = conv(in_channels, in_channels, kernel_size=1)
+        self.last_gate: torch.Tensor | None = None
+        self.last_alpha: float = 0.0
+        self._calibrate_to: float | None = None
+
+    # -- settings -----------------------------------------------------------------------------
+    @property
+    def routing(self) -> str:
+        return self._routing
+
+    @routing.setter
+    def routing(self, mode: str) -> None:
+        if mode not in ROUTING_MODES:
+            raise ValueError(f"routing must be one of {ROUTING_MODES}, got {mode!r}.")
+        self._routing = mode
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        if name not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}.")
+        self._backend = name
+
+    # -- pieces -------------------------------------------------------------------------------
+    def _multiscale(self, qkv: torch.Tensor) -> torch.Tensor:
+        # A sum of 'same'-padded depthwise convolutions equals one convolution with the summed,
+        # centre-aligned kernels: one pass over the map instead of len(scales).
+        size = max(self.scales)
+        weight = sum(
+            F.pad(c.weight, [(size - c.kernel_size[0]) // 2] * (2 * self.spatial_dims)) for c in self.multiscale
+        )
+        bias = sum(c.bias for c in self.multiscale)
+        conv = (F.conv2d, F.conv3d)[self.spatial_dims - 2]
+        return conv(qkv, weight, bias, padding=size // 2, groups=qkv.shape[1])
+
+    def _split_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(b, 3C, *S)`` -> three ``(b, heads, *S, d)`` views."""
+        b, spatial = x.shape[0], x.shape[2:]
+        x = x.view(b, 3, self.heads, self.head_dim, *spatial).movedim(3, -1)
+        return x.unbind(1)
+
+    def gate(self, ms: torch.Tensor) -> torch.Tensor:
+        """Block gate ``M`` of shape ``(batch, *tiles)`` from the multi-scale tokens ``(b, 3C, *S)``.
+
+        ``G^h_b = sigmoid(w_h . AvgPool_b(DWConv3x3([Qh_h; Kh_h; Vh_h])) + b_h)``,
+        ``M_b = mean_h G^h_b``.
+        """
+        pooled = HF.tile_average(self.gate_conv(ms), self.block)  # (b, 3C, *tiles)
+        pooled = pooled.view(pooled.shape[0], 3, self.heads, self.head_dim, *pooled.shape[2:])
+        logits = torch.einsum("bthd...,thd->bh...", pooled, self.gate_weight)
+        logits = logits + self.gate_bias.view(1, -1, *([1] * self.spatial_dims))
+        return logits.sigmoid().mean(dim=1)
+
+    def _ops(self, training: bool, device: torch.device):
+        """The (linear_attention, local_refine) pair for this call: kernels or reference."""
+        use_triton = self.backend == "triton"
+        if self.backend == "auto" and not training and device.type == "cuda":
+            from hsmla_med import kernels
+
+            use_triton = kernels.triton_available(device)
+        if use_triton:
+            from hsmla_med import kernels
+
+            return kernels.linear_attention, kernels.local_refine
+        return HF.linear_attention, HF.local_refine
+
+    def _tokens_gate(self, gate: torch.Tensor, spatial: torch.Size) -> torch.Tensor:
+        """Broadcast ``(b, *tiles)`` to ``(b, 1, *spatial, 1)``."""
+        for axis in range(self.spatial_dims):
+            gate = gate.repeat_interleave(self.block, dim=1 + axis)
+        gate = gate[(slice(None), *(slice(0, n) for n in spatial))]
+        return gate.unsqueeze(1).unsqueeze(-1)
+
+    # -- forward ------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(batch, in_channels, *spatial)`` -> same shape."""
+        if x.dim() != self.spatial_dims + 2:
+            raise ValueError(
+                f"HSMLA with spatial_dims={self.spatial_dims} expects input (batch, C, "
+                f"{'D, ' if self.spatial_dims == 3 else ''}H, W), got shape {tuple(x.shape)}."
+            )
+        if x.shape[1] != self.in_channels:
+            raise ValueError(f"input has {x.shape[1]} channels, in_channels is {self.in_channels}.")
+        spatial = x.shape[2:]
+        qkv = self.qkv(x)
+        ms = self._multiscale(qkv)
+        q, k, v = self._split_heads(qkv)
+        qh, kh, vh = self._split_heads(ms)
+        linear_attention, local_refine = self._ops(self.training, x.device)
+        out = linear_attention(qh, kh, vh, self.eps)
+
+        self.last_gate = None
+        if self.routing == "all":
+            out = out + local_refine(q, k, v, qh, kh, vh, None, 0.0, self.block, self.window, self.eps)
+            self.last_alpha = 1.0
+        elif self.routing == "gate":
+            gate = self.gate(ms)
+            if self._calibrate_to is not None:
+                self.tau.fill_(torch.quantile(gate.detach().float().flatten(), 1.0 - self._calibrate_to).item())
+            self.last_gate = gate
+            active = gate.detach() > self.tau
+            self.last_alpha = float(active.float().mean())
+            if self.training:
+                r = local_refine(q, k, v, qh, kh, vh, None, 0.0, self.block, self.window, self.eps)
+                out = out + self._tokens_gate(gate, spatial).to(r.dtype) * r
+            else:
+                out = out + local_refine(q, k, v, qh, kh, vh, gate, float(self.tau), self.block, self.window, self.eps)
+        else:
+            self.last_alpha = 0.0
+
+        out = out.movedim(-1, 2).reshape(x.shape[0], self.in_channels, *spatial)
+        return self.proj(out.to(x.dtype))
+
+    def regularizers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(budget, smoothness) of the last forward's gate; zeros when no gate was computed."""
+        if self.last_gate is None:
+            zero = self.tau.new_zeros(())
+            return zero, zero
+        return HF.gate_regularizers(self.last_gate, self.rho)
+
+    def extra_repr(self) -> str:
+        return (
+            f"spatial_dims={self.spatial_dims}, in_channels={self.in_channels}, heads={self.heads}, "
+            f"head_dim={self.head_dim}, scales={self.scales}, window={self.window}, block={self.block}, "
+            f"tau={float(self.tau):.4g}, rho={self.rho}, routing={self.routing!r}, backend={self.backend!r}"
+        )
+
+
+@torch.no_grad()
+def calibrate_tau(model: nn.Module, samples: torch.Tensor | Iterable[torch.Tensor], target_alpha: float = 0.3) -> dict[str, float]:
+    """Set every gated HSMLA layer's ``tau`` so that about ``target_alpha`` of its tiles refine.
+
+    One inference forward over the samples (a batch tensor, or equally shaped tensors that are
+    concatenated into one): each layer, in execution order, takes the ``1 - target_alpha``
+    quantile of its own gate values as ``tau`` before routing, so later layers are calibrated on
+    the inputs that the already calibrated earlier layers produce.
+
+    Returns:
+        ``{layer name: tau}``.
+    """
+    if not 0.0 <= target_alpha <= 1.0:
+        raise ValueError(f"target_alpha must lie in [0, 1], got {target_alpha!r}.")
+    batch = samples if isinstance(samples, torch.Tensor) else torch.cat(list(samples))
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, HSMLA) and m.routing == "gate"}
+    was_training = model.training
+    model.eval()
+    try:
+        for layer in layers.values():
+            layer._calibrate_to = target_alpha
+        model(batch)
+    finally:
+        for layer in layers.values():
+            layer._calibrate_to = None
+        model.train(was_training)
+    return {n: float(m.tau) for n, m in layers.items()}

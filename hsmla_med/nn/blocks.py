@@ -1,0 +1,112 @@
+"""Building blocks shared by the HSMLA networks, for 2D and 3D maps ``(batch, C, *spatial)``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from monai.networks.layers.factories import Conv, Norm
+
+from hsmla_med.nn.attention import HSMLA
+
+__all__ = ["ChannelLayerNorm", "ConvNormAct", "MBConv", "DSConv", "HSMLABlock"]
+
+
+class ChannelLayerNorm(nn.LayerNorm):
+    """LayerNorm over the channel axis of a channel-first map ``(batch, C, *spatial)``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.movedim(1, -1), self.normalized_shape, self.weight, self.bias, self.eps).movedim(-1, 1)
+
+
+class ConvNormAct(nn.Sequential):
+    """Convolution ('same' padding, so odd sizes give ``ceil(size / stride)``), BatchNorm, Hardswish."""
+
+    def __init__(
+        self,
+        spatial_dims: int,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int = 3,
+        stride: int = 1,
+        groups: int = 1,
+        act: bool = True,
+    ) -> None:
+        super().__init__(
+            Conv[Conv.CONV, spatial_dims](
+                in_channels, out_channels, kernel_size, stride=stride, padding=kernel_size // 2, groups=groups, bias=False
+            ),
+            Norm[Norm.BATCH, spatial_dims](out_channels),
+            nn.Hardswish() if act else nn.Identity(),
+        )
+
+
+class _Residual(nn.Module):
+    """``x + body(x)`` when shapes allow it, else ``body(x)``."""
+
+    def __init__(self, body: nn.Module, residual: bool) -> None:
+        super().__init__()
+        self.body = body
+        self.residual = residual
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.body(x) if self.residual else self.body(x)
+
+
+class MBConv(_Residual):
+    """Inverted residual block: 1x1 expand, depthwise 3x3 (carries the stride), 1x1 project."""
+
+    def __init__(self, spatial_dims: int, in_channels: int, out_channels: int, stride: int = 1, expand_ratio: int = 4):
+        mid = in_channels * expand_ratio
+        super().__init__(
+            nn.Sequential(
+                ConvNormAct(spatial_dims, in_channels, mid, 1),
+                ConvNormAct(spatial_dims, mid, mid, 3, stride=stride, groups=mid),
+                ConvNormAct(spatial_dims, mid, out_channels, 1, act=False),
+            ),
+            residual=stride == 1 and in_channels == out_channels,
+        )
+
+
+class DSConv(_Residual):
+    """Depthwise-separable block of the stem: depthwise 3x3 then 1x1."""
+
+    def __init__(self, spatial_dims: int, channels: int):
+        super().__init__(
+            nn.Sequential(
+                ConvNormAct(spatial_dims, channels, channels, 3, groups=channels),
+                ConvNormAct(spatial_dims, channels, channels, 1, act=False),
+            ),
+            residual=True,
+        )
+
+
+class HSMLABlock(nn.Module):
+    """Sandwich block (DESIGN.md §3, the paper's block composition)::
+
+        X1 = X + HSMLA(LN(X));  X2 = X1 + DWConv(LN(X1));  X3 = X2 + FFN(LN(X2))
+
+    Args:
+        spatial_dims: 2 or 3.
+        channels: channels of the map, unchanged by the block.
+        ffn_ratio: hidden width of the FFN as a multiple of ``channels``.
+        **attention: keyword arguments of :class:`~hsmla_med.nn.HSMLA` (``head_dim``,
+            ``window``, ``block``, ``tau``, ...).
+    """
+
+    def __init__(self, spatial_dims: int, channels: int, ffn_ratio: int = 4, **attention) -> None:
+        super().__init__()
+        conv = Conv[Conv.CONV, spatial_dims]
+        self.norm1 = ChannelLayerNorm(channels)
+        self.attn = HSMLA(spatial_dims, channels, **attention)
+        self.norm2 = ChannelLayerNorm(channels)
+        self.dwconv = conv(channels, channels, 3, padding=1, groups=channels)
+        self.norm3 = ChannelLayerNorm(channels)
+        self.ffn = nn.Sequential(
+            conv(channels, channels * ffn_ratio, 1), nn.GELU(), conv(channels * ffn_ratio, channels, 1)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        x = x + self.dwconv(self.norm2(x))
+        return x + self.ffn(self.norm3(x))
