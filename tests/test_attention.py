@@ -1,0 +1,205 @@
+"""The HSMLA layer: routing, gate, regularisers, calibration, precision and bad arguments."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hsmla_med.nn import HSMLA, calibrate_tau
+from hsmla_med.nn import functional as HF
+
+
+def _layer(spatial_dims=2, channels=16, **kw):
+    kw.setdefault("head_dim", 8)
+    kw.setdefault("window", 3)
+    kw.setdefault("block", 4)
+    return HSMLA(spatial_dims, channels, **kw)
+
+
+def _binarised_gate(layer, monkeypatch):
+    """Make ``layer.gate`` return its own hard mask (M > tau) as a float gate."""
+    original = layer.gate
+    monkeypatch.setattr(layer, "gate", lambda ms: (original(ms) > layer.tau).float())
+
+
+@pytest.mark.parametrize("spatial", [(13, 10), (9, 6, 7)])
+def test_hard_inference_equals_soft_path_fed_the_binarised_gate(spatial, monkeypatch):
+    layer = _layer(len(spatial), channels=16)
+    x = torch.randn(2, 16, *spatial)
+    with torch.no_grad():
+        layer.eval()
+        gate = layer.gate(layer._multiscale(layer.qkv(x)))
+        layer.tau.fill_(gate.median().item())  # about half of the tiles active
+        hard = layer(x)
+        assert 0.0 < layer.last_alpha < 1.0
+        _binarised_gate(layer, monkeypatch)
+        layer.train()
+        soft = layer(x)
+    torch.testing.assert_close(hard, soft, rtol=1e-5, atol=1e-5)
+
+
+def test_inference_refines_only_active_tiles(monkeypatch):
+    layer = _layer(channels=16).eval()
+    calls = []
+    original = HF.local_refine
+    monkeypatch.setattr(HF, "local_refine", lambda *a, **k: calls.append((a[6], a[7])) or original(*a, **k))
+    x = torch.randn(1, 16, 16, 16)
+    with torch.no_grad():
+        layer.tau.fill_(2.0)  # sigmoid < 1: nothing active
+        layer(x)
+    (gate, tau), = calls
+    assert gate.shape == (1, 4, 4) and tau == 2.0 and layer.last_alpha == 0.0
+
+
+def test_routing_off_is_linear_attention_only():
+    layer = _layer(channels=16).eval()
+    x = torch.randn(1, 16, 11, 7)
+    layer.routing = "off"
+    with torch.no_grad():
+        out = layer(x)
+        ms = layer._multiscale(layer.qkv(x))
+        qh, kh, vh = layer._split_heads(ms)
+        lin = HF.linear_attention(qh, kh, vh, layer.eps)
+        expected = layer.proj(lin.movedim(-1, 2).reshape(1, 16, 11, 7))
+    torch.testing.assert_close(out, expected)
+    assert layer.last_alpha == 0.0 and layer.last_gate is None
+
+
+def test_routing_all_refines_every_tile(monkeypatch):
+    layer = _layer(channels=16).eval()
+    x = torch.randn(1, 16, 11, 7)
+    with torch.no_grad():
+        layer.routing = "all"
+        everywhere = layer(x)
+        assert layer.last_alpha == 1.0
+        layer.routing = "gate"
+        layer.tau.fill_(-1.0)  # every gate value exceeds it
+        gated = layer(x)
+    torch.testing.assert_close(everywhere, gated)
+
+
+def test_multiscale_sum_equals_separate_convolutions():
+    layer = _layer(channels=16, scales=(1, 3, 7))
+    qkv = torch.randn(2, 48, 9, 12)
+    separate = sum(conv(qkv) for conv in layer.multiscale)
+    torch.testing.assert_close(layer._multiscale(qkv), separate, rtol=1e-5, atol=1e-5)
+
+
+def test_gate_is_head_mean_of_sigmoid_scores_over_tiles():
+    layer = _layer(channels=16, block=3)
+    ms = torch.randn(1, 48, 7, 5)
+    g = layer.gate_conv(ms)
+    gate = layer.gate(ms)
+    assert gate.shape == (1, 3, 2)
+    # tile (2, 1): rows 6..6, columns 3..4 (partial in both axes)
+    pooled = g[0, :, 6:7, 3:5].mean(dim=(1, 2)).view(3, layer.heads, layer.head_dim)
+    scores = torch.sigmoid((pooled * layer.gate_weight).sum(dim=(0, 2)) + layer.gate_bias)
+    torch.testing.assert_close(gate[0, 2, 1], scores.mean())
+
+
+def test_gradients_reach_the_gate():
+    layer = _layer(channels=16).train()
+    x = torch.randn(2, 16, 10, 9)
+    out = layer(x)
+    budget, smooth = layer.regularizers()
+    (out.square().mean() + 0.01 * budget + 0.005 * smooth).backward()
+    for p in (layer.gate_weight, layer.gate_bias, layer.gate_conv.weight):
+        assert p.grad is not None and p.grad.abs().sum() > 0
+
+
+def test_task_loss_alone_trains_the_gate():
+    layer = _layer(channels=16).train()
+    layer(torch.randn(1, 16, 8, 8)).sum().backward()
+    assert layer.gate_weight.grad.abs().sum() > 0
+
+
+def test_regularizers_follow_the_last_gate():
+    layer = _layer(channels=16, rho=0.2)
+    layer(torch.randn(2, 16, 12, 12))
+    budget, smooth = layer.regularizers()
+    expected = HF.gate_regularizers(layer.last_gate, 0.2)
+    assert budget.item() == pytest.approx(expected[0].item())
+    assert smooth.item() == pytest.approx(expected[1].item())
+    layer.routing = "off"
+    layer(torch.randn(2, 16, 12, 12))
+    assert [t.item() for t in layer.regularizers()] == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("target", [0.25, 0.5])
+def test_calibrate_tau_hits_target_alpha(target):
+    torch.nn.init.normal_(_layer().gate_weight)
+    net = torch.nn.Sequential(_layer(channels=16, block=2), _layer(channels=16, block=2))
+    for layer in net:
+        torch.nn.init.normal_(layer.gate_weight, std=2.0)  # spread gates out
+    samples = torch.randn(4, 16, 16, 16)
+    taus = calibrate_tau(net, samples, target)
+    assert set(taus) == {"0", "1"}
+    with torch.no_grad():
+        net.eval()
+        net(samples)
+    for layer in net:
+        assert layer.last_alpha == pytest.approx(target, abs=0.02)
+    assert net.training is False
+
+
+def test_tau_is_saved_in_the_state_dict():
+    layer = _layer()
+    layer.tau.fill_(0.42)
+    other = _layer()
+    other.load_state_dict(layer.state_dict())
+    assert float(other.tau) == pytest.approx(0.42)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_with_many_tokens_and_large_activations_stays_finite(dtype):
+    # 128x128 tokens with activations ~50: float16 sums over the map would overflow.
+    layer = _layer(channels=16, head_dim=8, window=3, block=8)
+    x = torch.randn(1, 16, 128, 128) * 50
+    with torch.no_grad():
+        for training in (True, False):
+            layer.train(training)
+            with torch.autocast("cpu", dtype=dtype):
+                assert torch.isfinite(layer(x)).all()
+        # accuracy without hard routing, whose threshold may flip tiles under rounding
+        layer.routing = "all"
+        ref = layer(x)
+        with torch.autocast("cpu", dtype=dtype):
+            out = layer(x).float()
+    assert (out - ref).abs().mean() < 0.05 * ref.abs().mean()
+
+
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        (dict(spatial_dims=1), "spatial_dims"),
+        (dict(in_channels=0), "in_channels"),
+        (dict(in_channels=12, head_dim=8), "head_dim"),
+        (dict(window=4), "window"),
+        (dict(window=0), "window"),
+        (dict(block=0), "block"),
+        (dict(block=-2), "block"),
+        (dict(scales=(3, 4)), "scales"),
+        (dict(routing="sometimes"), "routing"),
+        (dict(backend="cuda"), "backend"),
+        (dict(rho=1.5), "rho"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs, name):
+    args = dict(spatial_dims=2, in_channels=16, head_dim=8)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=name):
+        HSMLA(**args)
+
+
+def test_bad_input_shape():
+    layer = _layer(channels=16)
+    with pytest.raises(ValueError, match="spatial_dims=2"):
+        layer(torch.zeros(1, 16, 4, 4, 4))
+    with pytest.raises(ValueError, match="in_channels"):
+        layer(torch.zeros(1, 8, 4, 4))
+
+
+def test_cpu_auto_backend_uses_the_reference(monkeypatch):
+    layer = _layer(channels=16).eval()
+    lin, refine = layer._ops(False, torch.device("cpu"))
+    assert lin is HF.linear_attention and refine is HF.local_refine
+    assert F is not None

@@ -1,0 +1,132 @@
+"""HSMLA networks as MONAI networks: shapes, sliding windows, gate access, switches, arguments."""
+
+import io
+
+import pytest
+import torch
+from monai.inferers import sliding_window_inference
+
+from hsmla_med.nn import VARIANTS, HSMLA, HSMLAClassifier, HSMLASegNet, calibrate_tau
+
+
+@pytest.mark.parametrize("variant", ["b0", "b1", "b2"])
+def test_segnet_2d_any_size(variant):
+    net = HSMLASegNet(2, 1, 14, variant=variant).eval()
+    with torch.no_grad():
+        for size in [(37, 53), (64, 64), (5, 9)]:
+            assert net(torch.randn(1, 1, *size)).shape == (1, 14, *size)
+
+
+def test_segnet_3d_any_size():
+    net = HSMLASegNet(3, 2, 4, variant="b0", block=2).eval()
+    with torch.no_grad():
+        assert net(torch.randn(1, 2, 19, 33, 8)).shape == (1, 4, 19, 33, 8)
+        assert net(torch.randn(2, 2, 1, 16, 16)).shape == (2, 4, 1, 16, 16)
+
+
+@pytest.mark.parametrize("spatial_dims,size", [(2, (48, 40)), (3, (16, 16, 12))])
+def test_classifier_shapes(spatial_dims, size):
+    net = HSMLAClassifier(spatial_dims, 3, 2, variant="b0")
+    assert net(torch.randn(2, 3, *size)).shape == (2, 2)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variant_layout(variant):
+    cfg = VARIANTS[variant]
+    net = HSMLASegNet(2, 1, 2, variant=variant)
+    layers = net.hsmla_layers()
+    assert len(layers) == cfg.depths[3] + cfg.depths[4]
+    assert {m.in_channels for m in layers.values()} == {cfg.widths[3], cfg.widths[4]}
+    assert {m.head_dim for m in layers.values()} == {cfg.head_dim}
+    feats = net.backbone(torch.randn(1, 1, 64, 64))
+    assert [f.shape[1] for f in feats] == list(cfg.widths)
+    assert [f.shape[-1] for f in feats] == [32, 16, 8, 4, 2]
+
+
+def test_sliding_window_inference_2d_and_3d():
+    net2 = HSMLASegNet(2, 1, 3, variant="b0").eval()
+    net3 = HSMLASegNet(3, 1, 3, variant="b0", block=2).eval()
+    with torch.no_grad():
+        out2 = sliding_window_inference(torch.randn(1, 1, 45, 70), (32, 32), 2, net2, overlap=0.25, mode="gaussian")
+        out3 = sliding_window_inference(torch.randn(1, 1, 20, 30, 9), (16, 16, 16), 1, net3, overlap=0.5)
+    assert out2.shape == (1, 3, 45, 70)
+    assert out3.shape == (1, 3, 20, 30, 9)
+
+
+def test_gate_regularization_sums_the_layers():
+    net = HSMLASegNet(2, 1, 2, variant="b0", block=2).train()
+    net(torch.randn(2, 1, 64, 64))
+    terms = net.gate_regularization()
+    layers = net.hsmla_layers().values()
+    assert terms["budget"].item() == pytest.approx(sum(m.regularizers()[0].item() for m in layers))
+    assert terms["smoothness"].item() == pytest.approx(sum(m.regularizers()[1].item() for m in layers))
+    (terms["budget"] + terms["smoothness"]).backward()
+    assert all(m.gate_weight.grad is not None for m in layers)
+
+
+def test_gate_stats_and_switches():
+    net = HSMLASegNet(2, 1, 2, variant="b0", block=2).eval()
+    x = torch.randn(1, 1, 64, 64)
+    with torch.no_grad():
+        net(x)
+        stats = net.gate_stats()
+        assert len(stats) == 4
+        for s in stats.values():
+            assert s["gate"].shape == (1, 2, 2) or s["gate"].shape == (1, 1, 1)
+            assert s["alpha"] == pytest.approx((s["gate"] > s["tau"]).float().mean().item())
+        net.set_routing("all")
+        net(x)
+        assert all(s["alpha"] == 1.0 and s["gate"] is None for s in net.gate_stats().values())
+        net.set_routing("off")
+        off = net(x)
+        assert all(s["alpha"] == 0.0 for s in net.gate_stats().values())
+        assert all(t.item() == 0 for t in net.gate_regularization().values())
+        net.set_routing("gate")
+        assert not torch.allclose(net(x), off)
+    with pytest.raises(ValueError, match="routing"):
+        net.set_routing("never")
+    with pytest.raises(ValueError, match="backend"):
+        net.set_backend("gpu")
+
+
+def test_calibrated_tau_survives_a_checkpoint_round_trip():
+    net = HSMLASegNet(2, 1, 2, variant="b0", block=2)
+    taus = calibrate_tau(net, torch.randn(2, 1, 64, 64), 0.5)
+    buffer = io.BytesIO()
+    torch.save(net.state_dict(), buffer)
+    buffer.seek(0)
+    other = HSMLASegNet(2, 1, 2, variant="b0", block=2)
+    other.load_state_dict(torch.load(buffer, weights_only=True))
+    assert {n: float(m.tau) for n, m in other.hsmla_layers().items()} == pytest.approx(taus)
+
+
+def test_attention_options_reach_every_layer():
+    net = HSMLASegNet(2, 1, 2, variant="b1", window=5, block=3, tau=0.4, routing="off")
+    for layer in net.hsmla_layers().values():
+        assert isinstance(layer, HSMLA)
+        assert (layer.window, layer.block, float(layer.tau), layer.routing) == (5, 3, pytest.approx(0.4), "off")
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,name",
+    [
+        ((1, 1, 2), {}, "spatial_dims"),
+        ((2, 0, 2), {}, "in_channels"),
+        ((2, 1, 0), {}, "out_channels"),
+        ((2, 1, 2), {"variant": "b9"}, "variant"),
+        ((2, 1, 2), {"window": 6}, "window"),
+        ((2, 1, 2), {"block": 0}, "block"),
+    ],
+)
+@pytest.mark.parametrize("cls", [HSMLASegNet, HSMLAClassifier])
+def test_bad_arguments(cls, args, kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        cls(*args, **kwargs)
+
+
+def test_bad_inputs():
+    net = HSMLASegNet(2, 3, 2, variant="b0")
+    with pytest.raises(ValueError, match="in_channels=3"):
+        net(torch.randn(1, 1, 32, 32))
+    with pytest.raises(ValueError, match="spatial_dims=2"):
+        net(torch.randn(1, 3, 8, 8, 8))
