@@ -61,7 +61,7 @@ class HSMLA(nn.Module):
         head_dim: int = 32,
         scales: Sequence[int] = (3, 5, 7),
         window: int = 7,
-        block: int = 8,
+        block: int = 4,
         tau: float = 0.15,
         rho: float = 0.3,
         eps: float = HF.DEFAULT_EPS,

@@ -124,45 +124,62 @@ def tile_grid(spatial: tuple[int, ...], block: int) -> tuple[int, ...]:
     return tuple(math.ceil(s / block) for s in spatial)
 
 
-def _flat_positions(index: torch.Tensor, block: int, size: int, padded: tuple[int, ...]) -> torch.Tensor:
-    """Flat positions in a ``(batch, *padded)`` map of the ``size``-wide windows that start at
-    ``block * tile`` for each ``(batch, *tile)`` row of ``index``: ``(n * size**s,)``."""
-    strides = [math.prod(padded[a + 1 :]) for a in range(len(padded))]
-    origin = index[:, 0] * math.prod(padded)
-    local = torch.zeros((), dtype=torch.long, device=index.device)
-    for axis, stride in enumerate(strides):
-        origin = origin + index[:, 1 + axis] * (block * stride)
-        local = (local.unsqueeze(-1) + torch.arange(size, device=index.device) * stride).flatten()
-    return (origin.unsqueeze(1) + local.unsqueeze(0)).flatten()
+def _positions(index: torch.Tensor, block: int, halo: int, spatial: tuple[int, ...]):
+    """Token positions of each tile in ``index`` (``(n, 1 + s)`` rows of ``(batch, *tile)``).
+
+    Each tile spans ``block + 2 * halo`` tokens per axis from ``block * tile - halo``.
+    Returns ``(flat, inside)``, both ``(n, (block + 2 * halo)**s)``: the flat position in the
+    map, clamped into it, and whether the token lies inside the map.
+    """
+    size = block + 2 * halo
+    offsets = torch.arange(size, device=index.device) - halo
+    flat = torch.zeros((index.shape[0], 1), dtype=torch.long, device=index.device)
+    inside = torch.ones((index.shape[0], 1), dtype=torch.bool, device=index.device)
+    for axis, n in enumerate(spatial):
+        coord = index[:, 1 + axis, None] * block + offsets  # (n_tiles, size)
+        inside = (inside.unsqueeze(-1) & (coord >= 0).unsqueeze(1) & (coord < n).unsqueeze(1)).flatten(1)
+        flat = (flat.unsqueeze(-1) * n + coord.clamp(0, n - 1).unsqueeze(1)).flatten(1)
+    return flat, inside
+
+
+def _tokens(x: torch.Tensor) -> torch.Tensor:
+    """``(b, h, *S, d)`` -> ``(b, h * d, N)``: a free view for the layer's channel-first maps."""
+    return _channel_first(x).reshape(x.shape[0], x.shape[1] * x.shape[-1], -1)
+
+
+def _per_batch(index: torch.Tensor):
+    """``(batch element, rows of index that belong to it)`` for each batch element present."""
+    for b in index[:, 0].unique().tolist():
+        yield b, torch.nonzero(index[:, 0] == b).squeeze(1)
 
 
 def _tiles(x: torch.Tensor, block: int, halo: int, index: torch.Tensor) -> torch.Tensor:
     """Gather tiles of a ``(batch, heads, *spatial, d)`` map.
 
-    ``halo = 0`` gives the ``block``-sized query tiles; ``halo = r`` gives the tile grown by
-    ``r`` on every side, zeros outside the map. ``index`` is ``(n, 1 + s)`` of
-    ``(batch, *tile)`` coordinates. Returns ``(heads, n, (block + 2*halo)**s, d)``.
+    ``halo = 0`` gives the ``block``-sized query tiles; ``halo = r`` gives each tile grown by
+    ``r`` on every side. Tokens outside the map hold clamped copies of edge tokens: callers mask
+    them. Only the listed tiles are read. Returns ``(heads, n, (block + 2*halo)**s, d)``.
     """
     h, d = x.shape[1], x.shape[-1]
-    spatial = tuple(x.shape[2:-1])
-    pad = []
-    for size, tiles in zip(reversed(spatial), reversed(tile_grid(spatial, block))):
-        pad += [halo, halo + tiles * block - size]
-    # (heads, batch, *padded, d): a single index_select over contiguous rows gathers the tiles.
-    xp = F.pad(x.transpose(0, 1), [0, 0] + pad)
-    size = block + 2 * halo
-    flat = _flat_positions(index, block, size, tuple(xp.shape[2:-1]))
-    return xp.reshape(h, -1, d).index_select(1, flat).view(h, index.shape[0], size ** len(spatial), d)
+    flat, _ = _positions(index, block, halo, tuple(x.shape[2:-1]))
+    src = _tokens(x)
+    out = src.new_empty((h * d, *flat.shape))
+    for b, rows in _per_batch(index):
+        out[:, rows] = src[b].index_select(1, flat[rows].flatten()).view(h * d, len(rows), -1)
+    return out.view(h, d, *flat.shape).permute(0, 2, 3, 1)
 
 
 def _untile(r: torch.Tensor, index: torch.Tensor, shape: torch.Size, block: int) -> torch.Tensor:
     """Scatter ``(heads, n, block**s, d)`` tile values into a zero ``(b, h, *S, d)`` map."""
-    b, h = shape[:2]
-    spatial, d = tuple(shape[2:-1]), shape[-1]
-    padded = tuple(g * block for g in tile_grid(spatial, block))
-    out = r.new_zeros((h, b, *padded, d))
-    out.view(h, -1, d).index_copy_(1, _flat_positions(index, block, block, padded), r.flatten(1, 2))
-    return out[(slice(None), slice(None), *(slice(0, n) for n in spatial))].transpose(0, 1)
+    b, h, d = shape[0], shape[1], shape[-1]
+    spatial = tuple(shape[2:-1])
+    flat, inside = _positions(index, block, 0, spatial)
+    out = r.new_zeros((b, h * d, math.prod(spatial)))
+    values = r.permute(0, 3, 1, 2).reshape(h * d, *flat.shape)
+    for bi, rows in _per_batch(index):
+        keep = inside[rows]
+        out[bi].index_copy_(1, flat[rows][keep], values[:, rows][:, keep])
+    return _feature_view(out.view(b, h, d, *spatial))
 
 
 def _all_tiles(shape: torch.Size, block: int, device: torch.device) -> torch.Tensor:
@@ -171,19 +188,10 @@ def _all_tiles(shape: torch.Size, block: int, device: torch.device) -> torch.Ten
     return torch.cartesian_prod(*ranges).reshape(-1, 1 + len(grid))
 
 
-@lru_cache(maxsize=64)
-def _inside_map(spatial: tuple[int, ...], block: int, window: int, device: torch.device) -> torch.Tensor:
-    """``(*grid, halo**s)`` bool: which halo keys of each tile lie inside the map."""
-    ones = torch.ones((1, 1, *spatial, 1), device=device)
-    index = _all_tiles(ones.shape, block, device)
-    inside = _tiles(ones, block, window // 2, index)[0, :, :, 0] > 0
-    return inside.view(*tile_grid(spatial, block), -1)
-
-
 def _key_mask(shape: torch.Size, block: int, window: int, index: torch.Tensor) -> torch.Tensor:
     """``(1, n, block**s, halo**s)`` bool: key inside the map and inside the query's window."""
     s = len(shape) - 3
-    inside = _inside_map(tuple(shape[2:-1]), block, window, index.device)[tuple(index[:, 1:].unbind(-1))]
+    _, inside = _positions(index, block, window // 2, tuple(shape[2:-1]))
     band = _band_mask(s, block, window).to(index.device)
     return (band.unsqueeze(0) & inside.unsqueeze(1)).unsqueeze(0)
 

@@ -1,0 +1,1 @@
+"""YAML configuration shipped with hsmla-med (installed as ``hsmla_med.configs``)."""

@@ -1,0 +1,64 @@
+"""YAML configuration: safe loading with clear errors, and networks built from model configs."""
+
+from __future__ import annotations
+
+import inspect
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from hsmla_med.nn import HSMLA, VARIANTS, HSMLAClassifier, HSMLASegNet
+
+__all__ = ["ConfigError", "load_yaml", "model_config", "build_network"]
+
+
+class ConfigError(ValueError):
+    """A configuration file or value that cannot be used; the message names the file."""
+
+
+def load_yaml(path: str | Path) -> dict:
+    """Read a YAML mapping with the safe loader; raise :class:`ConfigError` naming the file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read config file ({err.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: malformed YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def model_config(name_or_path: str | Path) -> dict:
+    """A model config: a packaged size (``"b0"``, ``"b1"``, ``"b2"``) or a YAML file path."""
+    if str(name_or_path) in VARIANTS:
+        return load_yaml(resources.files("hsmla_med.configs") / "model" / f"{name_or_path}.yaml")
+    return load_yaml(name_or_path)
+
+
+_ATTENTION_KEYS = set(inspect.signature(HSMLA).parameters) - {"spatial_dims", "in_channels"}
+
+
+def build_network(
+    config: dict, spatial_dims: int, in_channels: int, out_channels: int, kind: str = "segmentation"
+) -> HSMLASegNet | HSMLAClassifier:
+    """Build :class:`HSMLASegNet` (``kind="segmentation"``) or :class:`HSMLAClassifier` from a
+    model config ``{variant: b0|b1|b2, attention: {...HSMLA keyword arguments}}``."""
+    classes = {"segmentation": HSMLASegNet, "classification": HSMLAClassifier}
+    if kind not in classes:
+        raise ConfigError(f"kind must be one of {sorted(classes)}, got {kind!r}")
+    attention = dict(config.get("attention") or {})
+    unknown = sorted(set(attention) - _ATTENTION_KEYS)
+    if unknown:
+        raise ConfigError(f"unknown attention option(s) {unknown}; known: {sorted(_ATTENTION_KEYS)}")
+    if "scales" in attention:
+        attention["scales"] = tuple(attention["scales"])
+    return classes[kind](spatial_dims, in_channels, out_channels, variant=config.get("variant", "b0"), **attention)

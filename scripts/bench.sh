@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Sets up .venv if needed and runs the CPU model benchmark (tables on stdout, CSV + PNG in bench_out/).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/python scripts/bench_models.py --out bench_out "$@"

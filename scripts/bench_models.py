@@ -1,0 +1,258 @@
+"""CPU benchmark of HSMLA networks against their peers, and of one HSMLA layer against full
+softmax attention, side by side in one run.
+
+Models (batch 1, 1 -> 14 channels, default 512x512): HSMLA-B0/B1/B2 with tau calibrated to
+alpha = 0.3, HSMLA-B2 with the refinement off and with alpha forced to 1, SegFormer-B0/B2
+(Hugging Face ``transformers``, random weights from a config, no downloads) and MONAI's
+SwinUNETR in 2D (feature_size 48). Reports parameters, median latency after warm-up and the
+ratio to SegFormer-B2.
+
+Layer scaling: one HSMLA layer (inference, alpha = 0.3) vs
+``torch.nn.functional.scaled_dot_product_attention`` over the same tokens at 32^2 .. 256^2:
+median time, and peak memory measured as the resident-set growth of a fresh process.
+
+Writes ``models.csv``, ``layer_scaling.csv`` and ``benchmarks.png`` into ``--out`` and prints
+markdown tables.
+
+    python scripts/bench_models.py --out bench_out
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from hsmla_med.config import build_network, model_config
+from hsmla_med.nn import HSMLA, calibrate_tau
+
+OUT_CHANNELS = 14
+
+
+def median_seconds(fn, warmup: int = 2, runs: int = 5, budget_s: float = 60.0) -> float:
+    """Median wall time of ``fn()`` after ``warmup`` calls; fewer runs past ``budget_s``."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+        if sum(times) > budget_s:
+            break
+    return statistics.median(times)
+
+
+class _SegFormer(torch.nn.Module):
+    """SegFormer logits (1/4 resolution) upsampled to the input, as a segmentation net returns."""
+
+    def __init__(self, hidden_sizes, depths, decoder_hidden_size):
+        super().__init__()
+        from transformers import SegformerConfig, SegformerForSemanticSegmentation
+
+        config = SegformerConfig(
+            num_channels=1,
+            num_labels=OUT_CHANNELS,
+            hidden_sizes=hidden_sizes,
+            depths=depths,
+            decoder_hidden_size=decoder_hidden_size,
+        )
+        self.model = SegformerForSemanticSegmentation(config)
+
+    def forward(self, x):
+        logits = self.model(pixel_values=x).logits
+        return torch.nn.functional.interpolate(logits, size=x.shape[2:], mode="bilinear", align_corners=False)
+
+
+def _hsmla(variant: str, routing: str, sample: torch.Tensor) -> torch.nn.Module:
+    net = build_network(model_config(variant), 2, 1, OUT_CHANNELS).eval()
+    net.set_routing(routing)
+    if routing == "gate":
+        calibrate_tau(net, sample, 0.3)
+    return net
+
+
+def build_models(sample: torch.Tensor) -> dict[str, callable]:
+    from monai.networks.nets import SwinUNETR
+
+    return {
+        "HSMLA-B0": lambda: _hsmla("b0", "gate", sample),
+        "HSMLA-B1": lambda: _hsmla("b1", "gate", sample),
+        "HSMLA-B2": lambda: _hsmla("b2", "gate", sample),
+        "HSMLA-B2 (refinement off)": lambda: _hsmla("b2", "off", sample),
+        "HSMLA-B2 (alpha = 1)": lambda: _hsmla("b2", "all", sample),
+        "SegFormer-B0": lambda: _SegFormer([32, 64, 160, 256], [2, 2, 2, 2], 256),
+        "SegFormer-B2": lambda: _SegFormer([64, 128, 320, 512], [3, 4, 6, 3], 768),
+        "SwinUNETR-2D": lambda: SwinUNETR(in_channels=1, out_channels=OUT_CHANNELS, feature_size=48, spatial_dims=2),
+    }
+
+
+def bench_models(size: int, runs: int) -> list[dict]:
+    x = torch.randn(1, 1, size, size)
+    rows = []
+    for name, make in build_models(x).items():
+        model = make().eval()
+        with torch.no_grad():
+            seconds = median_seconds(lambda: model(x), runs=runs)
+            alphas = [s["alpha"] for s in model.gate_stats().values()] if hasattr(model, "gate_stats") else []
+        rows.append(
+            {
+                "model": name,
+                "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+                "latency_ms": seconds * 1e3,
+                "mean_alpha": statistics.mean(alphas) if alphas else "",
+            }
+        )
+        print(f"  {name}: {seconds * 1e3:.1f} ms", flush=True)
+    reference = next(r["latency_ms"] for r in rows if r["model"] == "SegFormer-B2")
+    for r in rows:
+        r["speedup_vs_segformer_b2"] = reference / r["latency_ms"]
+    return rows
+
+
+def _layer_and_input(kind: str, side: int, channels: int, head_dim: int):
+    x = torch.randn(1, channels, side, side)
+    if kind == "hsmla":
+        layer = HSMLA(2, channels, head_dim=head_dim).eval()
+        calibrate_tau(layer, x, 0.3)
+        return lambda: layer(x)
+    heads = channels // head_dim
+    q, k, v = (torch.randn(1, heads, side * side, head_dim) for _ in range(3))
+    return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _peak_memory_child(kind: str, side: int, channels: int, head_dim: int) -> None:
+    """Run in a fresh process: resident-set growth (MiB) of one forward beyond its inputs.
+
+    Writing 5 to /proc/self/clear_refs resets the peak (VmHWM) to the current resident set, so
+    the import-time peak does not hide the forward's.
+    """
+    with torch.no_grad():
+        fn = _layer_and_input(kind, side, channels, head_dim)
+        fn()  # first call allocates lazily initialised state (thread pools, oneDNN primitives)
+        base = _status_kib("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        fn()
+        peak = _status_kib("VmHWM")
+    print(json.dumps({"peak_mib": (peak - base) / 1024}))
+
+
+def peak_memory_mib(kind: str, side: int, channels: int, head_dim: int) -> float:
+    cmd = [sys.executable, __file__, "--memory-child", kind, str(side), str(channels), str(head_dim)]
+    result = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])["peak_mib"]
+
+
+def bench_layer(sides: list[int], channels: int, head_dim: int) -> list[dict]:
+    rows = []
+    for side in sides:
+        for kind in ("hsmla", "sdpa"):
+            with torch.no_grad():
+                fn = _layer_and_input(kind, side, channels, head_dim)
+                seconds = median_seconds(fn, runs=5, budget_s=30.0)
+            rows.append(
+                {
+                    "layer": "HSMLA (alpha 0.3)" if kind == "hsmla" else "softmax SDPA",
+                    "tokens": side * side,
+                    "side": side,
+                    "time_ms": seconds * 1e3,
+                    "peak_mib": peak_memory_mib(kind, side, channels, head_dim),
+                }
+            )
+            print(f"  {rows[-1]['layer']} {side}^2: {seconds * 1e3:.1f} ms, {rows[-1]['peak_mib']:.1f} MiB", flush=True)
+    return rows
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(path)
+
+
+def plot(path: Path, models: list[dict], layers: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 5))
+    ax1.barh([r["model"] for r in models], [r["latency_ms"] for r in models], color="tab:blue")
+    ax1.set_xlabel("latency (ms, batch 1)")
+    ax1.invert_yaxis()
+    ax1.set_title("Segmentation networks, CPU")
+    for name in ("HSMLA (alpha 0.3)", "softmax SDPA"):
+        rows = [r for r in layers if r["layer"] == name]
+        ax2.loglog([r["tokens"] for r in rows], [r["time_ms"] for r in rows], "o-", label=name)
+        ax3.loglog([r["tokens"] for r in rows], [max(r["peak_mib"], 0.1) for r in rows], "o-", label=name)
+    ax2.set(xlabel="tokens", ylabel="time (ms)", title="One attention layer: time")
+    ax3.set(xlabel="tokens", ylabel="peak memory growth (MiB)", title="One attention layer: memory")
+    ax2.legend()
+    ax3.legend()
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    tmp.replace(path)
+
+
+def markdown(rows: list[dict]) -> str:
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for r in rows:
+        lines.append("| " + " | ".join(f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k]) for k in keys) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench_out"), help="output folder (default bench_out)")
+    parser.add_argument("--size", type=int, default=512, help="input side for the network table (default 512)")
+    parser.add_argument("--runs", type=int, default=5, help="timed runs per model after one warm-up (default 5)")
+    parser.add_argument(
+        "--layer-sides", type=int, nargs="+", default=[32, 64, 128, 256], help="token-map sides for the layer table"
+    )
+    parser.add_argument("--layer-channels", type=int, default=128, help="channels of the benchmarked layer")
+    parser.add_argument("--head-dim", type=int, default=32, help="head width of the benchmarked layer")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch CPU threads")
+    parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.memory_child:
+        kind, *numbers = args.memory_child
+        _peak_memory_child(kind, *map(int, numbers))
+        return 0
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+          f"{args.threads} threads")
+    print(f"networks at {args.size}x{args.size}, batch 1:", flush=True)
+    models = bench_models(args.size, args.runs)
+    print("layer scaling:", flush=True)
+    layers = bench_layer(args.layer_sides, args.layer_channels, args.head_dim)
+    write_csv(args.out / "models.csv", models)
+    write_csv(args.out / "layer_scaling.csv", layers)
+    plot(args.out / "benchmarks.png", models, layers)
+    print("\n" + markdown(models) + "\n\n" + markdown(layers))
+    print(f"\nwrote {args.out / 'models.csv'}, {args.out / 'layer_scaling.csv'}, {args.out / 'benchmarks.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
