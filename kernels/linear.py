@@ -1,0 +1,151 @@
+"""Fused global ReLU linear attention (DESIGN.md §3 step 3, §4) and its reference.
+
+Two launches: ``_aggregate_kernel`` sums ``Z = phi(kh)^T vh`` and ``Dn = sum phi(kh)`` in
+float32 over one chunk of tokens per program (the token axis is split so that a single
+``(batch, head)`` still fills the GPU); the chunk partials, a few ``d x d`` blocks, are summed
+with ``torch.sum``; ``_apply_kernel`` then computes ``phi(qh) Z / (phi(qh) . Dn + eps)`` per
+token block with the division fused and writes the input dtype. The map is only a token axis
+here, so 2D and 3D are the same kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hsmla_med.nn.functional import linear_attention as reference
+
+from ._runtime import check_features, dot_precision, lazy_jit, tl, triton
+
+__all__ = ["linear_attention", "reference"]
+
+BLOCK_N = 64  # tokens per loop step / per apply program
+MIN_BLOCKS_PER_CHUNK = 4  # a partial Z is d*d floats: keep it small next to the tokens it sums
+TARGET_PROGRAMS = 1024  # aggregate programs to aim for: several waves on a 132-SM GPU
+
+
+@lazy_jit
+def _aggregate_kernel(
+    k_ptr, v_ptr, z_ptr, dn_ptr,
+    n_tokens, heads, head_dim, chunk,
+    sk_b, sk_h, sk_n, sk_d,
+    sv_b, sv_h, sv_n, sv_d,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Partial ``Z`` (``d x d``) and ``Dn`` (``d``) of one token chunk of one (batch, head)."""
+    chunk_id = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // heads).to(tl.int64)
+    h = (bh % heads).to(tl.int64)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    k_base = k_ptr + b * sk_b + h * sk_h + offs_d[None, :] * sk_d
+    v_base = v_ptr + b * sv_b + h * sv_h + offs_d[None, :] * sv_d
+    z = tl.full((BLOCK_D, BLOCK_D), 0.0, dtype=tl.float32)
+    dn = tl.full((BLOCK_D,), 0.0, dtype=tl.float32)
+    start = chunk_id * chunk
+    stop = tl.minimum(start + chunk, n_tokens)
+    for n0 in range(start, stop, BLOCK_N):
+        n = (n0 + offs_n).to(tl.int64)
+        mask = (n < stop)[:, None] & d_ok[None, :]
+        k = tl.load(k_base + n[:, None] * sk_n, mask=mask, other=0.0)
+        v = tl.load(v_base + n[:, None] * sv_n, mask=mask, other=0.0)
+        k = tl.maximum(k, 0.0).to(k_ptr.dtype.element_ty)  # phi = relu; masked entries stay 0
+        z = tl.dot(tl.trans(k), v, acc=z, input_precision=PRECISION)
+        dn += tl.reduce(k.to(tl.float32), 0, tl.standard._sum_combine)
+    part = bh * tl.num_programs(0) + chunk_id
+    d_rows = offs_d[:, None]
+    d_cols = offs_d[None, :]
+    tl.store(z_ptr + (part * head_dim + d_rows) * head_dim + d_cols, z, mask=d_ok[:, None] & d_ok[None, :])
+    tl.store(dn_ptr + part * head_dim + offs_d, dn, mask=d_ok)
+
+
+@lazy_jit
+def _apply_kernel(
+    q_ptr, z_ptr, dn_ptr, o_ptr,
+    n_tokens, heads, head_dim, eps,
+    sq_b, sq_h, sq_n, sq_d,
+    so_b, so_h, so_n, so_d,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """``phi(qh) Z / (phi(qh) . Dn + eps)`` for one token block of one (batch, head)."""
+    block_id = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // heads).to(tl.int64)
+    h = (bh % heads).to(tl.int64)
+    offs_n = (block_id * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    agg = bh.to(tl.int64) * head_dim
+    z = tl.load(
+        z_ptr + (agg + offs_d[:, None]) * head_dim + offs_d[None, :], mask=d_ok[:, None] & d_ok[None, :], other=0.0
+    )
+    dn = tl.load(dn_ptr + agg + offs_d, mask=d_ok, other=0.0)
+    mask = (offs_n < n_tokens)[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_n[:, None] * sq_n + offs_d[None, :] * sq_d, mask=mask, other=0.0)
+    q = tl.maximum(q.to(tl.float32), 0.0)
+    num = tl.dot(q, z, input_precision=PRECISION)
+    den = tl.reduce(q * dn[None, :], 1, tl.standard._sum_combine) + eps
+    out = num / den[:, None]
+    o_ptrs = o_ptr + b * so_b + h * so_h + offs_n[:, None] * so_n + offs_d[None, :] * so_d
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def _block_d(head_dim: int) -> int:
+    # tl.dot needs every block dimension >= 16 and a power of two.
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def linear_attention(
+    qh: torch.Tensor,
+    kh: torch.Tensor,
+    vh: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Global ReLU linear attention with Triton; the semantics of :func:`reference`.
+
+    ``out_i = phi(qh_i) Z / (phi(qh_i) . Dn + eps)``, ``Z = sum_j phi(kh_j)^T vh_j``,
+    ``Dn = sum_j phi(kh_j)`` per batch element and head, aggregates and division in float32.
+
+    Args:
+        qh, kh, vh: ``(batch, heads, *spatial, head_dim)``, 2 or 3 spatial dims, any strides,
+            float32/float16/bfloat16, ``head_dim <= 128``.
+        eps: added to the denominator.
+        out: optional buffer of ``qh``'s shape and dtype whose spatial axes can be viewed as
+            one token axis; every element is overwritten.
+
+    Returns:
+        ``out``, or a new tensor of ``qh``'s shape and dtype laid out channel-first
+        (``(batch, heads, head_dim, *spatial)`` in memory) like the reference's result.
+    """
+    check_features("linear_attention", (2, 3), qh=qh, kh=kh, vh=vh)
+    b, h, d = qh.shape[0], qh.shape[1], qh.shape[-1]
+    if out is None:
+        out = torch.empty((b, h, d, *qh.shape[2:-1]), dtype=qh.dtype, device=qh.device).movedim(2, -1)
+    elif out.shape != qh.shape or out.dtype != qh.dtype or out.device != qh.device:
+        raise ValueError(f"out must be {tuple(qh.shape)} {qh.dtype} on {qh.device}, got {tuple(out.shape)} {out.dtype}.")
+    # Tokens as one axis; inputs whose spatial strides do not merge are copied, out must merge.
+    q, k, v = (t.flatten(2, -2) for t in (qh, kh, vh))
+    o = out.view(b, h, -1, d)
+    n = q.shape[2]
+
+    blocks = triton.cdiv(n, BLOCK_N)
+    chunk = BLOCK_N * max(MIN_BLOCKS_PER_CHUNK, triton.cdiv(blocks * b * h, TARGET_PROGRAMS))
+    chunks = triton.cdiv(n, chunk)
+    z_part = torch.empty((b * h, chunks, d, d), dtype=torch.float32, device=qh.device)
+    dn_part = torch.empty((b * h, chunks, d), dtype=torch.float32, device=qh.device)
+    block_d = _block_d(d)
+    precision = dot_precision(qh.dtype)
+    num_warps = 4 if block_d <= 64 else 8
+    _aggregate_kernel[(chunks, b * h)](
+        k, v, z_part, dn_part, n, h, d, chunk, *k.stride(), *v.stride(),
+        BLOCK_N=BLOCK_N, BLOCK_D=block_d, PRECISION=precision, num_warps=num_warps,
+    )
+    z, dn = z_part.sum(dim=1), dn_part.sum(dim=1)  # (b*h, d, d), (b*h, d): contiguous
+    _apply_kernel[(blocks, b * h)](
+        q, z, dn, o, n, h, d, float(eps), *q.stride(), *o.stride(),
+        BLOCK_N=BLOCK_N, BLOCK_D=block_d, PRECISION=precision, num_warps=num_warps,
+    )
+    return out

@@ -1,0 +1,190 @@
+"""Benchmark the HSMLA Triton kernels against the reference path and full softmax attention.
+
+For one HSMLA layer's attention (``O = O_lin + R`` on the active tiles) on square maps, times
+with CUDA events (median over ``--reps`` runs after ``--warmup``, inputs rotated among enough
+copies to overflow the L2 cache):
+
+- ``triton``: ``hsmla_med.kernels.linear_attention`` + ``local_refine``;
+- ``reference``: the same ops from ``hsmla_med.nn.functional``;
+- ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` over all tokens (given the
+  contiguous ``(b, h, N, d)`` layout its fused backends want).
+
+Features are laid out as the HSMLA layer makes them (views of channel-first maps). The gate is
+uniform noise thresholded at its ``1 - alpha`` quantile. The linear kernel's achieved bandwidth
+(``qh, kh, vh`` read, output written) is reported against a device copy of a large tensor timed
+the same way. Writes a CSV and prints a markdown table; without a CUDA GPU it says so and
+exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from hsmla_med import kernels
+from hsmla_med.nn import functional as HF
+
+COPY_BYTES = 1 << 30  # copy-bandwidth probe: far beyond any L2 cache
+MAX_COPIES = 32
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[64, 128, 256], help="map side S (S x S tokens)")
+    p.add_argument("--alphas", type=float, nargs="+", default=[0.1, 0.3, 1.0], help="fractions of tiles refined")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--block", type=int, default=8, help="gate tile size")
+    p.add_argument("--window", type=int, default=7, help="local window size (odd)")
+    p.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--out", type=Path, default=Path("bench_out/kernels.csv"), help="CSV to write")
+    return p.parse_args(argv)
+
+
+def time_ms(fn, inputs: list[tuple], warmup: int, reps: int) -> float:
+    """Median CUDA-event time of ``fn(*inputs[i % len(inputs)])`` in milliseconds."""
+    for i in range(warmup):
+        fn(*inputs[i % len(inputs)])
+    torch.cuda.synchronize()
+    times = []
+    for i in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*inputs[i % len(inputs)])
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth(warmup: int, reps: int) -> float:
+    """GB/s of a device-to-device copy of ``COPY_BYTES`` (read + write counted)."""
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), [()], warmup, reps)
+    return 2 * COPY_BYTES / ms / 1e6
+
+
+def make_inputs(args, side: int, dtype: torch.dtype, copies: int) -> list[dict]:
+    """``copies`` independent input sets: layer-layout features, contiguous SDPA inputs, gate."""
+    b, h, d = args.batch, args.heads, args.head_dim
+    grid = (b, math.ceil(side / args.block), math.ceil(side / args.block))
+    sets = []
+    for _ in range(copies):
+        qkv = torch.randn(b, 3, h, d, side, side, device="cuda", dtype=dtype).movedim(3, -1).unbind(1)
+        ms = torch.randn(b, 3, h, d, side, side, device="cuda", dtype=dtype).movedim(3, -1).unbind(1)
+        flat = tuple(t.flatten(2, 3).contiguous() for t in qkv)  # (b, h, N, d)
+        sets.append(dict(qkv=qkv, ms=ms, flat=flat, gate=torch.rand(grid, device="cuda")))
+    return sets
+
+
+def set_bytes(s: dict) -> int:
+    return sum(t.numel() * t.element_size() for group in ("qkv", "ms", "flat") for t in s[group])
+
+
+def threshold(gate: torch.Tensor, alpha: float) -> float:
+    """``tau`` with about ``alpha`` of the tiles strictly above it."""
+    if alpha >= 1.0:
+        return -math.inf
+    return torch.quantile(gate.flatten(), 1.0 - alpha).item()
+
+
+def bench_size(args, side: int, dtype: torch.dtype, copy_gbps: float) -> list[dict]:
+    b, h, d = args.batch, args.heads, args.head_dim
+    tokens = side * side
+    probe = make_inputs(args, side, dtype, 1)
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
+    copies = min(MAX_COPIES, max(2, math.ceil(2 * l2 / set_bytes(probe[0]))))
+    sets = probe + make_inputs(args, side, dtype, copies - 1)
+    block, window = args.block, args.window
+
+    def hsmla(ops, q, k, v, qh, kh, vh, gate, tau):
+        linear_attention, local_refine = ops
+        return linear_attention(qh, kh, vh) + local_refine(q, k, v, qh, kh, vh, gate, tau, block, window)
+
+    triton_ops = (kernels.linear_attention, kernels.local_refine)
+    reference_ops = (HF.linear_attention, HF.local_refine)
+    linear_ms = time_ms(kernels.linear_attention, [s["ms"] for s in sets], args.warmup, args.reps)
+    linear_gbps = 4 * b * h * tokens * d * dtype.itemsize / linear_ms / 1e6
+    sdpa_ms = time_ms(F.scaled_dot_product_attention, [s["flat"] for s in sets], args.warmup, args.reps)
+
+    rows = []
+    for alpha in args.alphas:
+        calls = [(*s["qkv"], *s["ms"], s["gate"], threshold(s["gate"], alpha)) for s in sets]
+        achieved = statistics.mean(float((s["gate"] > c[-1]).float().mean()) for s, c in zip(sets, calls))
+        out = hsmla(triton_ops, *calls[0])
+        ref = hsmla(reference_ops, *calls[0])
+        rel_err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        triton_ms = time_ms(lambda *a: hsmla(triton_ops, *a), calls, args.warmup, args.reps)
+        reference_ms = time_ms(lambda *a: hsmla(reference_ops, *a), calls, args.warmup, args.reps)
+        rows.append(
+            dict(
+                side=side, tokens=tokens, batch=b, heads=h, head_dim=d, block=block, window=window,
+                dtype=str(dtype).removeprefix("torch."), alpha_target=alpha, alpha=round(achieved, 4),
+                triton_ms=round(triton_ms, 4), reference_ms=round(reference_ms, 4), sdpa_ms=round(sdpa_ms, 4),
+                speedup_vs_reference=round(reference_ms / triton_ms, 2), speedup_vs_sdpa=round(sdpa_ms / triton_ms, 2),
+                linear_ms=round(linear_ms, 4), linear_gbps=round(linear_gbps, 1), copy_gbps=round(copy_gbps, 1),
+                linear_bw_fraction=round(linear_gbps / copy_gbps, 3), max_rel_err=f"{rel_err:.2e}", copies=copies,
+            )
+        )
+    return rows
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")  # a crash never leaves a half-written CSV behind
+    with tmp.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
+def markdown(rows: list[dict]) -> str:
+    cols = [
+        ("tokens", "tokens"), ("alpha", "alpha (target)"), ("triton_ms", "triton ms"), ("reference_ms", "reference ms"),
+        ("sdpa_ms", "sdpa ms"), ("speedup_vs_reference", "x ref"), ("speedup_vs_sdpa", "x sdpa"),
+        ("linear_ms", "linear ms"), ("linear_gbps", "linear GB/s"), ("linear_bw_fraction", "of copy BW"),
+        ("max_rel_err", "max rel err"),
+    ]
+    lines = ["| " + " | ".join(title for _, title in cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        shown = dict(r, tokens=f"{r['side']}^2", alpha=f"{r['alpha']} ({r['alpha_target']})")
+        cells = [str(shown[key]) for key, _ in cols]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available() or not kernels.triton_available("cuda"):
+        print("bench_kernels.py needs a CUDA GPU with triton; none found, nothing measured.")
+        return 0
+    if os.environ.get("TRITON_INTERPRET", "0") != "0":
+        print("TRITON_INTERPRET is set: unset it to time compiled kernels.", file=sys.stderr)
+        return 1
+    dtype = getattr(torch, args.dtype)
+    with torch.inference_mode():
+        copy_gbps = copy_bandwidth(args.warmup, args.reps)
+        rows = [row for side in args.sizes for row in bench_size(args, side, dtype, copy_gbps)]
+    write_csv(rows, args.out)
+    print(f"{torch.cuda.get_device_name()}, {args.dtype}, batch {args.batch}, {args.heads} heads x {args.head_dim}, "
+          f"block {args.block}, window {args.window}; device copy {copy_gbps:.0f} GB/s")
+    print(markdown(rows))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
