@@ -154,7 +154,10 @@ def _peak_memory_child(kind: str, side: int, channels: int, head_dim: int) -> No
 
 def peak_memory_mib(kind: str, side: int, channels: int, head_dim: int) -> float:
     cmd = [sys.executable, __file__, "--memory-child", kind, str(side), str(channels), str(head_dim)]
-    result = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    # A fixed glibc mmap threshold returns every large buffer to the system when freed, so the
+    # measured forward cannot silently reuse memory that the warm-up call left in the heap.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
+    result = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
     return json.loads(result.stdout.strip().splitlines()[-1])["peak_mib"]
 
 

@@ -191,3 +191,12 @@ def test_bad_feature_layout():
         HF.linear_attention(*_rand((1, 4, 2)))
     with pytest.raises(ValueError, match="share"):
         HF.local_attention(torch.zeros(1, 1, 4, 4, 2), torch.zeros(1, 1, 4, 5, 2), torch.zeros(1, 1, 4, 4, 2), 3)
+
+
+def test_chunked_tile_evaluation_matches(monkeypatch):
+    """Tiles are evaluated in bounded chunks; one tile per chunk gives the same result."""
+    q, k, v, qh, kh, vh = _rand((2, 2, 9, 11, 4), 6)
+    gate = torch.rand(2, 3, 3)
+    whole = HF.local_refine(q, k, v, qh, kh, vh, gate, 0.3, 4, 5)
+    monkeypatch.setattr(HF, "_CHUNK_ELEMENTS", 1)
+    torch.testing.assert_close(HF.local_refine(q, k, v, qh, kh, vh, gate, 0.3, 4, 5), whole)

@@ -169,17 +169,15 @@ def _tiles(x: torch.Tensor, block: int, halo: int, index: torch.Tensor) -> torch
     return out.view(h, d, *flat.shape).permute(0, 2, 3, 1)
 
 
-def _untile(r: torch.Tensor, index: torch.Tensor, shape: torch.Size, block: int) -> torch.Tensor:
-    """Scatter ``(heads, n, block**s, d)`` tile values into a zero ``(b, h, *S, d)`` map."""
-    b, h, d = shape[0], shape[1], shape[-1]
-    spatial = tuple(shape[2:-1])
-    flat, inside = _positions(index, block, 0, spatial)
-    out = r.new_zeros((b, h * d, math.prod(spatial)))
+def _scatter_tiles(out: torch.Tensor, r: torch.Tensor, index: torch.Tensor, block: int, spatial) -> None:
+    """Write ``(heads, n, block**s, d)`` tile values into ``out``, ``(b, h * d, N)``, in place;
+    query positions of partial tiles that fall outside the map are dropped."""
+    h, d = r.shape[0], r.shape[-1]
+    flat, inside = _positions(index, block, 0, tuple(spatial))
     values = r.permute(0, 3, 1, 2).reshape(h * d, *flat.shape)
-    for bi, rows in _per_batch(index):
+    for b, rows in _per_batch(index):
         keep = inside[rows]
-        out[bi].index_copy_(1, flat[rows][keep], values[:, rows][:, keep])
-    return _feature_view(out.view(b, h, d, *spatial))
+        out[b].index_copy_(1, flat[rows][keep], values[:, rows][:, keep])
 
 
 def _all_tiles(shape: torch.Size, block: int, device: torch.device) -> torch.Tensor:
@@ -243,6 +241,25 @@ def _local_terms(
     return out
 
 
+# Tiles are evaluated in chunks of about this many gathered elements per tensor, so temporary
+# memory stays bounded however large the map (the analogue of the kernel's on-chip tile buffer).
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def _tiled(tensors, window, block, index, eps, softmax, linear) -> torch.Tensor:
+    """Local terms for the tiles in ``index`` scattered into zeros: float32 ``(b, h, *S, d)``."""
+    ref = next(iter(tensors.values()))
+    b, h, d = ref.shape[0], ref.shape[1], ref.shape[-1]
+    spatial = tuple(ref.shape[2:-1])
+    out = torch.zeros((b, h * d, math.prod(spatial)), dtype=torch.float32, device=ref.device)
+    halo_tokens = (block + window - 1) ** len(spatial)
+    rows = max(1, _CHUNK_ELEMENTS // (h * d * halo_tokens))
+    for chunk in index.split(rows):
+        r = _local_terms(tensors, window, block, chunk, eps, softmax, linear)
+        _scatter_tiles(out, r, chunk, block, spatial)
+    return _feature_view(out.view(b, h, d, *spatial))
+
+
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
     """Softmax attention over the ``window``-sized neighbourhood centred on each query.
 
@@ -260,8 +277,7 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: i
     _check_window(window)
     _check_same_map(q=q, k=k, v=v)
     index = _all_tiles(q.shape, _FULL_MAP_BLOCK, q.device)
-    out = _local_terms(dict(q=q, k=k, v=v), window, _FULL_MAP_BLOCK, index, 0.0, True, False)
-    return _untile(out, index, q.shape, _FULL_MAP_BLOCK).to(q.dtype)
+    return _tiled(dict(q=q, k=k, v=v), window, _FULL_MAP_BLOCK, index, 0.0, True, False).to(q.dtype)
 
 
 def local_linear_attention(
@@ -279,8 +295,7 @@ def local_linear_attention(
     _check_window(window)
     _check_same_map(qh=qh, kh=kh, vh=vh)
     index = _all_tiles(qh.shape, _FULL_MAP_BLOCK, qh.device)
-    out = _local_terms(dict(qh=qh, kh=kh, vh=vh), window, _FULL_MAP_BLOCK, index, eps, False, True)
-    return (-_untile(out, index, qh.shape, _FULL_MAP_BLOCK)).to(qh.dtype)
+    return (-_tiled(dict(qh=qh, kh=kh, vh=vh), window, _FULL_MAP_BLOCK, index, eps, False, True)).to(qh.dtype)
 
 
 def local_refine(
@@ -328,8 +343,7 @@ def local_refine(
     if index.shape[0] == 0:
         return torch.zeros_like(q)
     tensors = dict(q=q, k=k, v=v, qh=qh, kh=kh, vh=vh)
-    r = _local_terms(tensors, window, block, index, eps, True, True)
-    return _untile(r, index, q.shape, block).to(q.dtype)
+    return _tiled(tensors, window, block, index, eps, True, True).to(q.dtype)
 
 
 def tile_average(x: torch.Tensor, block: int) -> torch.Tensor:
