@@ -226,3 +226,22 @@ def test_kernels_refuse_bad_inputs():
 def test_modules_pair_each_kernel_with_its_reference():
     assert linear.reference is HF.linear_attention
     assert refine.reference is HF.local_refine
+
+
+# -- dispatch from the HSMLA layer ---------------------------------------------------------------
+
+
+def test_layer_triton_backend_matches_reference_backend():
+    from hsmla_med.nn import HSMLA
+
+    layer = HSMLA(2, 16, head_dim=8, window=3, block=4).to(DEVICE).eval()
+    x = torch.randn(2, 16, 9, 11, device=DEVICE)
+    with torch.no_grad():
+        gate = layer.gate(layer._multiscale(layer.qkv(x)))
+        layer.tau.fill_(gate.median().item())
+        layer.backend = "reference"
+        ref = layer(x)
+        layer.backend = "triton"
+        out = layer(x)
+    assert 0.0 < layer.last_alpha < 1.0
+    _assert_close(out, ref, torch.float32)
