@@ -143,55 +143,58 @@ def _positions(index: torch.Tensor, block: int, halo: int, spatial: tuple[int, .
 
 
 def _tokens(x: torch.Tensor) -> torch.Tensor:
-    """``(b, h, *S, d)`` -> ``(b, h * d, N)``: a free view for the layer's channel-first maps."""
+    """``(b, h, *S, d)`` -> ``(b, h * d, N)``: a free view for the layer's channel-first maps
+    (a 2D source also takes index_select's fast path)."""
     return _channel_first(x).reshape(x.shape[0], x.shape[1] * x.shape[-1], -1)
 
 
-def _per_batch(index: torch.Tensor):
-    """``(batch element, rows of index that belong to it)`` for each batch element present."""
-    for b in index[:, 0].unique().tolist():
-        yield b, torch.nonzero(index[:, 0] == b).squeeze(1)
+class _TileSet:
+    """Token positions of a list of tiles, computed once for all gathers and the scatter.
 
-
-def _tiles(x: torch.Tensor, block: int, halo: int, index: torch.Tensor) -> torch.Tensor:
-    """Gather tiles of a ``(batch, heads, *spatial, d)`` map.
-
-    ``halo = 0`` gives the ``block``-sized query tiles; ``halo = r`` gives each tile grown by
-    ``r`` on every side. Tokens outside the map hold clamped copies of edge tokens: callers mask
-    them. Only the listed tiles are read. Returns ``(heads, n, (block + 2*halo)**s, d)``.
+    ``index``: ``(n, 1 + s)`` rows of ``(batch, *tile)`` in batch-major order (as
+    ``torch.nonzero`` and ``torch.cartesian_prod`` give them), so the rows of each batch element
+    form one contiguous run.
     """
-    h, d = x.shape[1], x.shape[-1]
-    flat, _ = _positions(index, block, halo, tuple(x.shape[2:-1]))
-    src = _tokens(x)
-    out = src.new_empty((h * d, *flat.shape))
-    for b, rows in _per_batch(index):
-        out[:, rows] = src[b].index_select(1, flat[rows].flatten()).view(h * d, len(rows), -1)
-    return out.view(h, d, *flat.shape).permute(0, 2, 3, 1)
 
+    def __init__(self, index: torch.Tensor, block: int, window: int, spatial: tuple[int, ...]) -> None:
+        self.q_flat, q_inside = _positions(index, block, 0, spatial)
+        self.k_flat, k_inside = _positions(index, block, window // 2, spatial)
+        band = _band_mask(len(spatial), block, window).to(index.device)
+        self.mask = (band.unsqueeze(0) & k_inside.unsqueeze(1)).unsqueeze(0)  # (1, n, Bq, Bk)
+        # Queries of partial edge tiles that fall outside the map are not written back.
+        self.q_keep = None if bool(q_inside.all()) else q_inside
+        batches, counts = torch.unique_consecutive(index[:, 0], return_counts=True)
+        self.runs = []  # (batch element, rows of index)
+        start = 0
+        for b, n in zip(batches.tolist(), counts.tolist()):
+            self.runs.append((b, slice(start, start + n)))
+            start += n
 
-def _scatter_tiles(out: torch.Tensor, r: torch.Tensor, index: torch.Tensor, block: int, spatial) -> None:
-    """Write ``(heads, n, block**s, d)`` tile values into ``out``, ``(b, h * d, N)``, in place;
-    query positions of partial tiles that fall outside the map are dropped."""
-    h, d = r.shape[0], r.shape[-1]
-    flat, inside = _positions(index, block, 0, tuple(spatial))
-    values = r.permute(0, 3, 1, 2).reshape(h * d, *flat.shape)
-    for b, rows in _per_batch(index):
-        keep = inside[rows]
-        out[b].index_copy_(1, flat[rows][keep], values[:, rows][:, keep])
+    def gather(self, x: torch.Tensor, keys: bool) -> torch.Tensor:
+        """Tiles of a ``(b, h, *S, d)`` map -> ``(h, n, tokens, d)``: the tile's own tokens, or
+        with ``keys`` its halo (out-of-map tokens hold clamped edge copies; ``mask`` hides them)."""
+        h, d = x.shape[1], x.shape[-1]
+        flat = self.k_flat if keys else self.q_flat
+        src = _tokens(x)
+        parts = [src[b].index_select(1, flat[rows].flatten()) for b, rows in self.runs]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return out.view(h, d, *flat.shape).permute(0, 2, 3, 1)
+
+    def scatter(self, out: torch.Tensor, r: torch.Tensor) -> None:
+        """Write ``(h, n, block**s, d)`` tile values into ``out``, ``(b, h * d, N)``, in place."""
+        h, d = r.shape[0], r.shape[-1]
+        values = r.permute(0, 3, 1, 2).reshape(h * d, *self.q_flat.shape)
+        for b, rows in self.runs:
+            flat, vals = self.q_flat[rows], values[:, rows]
+            if self.q_keep is not None:
+                flat, vals = flat[self.q_keep[rows]], vals[:, self.q_keep[rows]]
+            out[b].index_copy_(1, flat.flatten(), vals.reshape(h * d, -1))
 
 
 def _all_tiles(shape: torch.Size, block: int, device: torch.device) -> torch.Tensor:
     grid = tile_grid(tuple(shape[2:-1]), block)
     ranges = [torch.arange(n, device=device) for n in (shape[0], *grid)]
     return torch.cartesian_prod(*ranges).reshape(-1, 1 + len(grid))
-
-
-def _key_mask(shape: torch.Size, block: int, window: int, index: torch.Tensor) -> torch.Tensor:
-    """``(1, n, block**s, halo**s)`` bool: key inside the map and inside the query's window."""
-    s = len(shape) - 3
-    _, inside = _positions(index, block, window // 2, tuple(shape[2:-1]))
-    band = _band_mask(s, block, window).to(index.device)
-    return (band.unsqueeze(0) & inside.unsqueeze(1)).unsqueeze(0)
 
 
 def _window_softmax(q, k, v, mask):
@@ -213,31 +216,18 @@ def _window_linear(qh, kh, vh, mask, eps):
     return (weights @ vh) / (weights.sum(dim=-1, keepdim=True) + eps)
 
 
-def _local_terms(
-    tensors: dict[str, torch.Tensor],
-    window: int,
-    block: int,
-    index: torch.Tensor,
-    eps: float,
-    softmax: bool,
-    linear: bool,
-) -> torch.Tensor:
-    """``softmax`` and/or ``-linear`` local terms for the tiles in ``index``, float32,
-    ``(heads, n, block**s, d)``."""
-    ref = next(iter(tensors.values()))
-    r = window // 2
-    mask = _key_mask(ref.shape, block, window, index)
+def _local_terms(tensors: dict[str, torch.Tensor], tiles: _TileSet, eps: float, softmax: bool, linear: bool):
+    """``softmax`` and/or ``-linear`` local terms of the tiles, float32 ``(heads, n, block**s, d)``."""
+    device = next(iter(tensors.values())).device
     out = 0
-    with torch.autocast(device_type=ref.device.type, enabled=False):
+    with torch.autocast(device_type=device.type, enabled=False):
         t = {name: x.float() for name, x in tensors.items()}
         if softmax:
-            q = _tiles(t["q"], block, 0, index)
-            k, v = (_tiles(t[n], block, r, index) for n in ("k", "v"))
-            out = out + _window_softmax(q, k, v, mask)
+            q, k, v = tiles.gather(t["q"], False), tiles.gather(t["k"], True), tiles.gather(t["v"], True)
+            out = out + _window_softmax(q, k, v, tiles.mask)
         if linear:
-            qh = _tiles(t["qh"], block, 0, index)
-            kh, vh = (_tiles(t[n], block, r, index) for n in ("kh", "vh"))
-            out = out - _window_linear(qh, kh, vh, mask, eps)
+            qh, kh, vh = tiles.gather(t["qh"], False), tiles.gather(t["kh"], True), tiles.gather(t["vh"], True)
+            out = out - _window_linear(qh, kh, vh, tiles.mask, eps)
     return out
 
 
@@ -255,8 +245,8 @@ def _tiled(tensors, window, block, index, eps, softmax, linear) -> torch.Tensor:
     halo_tokens = (block + window - 1) ** len(spatial)
     rows = max(1, _CHUNK_ELEMENTS // (h * d * halo_tokens))
     for chunk in index.split(rows):
-        r = _local_terms(tensors, window, block, chunk, eps, softmax, linear)
-        _scatter_tiles(out, r, chunk, block, spatial)
+        tiles = _TileSet(chunk, block, window, spatial)
+        tiles.scatter(out, _local_terms(tensors, tiles, eps, softmax, linear))
     return _feature_view(out.view(b, h, d, *spatial))
 
 
