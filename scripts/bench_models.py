@@ -36,6 +36,7 @@ from hsmla_med.config import build_network, model_config
 from hsmla_med.nn import HSMLA, calibrate_tau
 
 OUT_CHANNELS = 14
+LAYER_KINDS = {"hsmla": "HSMLA (alpha 0.3)", "sdpa": "softmax SDPA", "conv1x1": "1x1 conv C->3C"}
 
 
 def median_seconds(fn, warmup: int = 2, runs: int = 5, budget_s: float = 60.0) -> float:
@@ -125,6 +126,9 @@ def _layer_and_input(kind: str, side: int, channels: int, head_dim: int):
         layer = HSMLA(2, channels, head_dim=head_dim).eval()
         calibrate_tau(layer, x, 0.3)
         return lambda: layer(x)
+    if kind == "conv1x1":  # yardstick: how a plain linear-cost op scales on this machine
+        conv = torch.nn.Conv2d(channels, 3 * channels, 1).eval()
+        return lambda: conv(x)
     heads = channels // head_dim
     q, k, v = (torch.randn(1, heads, side * side, head_dim) for _ in range(3))
     return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)
@@ -164,13 +168,13 @@ def peak_memory_mib(kind: str, side: int, channels: int, head_dim: int) -> float
 def bench_layer(sides: list[int], channels: int, head_dim: int) -> list[dict]:
     rows = []
     for side in sides:
-        for kind in ("hsmla", "sdpa"):
+        for kind in LAYER_KINDS:
             with torch.no_grad():
                 fn = _layer_and_input(kind, side, channels, head_dim)
                 seconds = median_seconds(fn, runs=5, budget_s=30.0)
             rows.append(
                 {
-                    "layer": "HSMLA (alpha 0.3)" if kind == "hsmla" else "softmax SDPA",
+                    "layer": LAYER_KINDS[kind],
                     "tokens": side * side,
                     "side": side,
                     "time_ms": seconds * 1e3,
@@ -201,7 +205,7 @@ def plot(path: Path, models: list[dict], layers: list[dict]) -> None:
     ax1.set_xlabel("latency (ms, batch 1)")
     ax1.invert_yaxis()
     ax1.set_title("Segmentation networks, CPU")
-    for name in ("HSMLA (alpha 0.3)", "softmax SDPA"):
+    for name in LAYER_KINDS.values():
         rows = [r for r in layers if r["layer"] == name]
         ax2.loglog([r["tokens"] for r in rows], [r["time_ms"] for r in rows], "o-", label=name)
         ax3.loglog([r["tokens"] for r in rows], [max(r["peak_mib"], 0.1) for r in rows], "o-", label=name)
@@ -233,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--layer-channels", type=int, default=128, help="channels of the benchmarked layer")
     parser.add_argument("--head-dim", type=int, default=32, help="head width of the benchmarked layer")
+    parser.add_argument("--only", choices=["models", "layers"], help="run one of the two tables")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch CPU threads")
     parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -245,15 +250,20 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"{args.threads} threads")
-    print(f"networks at {args.size}x{args.size}, batch 1:", flush=True)
-    models = bench_models(args.size, args.runs)
-    print("layer scaling:", flush=True)
-    layers = bench_layer(args.layer_sides, args.layer_channels, args.head_dim)
-    write_csv(args.out / "models.csv", models)
-    write_csv(args.out / "layer_scaling.csv", layers)
-    plot(args.out / "benchmarks.png", models, layers)
-    print("\n" + markdown(models) + "\n\n" + markdown(layers))
-    print(f"\nwrote {args.out / 'models.csv'}, {args.out / 'layer_scaling.csv'}, {args.out / 'benchmarks.png'}")
+    models = layers = []
+    if args.only != "layers":
+        print(f"networks at {args.size}x{args.size}, batch 1:", flush=True)
+        models = bench_models(args.size, args.runs)
+        write_csv(args.out / "models.csv", models)
+        print("\n" + markdown(models) + "\n")
+    if args.only != "models":
+        print("layer scaling:", flush=True)
+        layers = bench_layer(args.layer_sides, args.layer_channels, args.head_dim)
+        write_csv(args.out / "layer_scaling.csv", layers)
+        print("\n" + markdown(layers) + "\n")
+    if models and layers:
+        plot(args.out / "benchmarks.png", models, layers)
+    print(f"wrote CSV/PNG files into {args.out}")
     return 0
 
 
