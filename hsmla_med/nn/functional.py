@@ -172,13 +172,16 @@ class _TileSet:
 
     def gather(self, x: torch.Tensor, keys: bool) -> torch.Tensor:
         """Tiles of a ``(b, h, *S, d)`` map -> ``(h, n, tokens, d)``: the tile's own tokens, or
-        with ``keys`` its halo (out-of-map tokens hold clamped edge copies; ``mask`` hides them)."""
+        with ``keys`` its halo (out-of-map tokens hold clamped edge copies; ``mask`` hides them).
+
+        Each head's map is first laid out token-major, ``(N, d)`` (one linear-time copy), so the
+        gather moves contiguous token rows and its result feeds the batched matmuls as it is.
+        """
         h, d = x.shape[1], x.shape[-1]
         flat = self.k_flat if keys else self.q_flat
-        src = _tokens(x)
-        parts = [src[b].index_select(1, flat[rows].flatten()) for b, rows in self.runs]
+        parts = [x[b].flatten(1, -2).contiguous().index_select(1, flat[r].flatten()) for b, r in self.runs]
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        return out.view(h, d, *flat.shape).permute(0, 2, 3, 1)
+        return out.view(h, *flat.shape, d)
 
     def scatter(self, out: torch.Tensor, r: torch.Tensor) -> None:
         """Write ``(h, n, block**s, d)`` tile values into ``out``, ``(b, h * d, N)``, in place."""
@@ -206,13 +209,14 @@ def _window_softmax(q, k, v, mask):
 
 
 def _window_linear(qh, kh, vh, mask, eps):
-    """Local ReLU linear attention of tile queries over their halo keys.
+    """Local ReLU linear attention of tile queries over their halo keys; ``qh``, ``kh`` are
+    already ``phi(qh)``, ``phi(kh)``.
 
     ``phi(qh_i) Z_N(i) = sum_{j in N(i)} (phi(qh_i) . phi(kh_j)) vh_j``: the same band as the
     softmax, with unnormalised non-negative weights; keys outside the map are zero-padded and
     so contribute ``phi(0) = 0`` to both numerator and denominator.
     """
-    weights = (qh.relu() @ kh.relu().transpose(-1, -2)) * mask
+    weights = (qh @ kh.transpose(-1, -2)) * mask
     return (weights @ vh) / (weights.sum(dim=-1, keepdim=True) + eps)
 
 
@@ -226,7 +230,9 @@ def _local_terms(tensors: dict[str, torch.Tensor], tiles: _TileSet, eps: float, 
             q, k, v = tiles.gather(t["q"], False), tiles.gather(t["k"], True), tiles.gather(t["v"], True)
             out = out + _window_softmax(q, k, v, tiles.mask)
         if linear:
-            qh, kh, vh = tiles.gather(t["qh"], False), tiles.gather(t["kh"], True), tiles.gather(t["vh"], True)
+            # phi = relu on the maps before the gather: the halo tiles repeat tokens.
+            qh, kh = tiles.gather(t["qh"].relu(), False), tiles.gather(t["kh"].relu(), True)
+            vh = tiles.gather(t["vh"], True)
             out = out - _window_linear(qh, kh, vh, tiles.mask, eps)
     return out
 
