@@ -142,12 +142,6 @@ def _positions(index: torch.Tensor, block: int, halo: int, spatial: tuple[int, .
     return flat, inside
 
 
-def _tokens(x: torch.Tensor) -> torch.Tensor:
-    """``(b, h, *S, d)`` -> ``(b, h * d, N)``: a free view for the layer's channel-first maps
-    (a 2D source also takes index_select's fast path)."""
-    return _channel_first(x).reshape(x.shape[0], x.shape[1] * x.shape[-1], -1)
-
-
 class _TileSet:
     """Token positions of a list of tiles, computed once for all gathers and the scatter.
 
@@ -171,17 +165,14 @@ class _TileSet:
             start += n
 
     def gather(self, x: torch.Tensor, keys: bool) -> torch.Tensor:
-        """Tiles of a ``(b, h, *S, d)`` map -> ``(h, n, tokens, d)``: the tile's own tokens, or
-        with ``keys`` its halo (out-of-map tokens hold clamped edge copies; ``mask`` hides them).
-
-        Each head's map is first laid out token-major, ``(N, d)`` (one linear-time copy), so the
-        gather moves contiguous token rows and its result feeds the batched matmuls as it is.
-        """
-        h, d = x.shape[1], x.shape[-1]
+        """Tiles of a token-major ``(b, h, N, d)`` map -> ``(h, n, tokens, d)``: the tile's own
+        tokens, or with ``keys`` its halo (out-of-map tokens hold clamped edge copies; ``mask``
+        hides them). Whole contiguous token rows are copied, and the result feeds the batched
+        matmuls as it is."""
         flat = self.k_flat if keys else self.q_flat
-        parts = [x[b].flatten(1, -2).contiguous().index_select(1, flat[r].flatten()) for b, r in self.runs]
+        parts = [x[b].index_select(1, flat[r].flatten()) for b, r in self.runs]
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        return out.view(h, *flat.shape, d)
+        return out.view(x.shape[1], *flat.shape, x.shape[-1])
 
     def scatter(self, out: torch.Tensor, r: torch.Tensor) -> None:
         """Write ``(h, n, block**s, d)`` tile values into ``out``, ``(b, h * d, N)``, in place."""
@@ -220,20 +211,16 @@ def _window_linear(qh, kh, vh, mask, eps):
     return (weights @ vh) / (weights.sum(dim=-1, keepdim=True) + eps)
 
 
-def _local_terms(tensors: dict[str, torch.Tensor], tiles: _TileSet, eps: float, softmax: bool, linear: bool):
-    """``softmax`` and/or ``-linear`` local terms of the tiles, float32 ``(heads, n, block**s, d)``."""
-    device = next(iter(tensors.values())).device
+def _local_terms(src: dict[str, torch.Tensor], tiles: _TileSet, eps: float, softmax: bool, linear: bool):
+    """``softmax`` and/or ``-linear`` local terms of the tiles, ``(heads, n, block**s, d)``, from
+    the token-major float32 maps of :func:`_tiled`."""
     out = 0
-    with torch.autocast(device_type=device.type, enabled=False):
-        t = {name: x.float() for name, x in tensors.items()}
-        if softmax:
-            q, k, v = tiles.gather(t["q"], False), tiles.gather(t["k"], True), tiles.gather(t["v"], True)
-            out = out + _window_softmax(q, k, v, tiles.mask)
-        if linear:
-            # phi = relu on the maps before the gather: the halo tiles repeat tokens.
-            qh, kh = tiles.gather(t["qh"].relu(), False), tiles.gather(t["kh"].relu(), True)
-            vh = tiles.gather(t["vh"], True)
-            out = out - _window_linear(qh, kh, vh, tiles.mask, eps)
+    if softmax:
+        q, k, v = tiles.gather(src["q"], False), tiles.gather(src["k"], True), tiles.gather(src["v"], True)
+        out = out + _window_softmax(q, k, v, tiles.mask)
+    if linear:
+        qh, kh, vh = tiles.gather(src["qh"], False), tiles.gather(src["kh"], True), tiles.gather(src["vh"], True)
+        out = out - _window_linear(qh, kh, vh, tiles.mask, eps)
     return out
 
 
@@ -250,9 +237,16 @@ def _tiled(tensors, window, block, index, eps, softmax, linear) -> torch.Tensor:
     out = torch.zeros((b, h * d, math.prod(spatial)), dtype=torch.float32, device=ref.device)
     halo_tokens = (block + window - 1) ** len(spatial)
     rows = max(1, _CHUNK_ELEMENTS // (h * d * halo_tokens))
-    for chunk in index.split(rows):
-        tiles = _TileSet(chunk, block, window, spatial)
-        tiles.scatter(out, _local_terms(tensors, tiles, eps, softmax, linear))
+    with torch.autocast(device_type=ref.device.type, enabled=False):
+        # Token-major float32 maps (b, h, N, d), laid out once for every chunk; phi = relu is
+        # applied here, before the gather, because halo tiles repeat tokens.
+        src = {}
+        for name, x in tensors.items():
+            x = x.float().relu() if name in ("qh", "kh") else x.float()
+            src[name] = x.flatten(2, -2).contiguous()
+        for chunk in index.split(rows):
+            tiles = _TileSet(chunk, block, window, spatial)
+            tiles.scatter(out, _local_terms(src, tiles, eps, softmax, linear))
     return _feature_view(out.view(b, h, d, *spatial))
 
 
