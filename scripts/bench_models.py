@@ -40,9 +40,12 @@ LAYER_KINDS = {"hsmla": "HSMLA (alpha 0.3)", "sdpa": "softmax SDPA", "conv1x1": 
 
 
 def median_seconds(fn, warmup: int = 2, runs: int = 5, budget_s: float = 60.0) -> float:
-    """Median wall time of ``fn()`` after ``warmup`` calls; fewer runs past ``budget_s``."""
+    """Median wall time of ``fn()`` after ``warmup`` calls; fewer runs past ``budget_s``;
+    ``runs=0`` only warms up."""
     for _ in range(warmup):
         fn()
+    if runs == 0:
+        return 0.0
     times = []
     for _ in range(runs):
         start = time.perf_counter()
@@ -98,22 +101,31 @@ def build_models(sample: torch.Tensor) -> dict[str, callable]:
 
 
 def bench_models(size: int, runs: int) -> list[dict]:
+    """Median latency per model over ``runs`` rounds; each round times every model once, so a
+    burst of load from elsewhere on a shared machine hits all models alike."""
     x = torch.randn(1, 1, size, size)
+    models = {name: make().eval() for name, make in build_models(x).items()}
+    times = {name: [] for name in models}
+    with torch.no_grad():
+        for model in models.values():
+            median_seconds(lambda: model(x), warmup=2, runs=0)
+        for round_ in range(runs):
+            for name, model in models.items():
+                start = time.perf_counter()
+                model(x)
+                times[name].append(time.perf_counter() - start)
+            print(f"  round {round_ + 1}/{runs}", flush=True)
     rows = []
-    for name, make in build_models(x).items():
-        model = make().eval()
-        with torch.no_grad():
-            seconds = median_seconds(lambda: model(x), runs=runs)
-            alphas = [s["alpha"] for s in model.gate_stats().values()] if hasattr(model, "gate_stats") else []
+    for name, model in models.items():
+        alphas = [s["alpha"] for s in model.gate_stats().values()] if hasattr(model, "gate_stats") else []
         rows.append(
             {
                 "model": name,
                 "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
-                "latency_ms": seconds * 1e3,
+                "latency_ms": statistics.median(times[name]) * 1e3,
                 "mean_alpha": statistics.mean(alphas) if alphas else "",
             }
         )
-        print(f"  {name}: {seconds * 1e3:.1f} ms", flush=True)
     reference = next(r["latency_ms"] for r in rows if r["model"] == "SegFormer-B2")
     for r in rows:
         r["speedup_vs_segformer_b2"] = reference / r["latency_ms"]
@@ -231,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench_out"), help="output folder (default bench_out)")
     parser.add_argument("--size", type=int, default=512, help="input side for the network table (default 512)")
-    parser.add_argument("--runs", type=int, default=5, help="timed runs per model after one warm-up (default 5)")
+    parser.add_argument("--runs", type=int, default=7, help="timed rounds over all models after two warm-up runs each (default 7)")
     parser.add_argument(
         "--layer-sides", type=int, nargs="+", default=[32, 64, 128, 256], help="token-map sides for the layer table"
     )
