@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from hsmla_med.nn.functional import _check_block, _check_window
 from hsmla_med.nn.functional import local_refine as reference
 
 from ._runtime import check_features, dot_precision, lazy_jit, tl, triton
@@ -201,10 +202,8 @@ def local_refine(
     if q.dim() == 6:
         return reference(q, k, v, qh, kh, vh, gate, tau, block, window, eps)
     check_features("local_refine", (2,), q=q, k=k, v=v, qh=qh, kh=kh, vh=vh)
-    if not isinstance(window, int) or window <= 0 or window % 2 == 0:
-        raise ValueError(f"window must be a positive odd integer, got {window!r}.")
-    if not isinstance(block, int) or block <= 0:
-        raise ValueError(f"block must be a positive integer, got {block!r}.")
+    _check_window(window)
+    _check_block(block)
     b, heads, height, width, d = q.shape
     grid = (b, triton.cdiv(height, block), triton.cdiv(width, block))
     if gate is None:
