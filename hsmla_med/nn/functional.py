@@ -63,9 +63,9 @@ def _check_same_map(**tensors: torch.Tensor) -> None:
 def _channel_first(x: torch.Tensor) -> torch.Tensor:
     """``(b, h, *S, d)`` -> ``(b, h, d, *S)`` view.
 
-    The HSMLA layer's features are views of channel-first maps, so in this layout token rows
-    are contiguous: gathers and matrix products read memory in order, and results map back to
-    the channel-first output without a copy.
+    The HSMLA layer's features are views of channel-first maps, so in this layout the linear
+    path's matrix products read memory in order and its result maps back to the channel-first
+    output without a copy.
     """
     return x.movedim(-1, 2)
 
