@@ -8,13 +8,10 @@ from pathlib import Path
 
 import yaml
 
+from hsmla_med.errors import ConfigError
 from hsmla_med.nn import HSMLA, VARIANTS, HSMLAClassifier, HSMLASegNet
 
-__all__ = ["ConfigError", "load_yaml", "model_config", "build_network"]
-
-
-class ConfigError(ValueError):
-    """A configuration file or value that cannot be used; the message names the file."""
+__all__ = ["ConfigError", "load_yaml", "model_config", "build_network", "task_config", "merge_config"]
 
 
 def load_yaml(path: str | Path) -> dict:
@@ -62,3 +59,29 @@ def build_network(
     if "scales" in attention:
         attention["scales"] = tuple(attention["scales"])
     return classes[kind](spatial_dims, in_channels, out_channels, variant=config.get("variant", "b0"), **attention)
+
+
+def task_config(task: str) -> dict:
+    """The packaged default config of a task (``configs/<task>.yaml``)."""
+    path = resources.files("hsmla_med.configs") / f"{task}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"no packaged config for task {task!r}")
+    return load_yaml(path)
+
+
+def merge_config(base: dict, override: dict, source: str = "override", _prefix: str = "") -> dict:
+    """``override`` merged over ``base`` (recursively, new dict). Keys that ``base`` lacks are
+    refused with a :class:`ConfigError` naming ``source`` and the dotted key, so that a typo in a
+    user's YAML is an error rather than a silently ignored setting."""
+    merged = dict(base)
+    for key, value in override.items():
+        name = f"{_prefix}{key}"
+        if key not in base:
+            raise ConfigError(f"{source}: unknown config key {name!r}; known here: {sorted(base)}")
+        if isinstance(base[key], dict) and base[key] and isinstance(value, dict):
+            merged[key] = merge_config(base[key], value, source, f"{name}.")
+        elif isinstance(base[key], dict) and base[key] and value is not None:
+            raise ConfigError(f"{source}: {name!r} must be a mapping, got {type(value).__name__}")
+        else:
+            merged[key] = value
+    return merged

@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python scripts/bench_models.py --out bench_out "$@"
+exec .venv/bin/hsmla-med bench --out bench_out "$@"

@@ -14,7 +14,7 @@ median time, and peak memory measured as the resident-set growth of a fresh proc
 Writes ``models.csv``, ``layer_scaling.csv`` and ``benchmarks.png`` into ``--out`` and prints
 markdown tables.
 
-    python scripts/bench_models.py --out bench_out
+    hsmla-med bench --out bench_out        (or: python -m hsmla_med.benchmark --out bench_out)
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def _peak_memory_child(kind: str, side: int, channels: int, head_dim: int) -> No
 
 
 def peak_memory_mib(kind: str, side: int, channels: int, head_dim: int) -> float:
-    cmd = [sys.executable, __file__, "--memory-child", kind, str(side), str(channels), str(head_dim)]
+    cmd = [sys.executable, "-m", "hsmla_med.benchmark", "--memory-child", kind, str(side), str(channels), str(head_dim)]
     # A fixed glibc mmap threshold returns every large buffer to the system when freed, so the
     # measured forward cannot silently reuse memory that the warm-up call left in the heap.
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
@@ -240,7 +240,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="hsmla-med bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench_out"), help="output folder (default bench_out)")
     parser.add_argument("--size", type=int, default=512, help="input side for the network table (default 512)")
     parser.add_argument("--runs", type=int, default=7, help="timed rounds over all models after two warm-up runs each (default 7)")

@@ -1,0 +1,258 @@
+"""The ``hsmla-med`` command line: train, infer, evaluate, bench, demo.
+
+Configuration flows one way: the task's packaged YAML (``configs/<task>.yaml``), then a user YAML
+(``--config``, merged over it; unknown keys are refused), then the command-line options. Errors
+about the user's input print one line naming the file and the problem (``--debug`` shows the
+traceback); anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+import warnings
+from pathlib import Path
+
+__all__ = ["main", "build_parser"]
+
+log = logging.getLogger("hsmla_med")
+
+_EPILOG = """examples:
+  hsmla-med demo                                   # synthetic BTCV, a few minutes on CPU
+  hsmla-med train --task btcv --data-dir /data/BTCV --model b1 --max-steps 20000 --output runs/b1
+  hsmla-med train --task btcv --output runs/b1 --resume --max-steps 40000
+  hsmla-med train --task btcv --devices 4 --strategy ddp              # multi-GPU (Lightning DDP)
+  hsmla-med infer --task btcv --checkpoint runs/b1/best.ckpt --input /data/BTCV/imagesTs --output preds
+  hsmla-med evaluate --task btcv --checkpoint runs/b1/best.ckpt --data-dir /data/BTCV
+  hsmla-med bench --only models
+"""
+
+
+def _add_task_options(p: argparse.ArgumentParser, data: bool = True) -> None:
+    p.add_argument("--task", required=True, help="task pipeline: btcv")
+    if data:
+        p.add_argument("--data-dir", help="dataset folder (MSD/nnU-Net layout with dataset.json); default: the synthetic dataset")
+        p.add_argument("--config", help="YAML merged over the task's default config (configs/<task>.yaml)")
+
+
+def _add_trainer_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Lightning trainer (passed through)")
+    g.add_argument("--accelerator", help="cpu | gpu | auto (config: trainer.accelerator)")
+    g.add_argument("--devices", help="number of devices, a list like 0,1, or auto")
+    g.add_argument("--num-nodes", type=int, help="nodes for multi-node DDP")
+    g.add_argument("--strategy", help="auto | ddp | ddp_spawn | ... (Lightning strategies)")
+    g.add_argument("--precision", help="auto | 32-true | 16-mixed | bf16-mixed")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hsmla-med",
+        description="HSMLA attention networks and medical imaging pipelines on MONAI and Lightning.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for input errors too")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("train", help="train a network on a task", description="Train with Lightning; writes last.ckpt, best.ckpt (best mean Dice), metrics.json, metrics.csv, logs/ and training_curve.png into --output.")
+    _add_task_options(p)
+    p.add_argument("--model", help="b0 | b1 | b2 | a model YAML (config: model)")
+    p.add_argument("--mode", choices=["2d", "3d"], help="2d: axial slices; 3d: patches (config: mode)")
+    steps = p.add_mutually_exclusive_group()
+    steps.add_argument("--max-steps", type=int, help="optimizer steps to train (total, also when resuming)")
+    steps.add_argument("--max-epochs", type=int, help="epochs to train instead of steps")
+    p.add_argument("--output", help="run folder (config: output, default runs/<task>)")
+    p.add_argument("--resume", action="store_true", help="continue from OUTPUT/last.ckpt (weights, optimizer, schedule, step)")
+    p.add_argument("--seed", type=int, help="random seed (config: seed)")
+    _add_trainer_options(p)
+
+    p = sub.add_parser("infer", help="segment volumes with a checkpoint", description="Sliding-window inference; writes OUTPUT/<case>.nii.gz with each input's shape and affine.")
+    _add_task_options(p, data=False)
+    p.add_argument("--checkpoint", required=True, help="a checkpoint written by train (best.ckpt or last.ckpt)")
+    p.add_argument("--input", required=True, help="a NIfTI file or a folder of them")
+    p.add_argument("--output", required=True, help="folder for the predicted label maps")
+    p.add_argument("--tta", action="store_true", help="mirroring test-time augmentation")
+    p.add_argument("--overlap", type=float, help="sliding-window overlap (default: the checkpoint's, 0.5)")
+    p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto")
+
+    p = sub.add_parser("evaluate", help="metrics of a checkpoint on a dataset's validation cases", description="Dice and HD95 of a checkpoint on the validation cases; writes OUTPUT/metrics.json.")
+    _add_task_options(p)
+    p.add_argument("--checkpoint", required=True, help="a checkpoint written by train")
+    p.add_argument("--output", default="runs/evaluate", help="folder for metrics.json (default runs/evaluate)")
+    p.add_argument("--tta", action="store_true", help="mirroring test-time augmentation")
+    _add_trainer_options(p)
+
+    p = sub.add_parser("bench", help="CPU benchmark of HSMLA networks vs SegFormer and SwinUNETR", add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the benchmark (hsmla-med bench --help)")
+
+    p = sub.add_parser("demo", help="train on synthetic BTCV for a few minutes, infer, print metrics", description="Generates the synthetic BTCV-format dataset, trains a small HSMLA model on it (configs/btcv_demo.yaml), segments the held-out cases and prints the metrics and output paths.")
+    p.add_argument("--output", default="runs/demo", help="run folder (default runs/demo)")
+    p.add_argument("--max-steps", type=int, help="override the demo's training steps")
+    return parser
+
+
+def _config(args) -> dict:
+    from hsmla_med.config import load_yaml, merge_config, task_config
+    from hsmla_med.pipelines import get_task
+
+    get_task(args.task)  # unknown task: a clear error before anything else
+    config = task_config(args.task)
+    if getattr(args, "config", None):
+        config = merge_config(config, load_yaml(args.config), source=args.config)
+    if getattr(args, "data_dir", None):
+        config["data"]["data_dir"] = args.data_dir
+    for key in ("model", "mode", "seed", "output"):
+        if getattr(args, key, None) is not None:
+            config[key] = getattr(args, key)
+    trainer = config["trainer"]
+    if getattr(args, "max_steps", None) is not None:
+        trainer["max_steps"], trainer["max_epochs"] = args.max_steps, None
+    if getattr(args, "max_epochs", None) is not None:
+        trainer["max_epochs"], trainer["max_steps"] = args.max_epochs, None
+    for key in ("accelerator", "devices", "num_nodes", "strategy", "precision"):
+        value = getattr(args, key, None)
+        if value is not None:
+            trainer[key] = int(value) if key == "devices" and str(value).isdigit() else value
+    return config
+
+
+def _train(config: dict, resume: bool = False) -> dict:
+    import lightning as L
+
+    from hsmla_med.config import model_config
+    from hsmla_med.engine.run import fit
+    from hsmla_med.io import write_yaml
+    from hsmla_med.pipelines import get_task
+
+    task = get_task(config["task"])
+    output = Path(config["output"])
+    L.seed_everything(config["seed"], workers=True, verbose=False)
+    cases = task.datalist(config)
+    log.info("%s: %d training / %d validation cases, %d labels", config["task"], len(cases.training), len(cases.validation), cases.num_classes)
+    module = task.MODULE(task.module_config(config, model_config(config["model"]), cases.label_names))
+    write_yaml(output / "config.yaml", config)
+    summary = fit(module, task.datamodule(config, cases), output, config["trainer"], resume=resume)
+    _print_summary(summary, output)
+    return summary
+
+
+def _print_summary(summary: dict, output: Path) -> None:
+    if summary is None:
+        return
+    print(f"\nmean Dice {summary['dice']:.4f}   mean HD95 {summary['hd95']:.2f} mm   ({summary['cases']} validation cases)")
+    for name, dice in summary["dice_per_class"].items():
+        hd = summary["hd95_per_class"][name]
+        print(f"  {name:<26} Dice {dice if dice is None else f'{dice:.4f}'}   HD95 {hd if hd is None else f'{hd:.2f}'}")
+    print(f"metrics: {output / 'metrics.json'}")
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def _infer(args) -> list[Path]:
+    from hsmla_med.engine.run import load_module
+    from hsmla_med.pipelines import get_task
+
+    task = get_task(args.task)
+    module, _ = load_module(args.checkpoint, task.MODULE)
+    if args.overlap is not None:
+        module.config["inference"]["overlap"] = args.overlap
+    started = time.perf_counter()
+    written = task.infer(module, args.input, args.output, tta=args.tta, device=_device(args.device))
+    print(f"wrote {len(written)} prediction(s) into {args.output} in {time.perf_counter() - started:.1f} s")
+    return written
+
+
+def _evaluate(args) -> dict:
+    from hsmla_med.engine.run import evaluate, load_module
+    from hsmla_med.io import write_json
+    from hsmla_med.pipelines import get_task
+
+    config = _config(args)
+    task = get_task(args.task)
+    module, meta = load_module(args.checkpoint, task.MODULE)
+    module.config["inference"]["tta"] = args.tta
+    # the data must be prepared exactly as for this checkpoint's training
+    config["data"].update(module.config["data"])
+    config["mode"] = {2: "2d", 3: "3d"}[module.config["spatial_dims"]]
+    cases = task.datalist(config)
+    summary = evaluate(module, task.datamodule(config, cases), config["trainer"], args.output)
+    output = Path(args.output)
+    write_json(output / "metrics.json", {**summary, **meta, "checkpoint": str(args.checkpoint)})
+    _print_summary(summary, output)
+    return summary
+
+
+def _demo(args) -> int:
+    from hsmla_med.config import load_yaml, merge_config, task_config
+    from hsmla_med.pipelines import get_task
+
+    from importlib import resources
+
+    started = time.perf_counter()
+    config = merge_config(task_config("btcv"), load_yaml(resources.files("hsmla_med.configs") / "btcv_demo.yaml"), "btcv_demo.yaml")
+    config["output"] = args.output
+    if args.max_steps:
+        config["trainer"]["max_steps"] = args.max_steps
+    summary = _train(config)
+    trained = time.perf_counter() - started
+
+    from hsmla_med.engine.run import load_module
+
+    task = get_task("btcv")
+    cases = task.datalist(config)
+    module, _ = load_module(Path(args.output) / "best.ckpt", task.MODULE)
+    held_out = [c["image"] for c in cases.validation + cases.test]
+    predictions = Path(args.output) / "predictions"
+    written = task.infer(module, held_out, predictions)
+    print(f"\ndemo finished in {time.perf_counter() - started:.0f} s (training and validation {trained:.0f} s)")
+    print(f"mean Dice on {summary['cases']} held-out synthetic cases: {summary['dice']:.4f}")
+    print(f"checkpoints: {Path(args.output) / 'best.ckpt'}, {Path(args.output) / 'last.ckpt'}")
+    print(f"predictions: {', '.join(str(p) for p in written)}")
+    print(f"training curve: {Path(args.output) / 'training_curve.png'}")
+    return 0
+
+
+def _bench(args) -> int:
+    from hsmla_med.benchmark import main as bench_main
+
+    return bench_main(args.args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # Lightning's advice to raise num_workers is noise on a CPU demo; keep it out of the output
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    from hsmla_med.errors import find_input_error
+
+    commands = {
+        "train": lambda: _train(_config(args), args.resume),
+        "infer": lambda: _infer(args),
+        "evaluate": lambda: _evaluate(args),
+        "bench": lambda: _bench(args),
+        "demo": lambda: _demo(args),
+    }
+    try:
+        result = commands[args.command]()
+    except KeyboardInterrupt:
+        print("hsmla-med: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:
+        problem = find_input_error(err)
+        if problem is None or args.debug:
+            raise
+        print(f"hsmla-med: error: {problem}", file=sys.stderr)
+        return 2
+    return result if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

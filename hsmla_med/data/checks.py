@@ -1,0 +1,70 @@
+"""A MONAI transform that refuses unusable image/label contents with a message naming the file.
+
+Header-level problems (missing files, shape or affine mismatch) are caught when the datalist is
+read (:mod:`hsmla_med.data.datalist`); what needs the voxels — channel count, NaN/Inf, label
+values outside the dataset's labels — is checked here, right after loading, so that the error
+names the file instead of surfacing later as a NaN loss or an index error in one-hot encoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+
+import torch
+from monai.transforms import LoadImaged, MapTransform
+
+from hsmla_med.errors import DataError
+
+__all__ = ["CheckCased", "LoadCased", "source_file"]
+
+
+def source_file(tensor) -> str:
+    """The file a loaded MONAI MetaTensor came from (``?`` when unknown)."""
+    meta = getattr(tensor, "meta", None) or {}
+    return str(meta.get("filename_or_obj", "?"))
+
+
+class LoadCased(LoadImaged):
+    """``LoadImaged`` whose failures (truncated or foreign files) name the file that failed."""
+
+    def __call__(self, data, reader=None):
+        try:
+            return super().__call__(data, reader)
+        except Exception as err:
+            files = ", ".join(str(data[k]) for k in self.keys if k in data)
+            raise DataError(f"{files}: cannot read image data ({type(err).__name__}: {err})") from None
+
+
+class CheckCased(MapTransform):
+    """Check a channel-first image (and label) after ``LoadImaged(ensure_channel_first=True)``.
+
+    Args:
+        in_channels: channels the network expects; the image must have exactly these.
+        num_classes: label values must be integers in ``0..num_classes - 1``.
+        image_key, label_key: dictionary keys; a missing label (inference) is not checked.
+    """
+
+    def __init__(self, in_channels: int, num_classes: int, image_key: Hashable = "image", label_key: Hashable = "label") -> None:
+        super().__init__([image_key], allow_missing_keys=True)
+        self.in_channels, self.num_classes = in_channels, num_classes
+        self.image_key, self.label_key = image_key, label_key
+
+    def __call__(self, data: Mapping) -> dict:
+        image = data[self.image_key]
+        if image.shape[0] != self.in_channels:
+            raise DataError(f"{source_file(image)}: image has {image.shape[0]} channel(s), the model expects {self.in_channels}")
+        finite = torch.isfinite(image)
+        if not bool(finite.all()):
+            raise DataError(f"{source_file(image)}: {int((~finite).sum())} voxel(s) are NaN or Inf")
+        label = data.get(self.label_key)
+        if label is not None:
+            if label.shape[0] != 1:
+                raise DataError(f"{source_file(label)}: a label map has one channel, got {label.shape[0]}")
+            values = torch.unique(label)
+            bad = values[(values < 0) | (values >= self.num_classes) | (values != values.round())]
+            if bad.numel():
+                shown = ", ".join(f"{v:g}" for v in bad[:8].tolist())
+                raise DataError(
+                    f"{source_file(label)}: label value(s) {shown} outside the dataset's labels 0..{self.num_classes - 1}"
+                )
+        return dict(data)

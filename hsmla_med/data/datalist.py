@@ -1,0 +1,194 @@
+"""Dataset JSON handling: MSD / nnU-Net folders and MONAI's ``training``/``validation`` lists.
+
+Three layouts describe the same thing, a list of image/label pairs and the label names:
+
+- MSD (``dataset.json`` with ``labels`` ``{"0": "background", ...}`` and ``training``
+  ``[{"image": ..., "label": ...}]``), which MONAI's tutorials extend with a ``validation`` list
+  (BTCV's ``dataset_0.json``);
+- nnU-Net v2 (``labels`` ``{"background": 0, ...}``, no lists: ``imagesTr/CASE_0000.nii.gz``
+  pairs with ``labelsTr/CASE.nii.gz``).
+
+:func:`load_datalist` reads either into one :class:`Datalist`, checks that every file exists and
+that each image and label agree in shape and affine (headers only, so it is cheap), and raises a
+:class:`~hsmla_med.errors.DataError` naming the file otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+
+from hsmla_med.errors import DataError
+
+__all__ = ["Datalist", "load_datalist", "find_dataset_json", "read_header", "case_name", "check_pair"]
+
+_JSON_NAMES = ("dataset.json", "dataset_0.json")
+_NIFTI = re.compile(r"\.nii(\.gz)?$")
+_CHANNEL_SUFFIX = re.compile(r"_\d{4}$")  # nnU-Net's modality index, CASE_0000
+
+
+@dataclass
+class Datalist:
+    """Cases of a dataset: dicts ``{"image": path, "label": path}`` (``test``: no label)."""
+
+    label_names: list[str]
+    training: list[dict] = field(default_factory=list)
+    validation: list[dict] = field(default_factory=list)
+    test: list[dict] = field(default_factory=list)
+    source: Path | None = None
+    synthetic: bool = False
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.label_names)
+
+
+def case_name(path: str | Path) -> str:
+    """``img0001`` for ``img0001.nii.gz``; nnU-Net's channel suffix is dropped (``case_0000``)."""
+    return _CHANNEL_SUFFIX.sub("", _NIFTI.sub("", Path(path).name))
+
+
+def find_dataset_json(data_dir: str | Path, name: str | None = None) -> Path:
+    """The dataset JSON of ``data_dir``: ``name`` if given, else ``dataset.json`` or ``dataset_0.json``."""
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise DataError(f"{data_dir}: data directory not found")
+    candidates = [name] if name else _JSON_NAMES
+    for candidate in candidates:
+        path = data_dir / candidate
+        if path.is_file():
+            return path
+    raise DataError(f"{data_dir}: no dataset JSON ({' or '.join(candidates)}) in the data directory")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}: malformed JSON: {err}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise DataError(f"{path}: cannot read dataset JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{path}: expected a JSON object at the top level")
+    return data
+
+
+def _label_names(labels, path: Path) -> list[str]:
+    """Names indexed by label value from MSD ``{"1": "spleen"}`` or nnU-Net ``{"spleen": 1}``."""
+    if not isinstance(labels, dict) or not labels:
+        raise DataError(f"{path}: 'labels' must be a non-empty mapping of label values and names")
+    try:
+        if all(str(k).strip().isdigit() for k in labels):
+            by_value = {int(k): str(v) for k, v in labels.items()}
+        else:  # nnU-Net v2; region-based entries (lists of values) are not plain labels
+            by_value = {int(v): str(k) for k, v in labels.items()}
+    except (TypeError, ValueError):
+        raise DataError(f"{path}: 'labels' values must be integers (label values) or names") from None
+    if sorted(by_value) != list(range(len(by_value))):
+        raise DataError(f"{path}: label values must be 0..{len(by_value) - 1} without gaps, got {sorted(by_value)}")
+    return [by_value[i] for i in range(len(by_value))]
+
+
+def _resolve(data_dir: Path, entry, path: Path, keys: tuple[str, ...]) -> dict:
+    if isinstance(entry, str):
+        entry = {"image": entry}
+    if not isinstance(entry, dict) or any(k not in entry for k in keys):
+        raise DataError(f"{path}: each list entry needs {' and '.join(keys)}, got {entry!r}")
+    case = {}
+    for key in keys:
+        value = entry[key]
+        if isinstance(value, list):  # MSD allows one file per modality; this project reads one
+            if len(value) != 1:
+                raise DataError(f"{path}: multi-file {key} entries are not supported: {value!r}")
+            value = value[0]
+        file = Path(value) if Path(value).is_absolute() else data_dir / value
+        if not file.is_file():
+            raise DataError(f"{file}: {key} file listed in {path.name} not found")
+        case[key] = str(file)
+    return case
+
+
+def _pair_folders(data_dir: Path, path: Path) -> list[dict]:
+    """nnU-Net v2: ``imagesTr/CASE_0000.nii.gz`` with ``labelsTr/CASE.nii.gz``."""
+    images = sorted(p for p in (data_dir / "imagesTr").glob("*") if _NIFTI.search(p.name))
+    cases = []
+    for image in images:
+        label = data_dir / "labelsTr" / (case_name(image) + _NIFTI.search(image.name).group(0))
+        if not label.is_file():
+            raise DataError(f"{image}: no label file {label} for this image")
+        cases.append({"image": str(image), "label": str(label)})
+    if not cases:
+        raise DataError(f"{path}: no 'training' list and no NIfTI images in {data_dir / 'imagesTr'}")
+    return cases
+
+
+def read_header(path: str | Path) -> tuple[tuple[int, ...], np.ndarray]:
+    """Shape and affine of a NIfTI file from its header; :class:`DataError` if unreadable."""
+    try:
+        img = nib.load(str(path))
+        return tuple(int(s) for s in img.shape), np.asarray(img.affine, dtype=np.float64)
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found") from None
+    except Exception as err:  # nibabel raises several types for truncated or foreign files
+        raise DataError(f"{path}: cannot read as NIfTI ({err})") from None
+
+
+def check_pair(case: dict, atol: float = 1e-3) -> None:
+    """Image and label must cover the same voxels: same spatial shape and affine."""
+    image_shape, image_affine = read_header(case["image"])
+    label_shape, label_affine = read_header(case["label"])
+    if image_shape[:3] != label_shape[:3]:
+        raise DataError(f"{case['label']}: label shape {label_shape} does not match image shape {image_shape} ({case['image']})")
+    if not np.allclose(image_affine, label_affine, atol=atol):
+        raise DataError(
+            f"{case['label']}: label affine does not match the image's ({case['image']}):\n"
+            f"{np.array2string(label_affine, precision=3)}\nvs\n{np.array2string(image_affine, precision=3)}"
+        )
+
+
+def load_datalist(
+    data_dir: str | Path, dataset_json: str | None = None, validation_fraction: float = 0.2, seed: int = 0
+) -> Datalist:
+    """Read a dataset folder into a :class:`Datalist` and check its files.
+
+    Args:
+        data_dir: folder holding the dataset JSON; relative paths in it are relative to this folder.
+        dataset_json: the JSON's file name; default ``dataset.json`` then ``dataset_0.json``.
+        validation_fraction: share of the training cases held out for validation when the JSON
+            has no ``validation`` list (a seeded shuffle, so the split is reproducible).
+        seed: seed of that split.
+    """
+    data_dir = Path(data_dir)
+    path = find_dataset_json(data_dir, dataset_json)
+    meta = _read_json(path)
+    if "labels" not in meta:
+        raise DataError(f"{path}: missing 'labels' (label value → name)")
+    names = _label_names(meta["labels"], path)
+    pair = ("image", "label")
+    if "training" in meta:
+        if not isinstance(meta["training"], list):
+            raise DataError(f"{path}: 'training' must be a list")
+        training = [_resolve(data_dir, e, path, pair) for e in meta["training"]]
+    else:
+        training = _pair_folders(data_dir, path)
+    validation = [_resolve(data_dir, e, path, pair) for e in meta.get("validation") or []]
+    test = [_resolve(data_dir, e, path, ("image",)) for e in meta.get("test") or []]
+    if not training:
+        raise DataError(f"{path}: the dataset lists no training cases")
+    if not validation:
+        if len(training) < 2:
+            raise DataError(f"{path}: need at least two cases to hold one out for validation")
+        order = list(range(len(training)))
+        random.Random(seed).shuffle(order)
+        held = set(order[: max(1, round(validation_fraction * len(training)))])
+        validation = [c for i, c in enumerate(training) if i in held]
+        training = [c for i, c in enumerate(training) if i not in held]
+    for case in training + validation:
+        check_pair(case)
+    return Datalist(names, training, validation, test, path, bool(meta.get("synthetic", False)))

@@ -1,0 +1,79 @@
+"""A run's result files: ``metrics.json``/``metrics.csv`` after every validation (a callback) and
+the training-curve PNG."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import lightning as L
+
+from hsmla_med.io import atomic_path, write_json
+
+__all__ = ["MetricsWriter", "training_curve"]
+
+
+class MetricsWriter(L.Callback):
+    """After every validation, (re)write ``OUTPUT/metrics.json`` with the module's ``summary`` plus
+    ``epoch`` and ``step``, and append a row to ``OUTPUT/metrics.csv``. Rank zero writes."""
+
+    def __init__(self, output: str | Path) -> None:
+        self.output = Path(output)
+
+    def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if trainer.sanity_checking or module.summary is None or not trainer.is_global_zero:
+            return
+        record = {**module.summary, "epoch": trainer.current_epoch, "step": trainer.global_step}
+        write_json(self.output / "metrics.json", record)
+        row = {"epoch": record["epoch"], "step": record["step"], "dice": record["dice"], "hd95": record["hd95"]}
+        row.update({f"dice_{k}": v for k, v in record["dice_per_class"].items()})
+        row.update({f"hd95_{k}": v for k, v in record["hd95_per_class"].items()})
+        table = self.output / "metrics.csv"
+        rows = []
+        if table.exists():
+            with table.open(newline="") as f:
+                # a resumed run re-validating a step replaces that step's row
+                rows = [r for r in csv.DictReader(f) if r["step"] != str(row["step"])]
+        rows.append(row)
+        with atomic_path(table) as tmp, tmp.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(row))
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+def training_curve(csv_log: str | Path, path: str | Path) -> None:
+    """Plot the training loss and validation Dice from the CSV logger's ``metrics.csv`` into
+    ``path`` (PNG): loss on the left axis, Dice on the right, against the step."""
+    loss, dice = [], []
+    csv_log = Path(csv_log)
+    if csv_log.exists():
+        with csv_log.open(newline="") as f:
+            for r in csv.DictReader(f):
+                if r.get("train/loss"):
+                    loss.append((int(r["step"]), float(r["train/loss"])))
+                if r.get("val/dice"):
+                    dice.append((int(r["step"]), float(r["val/dice"])))
+    plot_curve(Path(path), loss, dice)
+
+
+def plot_curve(path: Path, loss: list[tuple[int, float]], dice: list[tuple[int, float]]) -> None:
+    """Training loss (left axis) and validation Dice (right axis) against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if loss:
+        ax.plot(*zip(*loss), color="tab:blue", lw=1, label="training loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss", color="tab:blue")
+    right = ax.twinx()
+    if dice:
+        right.plot(*zip(*dice), "o-", color="tab:red", label="validation Dice")
+    right.set_ylabel("validation mean Dice", color="tab:red")
+    right.set_ylim(0, 1)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=100)
+    plt.close(fig)
