@@ -228,9 +228,15 @@ def _bench(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    # Lightning's advice to raise num_workers is noise on a CPU demo; keep it out of the output
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("hsmla-med: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    # Lightning's tips (loggers to install, GPU/TPU availability, num_workers advice) and a
+    # deprecation inside Lightning itself are noise to our users; real warnings stay visible.
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
+    for message in (".*does not have many workers.*", ".*treespec, LeafSpec.*", ".*smaller than the logging interval.*"):
+        warnings.filterwarnings("ignore", message=message)
     from hsmla_med.errors import find_input_error
 
     commands = {

@@ -83,7 +83,7 @@ def preprocessing(config: dict, in_channels: int, num_classes: int, keys: Sequen
     return [
         LoadCased(keys, ensure_channel_first=True, image_only=True),
         CheckCased(in_channels, num_classes),
-        Orientationd(keys, axcodes="RAS"),
+        Orientationd(keys, axcodes="RAS", labels=(("L", "R"), ("P", "A"), ("I", "S"))),  # NIfTI world: RAS+
         Spacingd(keys, pixdim=config["data"]["spacing"], mode=interp),
         _intensity(config),
         CropForegroundd(keys, source_key="image", allow_smaller=True),

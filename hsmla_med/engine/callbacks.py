@@ -41,12 +41,13 @@ class MetricsWriter(L.Callback):
             writer.writerows(rows)
 
 
-def training_curve(csv_log: str | Path, path: str | Path) -> None:
-    """Plot the training loss and validation Dice from the CSV logger's ``metrics.csv`` into
-    ``path`` (PNG): loss on the left axis, Dice on the right, against the step."""
+def training_curve(csv_logs: list[Path], path: str | Path) -> None:
+    """Plot the training loss and validation Dice from CSV-logger ``metrics.csv`` files (in run
+    order) into ``path`` (PNG): loss on the left axis, Dice on the right, against the step."""
     loss, dice = [], []
-    csv_log = Path(csv_log)
-    if csv_log.exists():
+    for csv_log in csv_logs:
+        if not csv_log.exists():
+            continue
         with csv_log.open(newline="") as f:
             for r in csv.DictReader(f):
                 if r.get("train/loss"):

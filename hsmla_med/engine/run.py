@@ -34,15 +34,19 @@ def _precision(trainer_cfg: dict) -> str:
     return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
 
 
-def build_trainer(trainer_cfg: dict, output: Path, callbacks: list | None = None, logger: bool = True) -> L.Trainer:
+def _loggers(output: Path) -> list:
+    """CSV always, TensorBoard when installed. Each run gets a new ``version_N`` folder, so a
+    resumed run adds its rows beside the earlier ones instead of replacing them."""
+    loggers = [CSVLogger(output, name="logs")]
+    if module_available("tensorboard") or module_available("tensorboardX"):
+        loggers.append(TensorBoardLogger(output, name="tensorboard", version=loggers[0].version))
+    return loggers
+
+
+def build_trainer(trainer_cfg: dict, output: Path, callbacks: list | None = None, loggers: list | None = None) -> L.Trainer:
     """A ``lightning.Trainer`` from the ``trainer`` config section; ``accelerator``, ``devices``,
     ``num_nodes`` and ``strategy`` pass straight through, so ``strategy: ddp`` with several
     devices or nodes runs Lightning's DDP."""
-    loggers = []
-    if logger:
-        loggers.append(CSVLogger(output, name="logs", version=""))
-        if module_available("tensorboard") or module_available("tensorboardX"):
-            loggers.append(TensorBoardLogger(output, name="tensorboard", version=""))
     return L.Trainer(
         default_root_dir=output,
         accelerator=trainer_cfg.get("accelerator", "auto"),
@@ -85,16 +89,20 @@ def fit(module: L.LightningModule, datamodule: L.LightningDataModule, output: st
         auto_insert_metric_name=False,
         enable_version_counter=False,
     )
-    trainer = build_trainer(trainer_cfg, output, [checkpoints, MetricsWriter(output)])
+    loggers = _loggers(output)
+    trainer = build_trainer(trainer_cfg, output, [checkpoints, MetricsWriter(output)], loggers)
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resume else None, weights_only=True)
-    trainer.save_checkpoint(last)  # the final state, whatever the checkpoint schedule saw
+    trainer.save_checkpoint(last, weights_only=False)  # the final state, whatever the checkpoint schedule saw
     if module.validated_step != trainer.global_step:
         best_before = checkpoints.best_model_score
         trainer.validate(module, datamodule=datamodule, verbose=False)
         dice = module.summary["dice"]
         if dice is not None and (best_before is None or dice > float(best_before) or not best.exists()):
             _copy_rank_zero(last, best)
-    _finish_rank_zero(trainer, output)
+    # the curve of a resumed run includes the rows of the runs it continues
+    version = loggers[0].version
+    logs = [output / "logs" / f"version_{v}" / "metrics.csv" for v in (range(version + 1) if resume else [version])]
+    _finish_rank_zero(trainer, logs, output / "training_curve.png")
     return module.summary
 
 
@@ -105,16 +113,16 @@ def _copy_rank_zero(source: Path, target: Path) -> None:
 
 
 @rank_zero_only
-def _finish_rank_zero(trainer: L.Trainer, output: Path) -> None:
+def _finish_rank_zero(trainer: L.Trainer, logs: list[Path], curve: Path) -> None:
     for logger in trainer.loggers:
         logger.save()
-    training_curve(output / "logs" / "metrics.csv", output / "training_curve.png")
+    training_curve(logs, curve)
 
 
 def evaluate(module: L.LightningModule, datamodule: L.LightningDataModule, trainer_cfg: dict, output: str | Path) -> dict:
     """Validate ``module`` on the datamodule's validation cases (across all processes of the
     configured strategy) and return the gathered summary."""
-    trainer = build_trainer(trainer_cfg, Path(output), logger=False)
+    trainer = build_trainer(trainer_cfg, Path(output))
     trainer.validate(module, datamodule=datamodule, verbose=False)
     return module.summary
 

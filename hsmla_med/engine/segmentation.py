@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import lightning as L
 import torch
+from monai.data import MetaTensor
 from monai.losses import DiceCELoss
 from torch import nn
 
@@ -20,6 +21,12 @@ __all__ = ["SegmentationModule", "voxel_spacing"]
 def voxel_spacing(affine: torch.Tensor) -> torch.Tensor:
     """Voxel sizes ``(..., 3)`` from affines ``(..., 4, 4)``: the norms of the first three columns."""
     return torch.linalg.vector_norm(torch.as_tensor(affine, dtype=torch.float64)[..., :3, :3], dim=-2)
+
+
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    """The tensor without MONAI metadata: the network indexes its batch, and a batched
+    MetaTensor refuses indexing when its items' metadata differ."""
+    return x.as_tensor() if isinstance(x, MetaTensor) else x
 
 
 class SegmentationModule(L.LightningModule):
@@ -59,7 +66,7 @@ class SegmentationModule(L.LightningModule):
         return self.network(x)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        image, label = batch["image"], batch["label"]
+        image, label = _plain(batch["image"]), _plain(batch["label"])
         logits = self.network(image)
         loss = self.loss(logits.float(), label)
         self.log("train/dice_ce", loss, prog_bar=True, batch_size=image.shape[0])
@@ -96,9 +103,9 @@ class SegmentationModule(L.LightningModule):
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         image, label = batch["image"], batch["label"]
-        pred = self.predict_probabilities(image).argmax(dim=1, keepdim=True)
         spacing = voxel_spacing(image.affine).tolist()
-        dice, hd95 = case_scores(pred.cpu(), label.cpu(), len(self.label_names), spacing=spacing)
+        pred = self.predict_probabilities(_plain(image)).argmax(dim=1, keepdim=True)
+        dice, hd95 = case_scores(pred.cpu(), _plain(label).cpu(), len(self.label_names), spacing=spacing)
         case = torch.as_tensor(batch["case"], dtype=torch.float32).reshape(-1, 1)
         self._rows.append(torch.cat([case, dice, hd95], dim=1).to(self.device))
 

@@ -1,0 +1,73 @@
+"""Shared fixtures: tiny NIfTI datasets written by hand, and a tiny BTCV run config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+from hsmla_med.config import merge_config, task_config
+
+LABELS = {"0": "background", "1": "disc", "2": "bar"}
+
+
+def write_nifti(path: Path, array: np.ndarray, affine: np.ndarray) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nib.save(nib.Nifti1Image(array, affine), str(path))
+    return path
+
+
+def phantom(shape, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """A CT-like image (HU, int16) with a bright disc (label 1) and a darker bar (label 2)."""
+    x, y = np.meshgrid(np.arange(shape[0]), np.arange(shape[1]), indexing="ij")
+    label = np.zeros(shape, np.uint8)
+    cx, cy = rng.uniform(0.3, 0.45, 2) * np.array(shape[:2])
+    disc = (x - cx) ** 2 + (y - cy) ** 2 < (0.18 * shape[0]) ** 2
+    bar = (np.abs(x - 0.7 * shape[0]) < 0.08 * shape[0]) & (np.abs(y - 0.5 * shape[1]) < 0.3 * shape[1])
+    label[disc] = 1
+    label[bar & ~disc] = 2
+    image = np.where(label == 1, 200, np.where(label == 2, 60, -40)).astype(np.float32)
+    image = image + rng.normal(0, 5, shape)
+    return image.astype(np.int16), label
+
+
+def make_dataset(root: Path, cases: int = 4, shape=(40, 36, 6), affines=None, seed: int = 0, validation: int = 1) -> Path:
+    """An MSD-style dataset (imagesTr, labelsTr, dataset.json with training/validation lists)."""
+    rng = np.random.default_rng(seed)
+    entries = []
+    for i in range(cases):
+        affine = affines[i % len(affines)] if affines else np.diag([1.5, 1.5, 2.0, 1.0])
+        image, label = phantom(shape, rng)
+        write_nifti(root / "imagesTr" / f"img{i:04d}.nii.gz", image, affine)
+        write_nifti(root / "labelsTr" / f"label{i:04d}.nii.gz", label, affine)
+        entries.append({"image": f"imagesTr/img{i:04d}.nii.gz", "label": f"labelsTr/label{i:04d}.nii.gz"})
+    meta = {"labels": LABELS, "training": entries[validation:], "validation": entries[:validation]}
+    (root / "dataset.json").write_text(json.dumps(meta))
+    return root
+
+
+def tiny_config(data_dir: Path, output: Path, **trainer) -> dict:
+    """The BTCV task config shrunk to seconds: 32x32 slices, a few steps, no progress bar."""
+    override = {
+        "output": str(output),
+        "data": {
+            "data_dir": str(data_dir),
+            "spacing": [1.5, 1.5, 2.0],
+            "roi_size_2d": [32, 32],
+            "roi_size_3d": [32, 32, 16],
+            "samples_per_case": 2,
+            "batch_size": 2,
+            "num_workers": 0,
+        },
+        "inference": {"slab": 4, "overlap": 0.25, "sw_batch_size": 2},
+        "trainer": {"max_steps": 4, "check_val_every_n_epoch": 1, "accelerator": "cpu", "progress_bar": False, **trainer},
+    }
+    return merge_config(task_config("btcv"), override)
+
+
+@pytest.fixture
+def dataset(tmp_path) -> Path:
+    return make_dataset(tmp_path / "data")
