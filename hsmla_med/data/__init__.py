@@ -1,0 +1,1 @@
+"""Datasets: dataset JSON handling, content checks and the synthetic BTCV-format default data."""

@@ -1,0 +1,155 @@
+"""Synthetic BTCV-format data: layout, headers, organs, orientation, determinism and the cache."""
+
+import itertools
+import json
+import math
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+from hsmla_med.data.synthetic_btcv import BTCV_LABELS, ORGAN_HU, generate_btcv
+
+SHAPE = (64, 64, 24)
+COUNTS = dict(num_train=3, num_validation=2, num_test=1)
+# 300 visible voxels per organ at the default 128 x 128 x 48, scaled to the smaller grid.
+MIN_VOXELS = math.ceil(300 * np.prod(SHAPE) / (128 * 128 * 48))
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("btcv")
+    path = generate_btcv(root, shape=SHAPE, seed=0, **COUNTS)
+    return root, json.loads(path.read_text())
+
+
+def _load(root, rel):
+    img = nib.load(str(root / rel))
+    return img, np.asanyarray(img.dataobj)
+
+
+def _labelled(meta):
+    return meta["training"] + meta["validation"]
+
+
+def test_layout_and_json(dataset):
+    root, meta = dataset
+    assert meta["name"] == "BTCV-synthetic" and meta["synthetic"] is True
+    assert meta["labels"] == {str(k): v for k, v in BTCV_LABELS.items()}
+    assert meta["modality"] == {"0": "CT"} and meta["tensorImageSize"] == "3D"
+    assert len(meta["training"]) == 3 and len(meta["validation"]) == 2 and len(meta["test"]) == 1
+    assert (meta["numTraining"], meta["numTest"]) == (5, 1)
+    assert meta["generator"]["seed"] == 0 and meta["generator"]["shape"] == list(SHAPE)
+    training = {c["image"] for c in meta["training"]}
+    assert training.isdisjoint(c["image"] for c in meta["validation"])
+    for case in _labelled(meta):
+        assert case["image"].startswith("imagesTr/img") and case["label"].startswith("labelsTr/label")
+        assert (root / case["image"]).is_file() and (root / case["label"]).is_file()
+    assert meta["test"] == ["imagesTs/img0006.nii.gz"] and (root / meta["test"][0]).is_file()
+    assert not (root / "labelsTs").exists()
+    assert not [p for p in root.rglob("*") if ".tmp" in p.name]
+
+
+def test_image_and_label_headers(dataset):
+    root, meta = dataset
+    for case in _labelled(meta):
+        image, image_data = _load(root, case["image"])
+        label, label_data = _load(root, case["label"])
+        assert image_data.dtype == np.int16 and label_data.dtype == np.uint8
+        assert image.shape == label.shape == SHAPE
+        assert np.array_equal(image.affine, label.affine)
+        for img in (image, label):
+            assert int(img.header["qform_code"]) == 1 and int(img.header["sform_code"]) == 1
+            assert img.header.get_xyzt_units()[0] == "mm"
+            assert np.allclose(img.get_qform(), img.affine, atol=1e-4)
+        # Air outside the body, bone in the spine: the image is in HU.
+        assert image_data.min() <= -950 and image_data.max() >= 400
+        zooms = image.header.get_zooms()
+        # Spacing scales with the grid (2x coarser here) to keep a realistic field of view.
+        assert 2 * 1.2 <= zooms[0] <= 2 * 1.8 and zooms[0] == zooms[1] and 2 * 2.5 <= zooms[2] <= 2 * 4.0
+
+
+def test_every_organ_visible_with_distinct_hu(dataset):
+    root, meta = dataset
+    for case in _labelled(meta):
+        image = _load(root, case["image"])[1].astype(np.float64)
+        label = _load(root, case["label"])[1]
+        counts = np.bincount(label.ravel(), minlength=14)
+        assert set(np.unique(label)) == set(range(14)), case["label"]
+        assert counts[1:].min() >= MIN_VOXELS, (case["label"], counts)
+        means = {k: image[label == k].mean() for k in range(1, 14)}
+        for k, mean in means.items():
+            # Texture is centred within each organ, so only the noise (std <= 14 HU) moves the mean.
+            assert abs(mean - ORGAN_HU[k]) < 1 + 4 * 14 / math.sqrt(counts[k]), (case["image"], BTCV_LABELS[k], mean)
+            assert -175 < mean < 250
+        # 25 HU apart by design; 20 leaves room for the noise in the smallest organs.
+        for j, k in itertools.combinations(means, 2):
+            assert abs(means[j] - means[k]) >= 20, (case["image"], BTCV_LABELS[j], BTCV_LABELS[k])
+
+
+def _world_centroid(img, label, k):
+    return nib.affines.apply_affine(img.affine, np.argwhere(label == k).mean(0))
+
+
+def test_orientations_differ_but_anatomy_stays_put_in_world(dataset):
+    root, meta = dataset
+    codes = set()
+    for case in _labelled(meta):
+        img, label = _load(root, case["label"])
+        codes.add("".join(nib.aff2axcodes(img.affine)))
+        c = {k: _world_centroid(img, label, k) for k in (1, 2, 3, 6, 7, 8, 9, 12, 13)}
+        # RAS+ world: the patient's right is -x, posterior -y, the head +z.
+        assert c[6][0] < c[1][0] and c[2][0] < c[3][0] and c[12][0] < c[13][0] and c[9][0] < c[8][0]
+        assert c[2][1] < c[7][1] and c[3][1] < c[7][1]  # kidneys behind the stomach
+        assert c[6][2] > c[2][2]  # liver above the right kidney
+    assert "RAS" in codes and codes - {"RAS"}, codes
+
+
+def test_monai_loads_and_reorients_a_non_ras_case(dataset):
+    from monai.transforms import Compose, LoadImaged, Orientationd
+
+    root, meta = dataset
+    case = next(c for c in _labelled(meta) if nib.aff2axcodes(nib.load(str(root / c["image"])).affine) != ("R", "A", "S"))
+    keys = ["image", "label"]
+    ras = Orientationd(keys, axcodes="RAS", labels=(("L", "R"), ("P", "A"), ("I", "S")))  # NIfTI world: RAS+
+    load = Compose([LoadImaged(keys, ensure_channel_first=True), ras])
+    out = load({k: str(root / case[k]) for k in keys})
+    assert out["image"].shape == out["label"].shape == (1, *SHAPE)
+    assert nib.aff2axcodes(np.asarray(out["image"].affine)) == ("R", "A", "S")
+    label = out["label"][0].numpy()
+    x = {k: np.argwhere(label == k)[:, 0].mean() for k in (1, 6)}
+    assert x[6] < x[1]  # in the RAS array the liver has the smaller x index
+
+
+def test_same_seed_same_bytes_other_seed_differs(dataset, tmp_path):
+    root, meta = dataset
+    # Case i depends only on (seed, i): a smaller dataset reproduces the first cases exactly.
+    generate_btcv(tmp_path / "same", num_train=2, num_validation=0, num_test=0, shape=SHAPE, seed=0)
+    generate_btcv(tmp_path / "other", num_train=2, num_validation=0, num_test=0, shape=SHAPE, seed=1)
+    for case in meta["training"][:2]:
+        for key in ("image", "label"):
+            reference, reference_data = _load(root, case[key])
+            same, same_data = _load(tmp_path / "same", case[key])
+            other_data = _load(tmp_path / "other", case[key])[1]
+            assert reference_data.tobytes() == same_data.tobytes() and np.array_equal(reference.affine, same.affine)
+            assert reference_data.tobytes() != other_data.tobytes()
+
+
+def test_cache_skips_rewriting_and_guards_foreign_data(dataset, tmp_path):
+    root, meta = dataset
+    files = [root / "dataset.json", root / meta["training"][0]["image"]]
+    before = [f.stat().st_mtime_ns for f in files]
+    assert generate_btcv(root, shape=SHAPE, seed=0, **COUNTS) == root / "dataset.json"
+    assert [f.stat().st_mtime_ns for f in files] == before
+
+    # Other parameters regenerate; a dataset.json written by someone else is never overwritten.
+    small = tmp_path / "small"
+    generate_btcv(small, num_train=1, num_validation=0, num_test=0, shape=SHAPE, seed=0)
+    generate_btcv(small, num_train=2, num_validation=0, num_test=0, shape=SHAPE, seed=0)
+    assert len(json.loads((small / "dataset.json").read_text())["training"]) == 2
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "dataset.json").write_text(json.dumps({"name": "btcv", "labels": {"0": "background"}}))
+    with pytest.raises(FileExistsError, match="not written by the synthetic BTCV generator"):
+        generate_btcv(real, num_train=1, num_validation=0, num_test=0, shape=SHAPE)
+    assert not (real / "imagesTr").exists()
