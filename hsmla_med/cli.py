@@ -257,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"hsmla-med: error: {problem}", file=sys.stderr)
         return 2
+    finally:
+        log.removeHandler(handler)  # main() may run again in this process (tests, notebooks)
     return result if isinstance(result, int) else 0
 
 

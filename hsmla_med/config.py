@@ -38,6 +38,8 @@ def model_config(name_or_path: str | Path) -> dict:
     """A model config: a packaged size (``"b0"``, ``"b1"``, ``"b2"``) or a YAML file path."""
     if str(name_or_path) in VARIANTS:
         return load_yaml(resources.files("hsmla_med.configs") / "model" / f"{name_or_path}.yaml")
+    if not str(name_or_path).endswith((".yaml", ".yml")):
+        raise ConfigError(f"unknown model {str(name_or_path)!r}: use one of {', '.join(VARIANTS)} or a model YAML file")
     return load_yaml(name_or_path)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import pytest
+import yaml
 
 from hsmla_med.config import merge_config, task_config
 
@@ -49,23 +50,32 @@ def make_dataset(root: Path, cases: int = 4, shape=(40, 36, 6), affines=None, se
     return root
 
 
+TINY = {
+    "data": {
+        "spacing": [1.5, 1.5, 2.0],
+        "roi_size_2d": [32, 32],
+        "roi_size_3d": [32, 32, 16],
+        "samples_per_case": 2,
+        "batch_size": 2,
+        "num_workers": 0,
+    },
+    "inference": {"slab": 4, "overlap": 0.25, "sw_batch_size": 2},
+    "trainer": {"max_steps": 4, "check_val_every_n_epoch": 1, "accelerator": "cpu", "progress_bar": False},
+}
+
+
+def tiny_yaml(path: Path) -> Path:
+    """A user config (for ``--config``) that shrinks a BTCV run to seconds."""
+    path.write_text(yaml.safe_dump(TINY))
+    return path
+
+
 def tiny_config(data_dir: Path, output: Path, **trainer) -> dict:
     """The BTCV task config shrunk to seconds: 32x32 slices, a few steps, no progress bar."""
-    override = {
-        "output": str(output),
-        "data": {
-            "data_dir": str(data_dir),
-            "spacing": [1.5, 1.5, 2.0],
-            "roi_size_2d": [32, 32],
-            "roi_size_3d": [32, 32, 16],
-            "samples_per_case": 2,
-            "batch_size": 2,
-            "num_workers": 0,
-        },
-        "inference": {"slab": 4, "overlap": 0.25, "sw_batch_size": 2},
-        "trainer": {"max_steps": 4, "check_val_every_n_epoch": 1, "accelerator": "cpu", "progress_bar": False, **trainer},
-    }
-    return merge_config(task_config("btcv"), override)
+    config = merge_config(task_config("btcv"), TINY)
+    config["data"]["data_dir"], config["output"] = str(data_dir), str(output)
+    config["trainer"].update(trainer)
+    return config
 
 
 @pytest.fixture

@@ -1,0 +1,98 @@
+"""The command line: every bad input gets one line naming the file and the problem, exit code 2,
+no traceback; help documents the commands."""
+
+from __future__ import annotations
+
+import json
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+from hsmla_med.cli import main
+from tests.conftest import make_dataset, tiny_yaml, write_nifti
+
+
+def _error(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("hsmla-med: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def _train(tmp_path, data, *extra):
+    return ["train", "--task", "btcv", "--data-dir", str(data), "--config", str(tiny_yaml(tmp_path / "tiny.yaml")),
+            "--max-steps", "1", "--output", str(tmp_path / "run"), *extra]
+
+
+def test_help_lists_commands(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert all(cmd in out for cmd in ("train", "infer", "evaluate", "bench", "demo"))
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert all(opt in out for opt in ("--data-dir", "--config", "--model", "--max-steps", "--resume", "--strategy", "--devices"))
+
+
+def test_unknown_task_and_model(capsys, tmp_path, dataset):
+    assert "unknown task 'nope'" in _error(capsys, ["train", "--task", "nope"])
+    assert "unknown model 'b9'" in _error(capsys, _train(tmp_path, dataset, "--model", "b9"))
+
+
+def test_config_errors_name_the_file(capsys, tmp_path, dataset):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data: {spacing: [1, 2\n")
+    assert f"{bad}: malformed YAML" in _error(capsys, ["train", "--task", "btcv", "--config", str(bad)])
+    bad.write_text("data:\n  spacng: [1, 1, 1]\n")
+    line = _error(capsys, ["train", "--task", "btcv", "--config", str(bad)])
+    assert str(bad) in line and "unknown config key 'data.spacng'" in line
+    missing = tmp_path / "absent.yaml"
+    assert f"{missing}: config file not found" in _error(capsys, ["train", "--task", "btcv", "--config", str(missing)])
+
+
+def _rewrite_case(data, index, image=None, label=None, affine=None):
+    affine = np.diag([1.5, 1.5, 2.0, 1.0]) if affine is None else affine
+    if image is not None:
+        write_nifti(data / "imagesTr" / f"img{index:04d}.nii.gz", image, affine)
+    if label is not None:
+        write_nifti(data / "labelsTr" / f"label{index:04d}.nii.gz", label, affine)
+
+
+def _label(data, index):
+    return np.asanyarray(nib.load(str(data / "labelsTr" / f"label{index:04d}.nii.gz")).dataobj).copy()
+
+
+@pytest.mark.parametrize(
+    "break_it, expected",
+    [
+        (lambda d: (d / "imagesTr" / "img0002.nii.gz").unlink(), "img0002.nii.gz: image file listed in dataset.json not found"),
+        (lambda d: (d / "labelsTr" / "label0001.nii.gz").write_bytes(b"\x1f\x8b garbage"), "label0001.nii.gz: cannot read as NIfTI"),
+        (lambda d: (d / "dataset.json").write_text("{'labels': 1}"), "dataset.json: malformed JSON"),
+        (lambda d: (d / "dataset.json").write_text(json.dumps({"labels": {"0": "bg", "1": "a"}, "training": []})), "dataset.json: the dataset lists no training cases"),
+        (lambda d: _rewrite_case(d, 3, label=np.zeros((40, 36, 5), np.uint8)), "label0003.nii.gz: label shape (40, 36, 5) does not match"),
+        (lambda d: _rewrite_case(d, 3, label=_label(d, 3), affine=np.diag([-1.5, 1.5, 2.0, 1.0])), "label0003.nii.gz: label affine does not match"),
+        (lambda d: _rewrite_case(d, 2, label=np.where(_label(d, 2) == 2, 7, _label(d, 2)).astype(np.uint8)), "label0002.nii.gz: label value(s) 7 outside the dataset's labels 0..2"),
+        (lambda d: _rewrite_case(d, 1, image=np.full((40, 36, 6), np.nan, np.float32)), "img0001.nii.gz: 8640 voxel(s) are NaN or Inf"),
+        (lambda d: _rewrite_case(d, 1, image=np.zeros((40, 36, 6, 2), np.float32)), "img0001.nii.gz: image has 2 channel(s), the model expects 1"),
+    ],
+    ids=["missing", "unreadable", "json", "empty", "shape", "affine", "label-value", "nan", "channels"],
+)
+def test_bad_data_one_clear_error(capsys, tmp_path, break_it, expected):
+    data = make_dataset(tmp_path / "data")
+    break_it(data)
+    line = _error(capsys, _train(tmp_path, data))
+    assert expected in line, line
+    assert not (tmp_path / "run" / "last.ckpt").exists()
+
+
+def test_infer_errors(capsys, tmp_path):
+    out = str(tmp_path / "out")
+    missing = tmp_path / "none.ckpt"
+    assert f"{missing}: checkpoint not found" in _error(capsys, ["infer", "--task", "btcv", "--checkpoint", str(missing), "--input", "x", "--output", out])
+    corrupt = tmp_path / "bad.ckpt"
+    corrupt.write_bytes(b"PK\x03\x04 truncated")
+    assert f"{corrupt}: not a readable hsmla-med checkpoint" in _error(capsys, ["infer", "--task", "btcv", "--checkpoint", str(corrupt), "--input", "x", "--output", out])
