@@ -34,8 +34,11 @@ def load_yaml(path: str | Path) -> dict:
     return data
 
 
-def model_config(name_or_path: str | Path) -> dict:
-    """A model config: a packaged size (``"b0"``, ``"b1"``, ``"b2"``) or a YAML file path."""
+def model_config(name_or_path: str | Path | dict) -> dict:
+    """A model config: a packaged size (``"b0"``, ``"b1"``, ``"b2"``), a YAML file path, or the
+    mapping itself (a task config may give the model inline)."""
+    if isinstance(name_or_path, dict):
+        return dict(name_or_path)
     if str(name_or_path) in VARIANTS:
         return load_yaml(resources.files("hsmla_med.configs") / "model" / f"{name_or_path}.yaml")
     if not str(name_or_path).endswith((".yaml", ".yml")):
@@ -50,7 +53,8 @@ def build_network(
     config: dict, spatial_dims: int, in_channels: int, out_channels: int, kind: str = "segmentation"
 ) -> HSMLASegNet | HSMLAClassifier:
     """Build :class:`HSMLASegNet` (``kind="segmentation"``) or :class:`HSMLAClassifier` from a
-    model config ``{variant: b0|b1|b2, attention: {...HSMLA keyword arguments}}``."""
+    model config ``{variant: b0|b1|b2, head_stride: 8|4 (segmentation), attention: {...HSMLA
+    keyword arguments}}``."""
     classes = {"segmentation": HSMLASegNet, "classification": HSMLAClassifier}
     if kind not in classes:
         raise ConfigError(f"kind must be one of {sorted(classes)}, got {kind!r}")
@@ -60,6 +64,11 @@ def build_network(
         raise ConfigError(f"unknown attention option(s) {unknown}; known: {sorted(_ATTENTION_KEYS)}")
     if "scales" in attention:
         attention["scales"] = tuple(attention["scales"])
+    unknown = sorted(set(config) - {"variant", "attention", "head_stride"})
+    if unknown:
+        raise ConfigError(f"unknown model option(s) {unknown}; known: attention, head_stride, variant")
+    if "head_stride" in config and kind == "segmentation":
+        attention["head_stride"] = int(config["head_stride"])
     return classes[kind](spatial_dims, in_channels, out_channels, variant=config.get("variant", "b0"), **attention)
 
 

@@ -15,13 +15,18 @@ def _layer(spatial_dims=2, channels=16, **kw):
 
 
 def _binarised_gate(layer, monkeypatch):
-    """Make ``layer.gate`` return its own hard mask (M > tau) as a float gate."""
+    """Make ``layer.gate`` return ``M * [M > tau]``: the gate kept on active tiles only."""
     original = layer.gate
-    monkeypatch.setattr(layer, "gate", lambda ms: (original(ms) > layer.tau).float())
+
+    def hard(ms):
+        m = original(ms)
+        return m * (m > layer.tau).float()
+
+    monkeypatch.setattr(layer, "gate", hard)
 
 
 @pytest.mark.parametrize("spatial", [(13, 10), (9, 6, 7)])
-def test_hard_inference_equals_soft_path_fed_the_binarised_gate(spatial, monkeypatch):
+def test_hard_inference_equals_soft_path_fed_the_gate_on_active_tiles(spatial, monkeypatch):
     layer = _layer(len(spatial), channels=16)
     x = torch.randn(2, 16, *spatial)
     with torch.no_grad():
@@ -71,7 +76,9 @@ def test_routing_all_refines_every_tile(monkeypatch):
         everywhere = layer(x)
         assert layer.last_alpha == 1.0
         layer.routing = "gate"
-        layer.tau.fill_(-1.0)  # every gate value exceeds it
+        original = layer.gate
+        monkeypatch.setattr(layer, "gate", lambda ms: torch.ones_like(original(ms)))
+        layer.tau.fill_(0.5)  # every tile active, at gate weight 1
         gated = layer(x)
     torch.testing.assert_close(everywhere, gated)
 

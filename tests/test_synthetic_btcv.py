@@ -47,7 +47,7 @@ def test_layout_and_json(dataset):
         assert (root / case["image"]).is_file() and (root / case["label"]).is_file()
     assert meta["test"] == ["imagesTs/img0006.nii.gz"] and (root / meta["test"][0]).is_file()
     assert not (root / "labelsTs").exists()
-    assert not [p for p in root.rglob("*") if ".tmp" in p.name]
+    assert not [p for p in root.rglob("*") if "tmp" in p.name]
 
 
 def test_image_and_label_headers(dataset):

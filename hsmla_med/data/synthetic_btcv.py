@@ -23,6 +23,8 @@ from typing import NamedTuple
 import nibabel as nib
 import numpy as np
 
+from hsmla_med.io import atomic_path, write_json
+
 __all__ = ["BTCV_LABELS", "ORGAN_HU", "generate_btcv"]
 
 BTCV_LABELS: dict[int, str] = {
@@ -191,7 +193,7 @@ def generate_btcv(
         "test": cases[num_train + num_validation :],
         "generator": params,
     }
-    _replace_atomically(json_path, lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))
+    write_json(json_path, meta)
     return json_path
 
 
@@ -210,27 +212,14 @@ def _is_cached(json_path: Path, root: Path, params: dict) -> bool:
     return all((root / f).is_file() for f in files)
 
 
-def _replace_atomically(path: Path, write) -> None:
-    """Call ``write(tmp)`` on a temporary name in ``path``'s folder, then rename it to ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Keep the ``.nii.gz`` suffix on the temporary name: nibabel picks gzip from it. The process id
-    # keeps processes that generate the same folder at once (one per GPU) off each other's files.
-    stem, suffix = (path.name[: -len(".nii.gz")], ".nii.gz") if path.name.endswith(".nii.gz") else (path.name, "")
-    tmp = path.with_name(f"{stem}.tmp{os.getpid()}{suffix}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _save_nifti(array: np.ndarray, affine: np.ndarray, path: Path) -> None:
     """Write ``array`` with ``affine`` as both qform and sform (code 1, scanner), units mm."""
     img = nib.Nifti1Image(array, affine)
     img.set_qform(affine, code=1)
     img.set_sform(affine, code=1)
     img.header.set_xyzt_units("mm")
-    _replace_atomically(path, lambda tmp: nib.save(img, str(tmp)))
+    with atomic_path(path) as tmp:  # keeps the .nii.gz suffix, from which nibabel picks gzip
+        nib.save(img, str(tmp))
 
 
 def _case(rng: np.random.Generator, shape: tuple[int, int, int], index: int):

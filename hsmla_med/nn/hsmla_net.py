@@ -132,32 +132,43 @@ class HSMLABackbone(nn.Module):
         return features
 
 
+_HEAD_STAGES = {4: 1, 8: 2}  # head stride -> first backbone stage fused by the head
+
+
 class HSMLASegNet(GatedNetwork):
     """HSMLA segmentation network (MONAI-style, 2D or 3D).
 
     The head projects the stride-8/16/32 stage outputs to a common width, upsamples them to the
     stride-8 map, sums them, refines with MBConv blocks and upsamples the class logits to the
-    input size. Any input size works.
+    input size. Any input size works. ``head_stride=4`` also fuses the stride-4 stage and runs
+    the head at stride 4 (an extension of the paper's head: small organs, a few voxels across
+    at CT resolution, lose their boundaries in a stride-8 map).
 
     Args:
         spatial_dims: 2 or 3.
         in_channels: input channels.
         out_channels: output channels (classes, including background).
         variant: ``"b0"``, ``"b1"`` or ``"b2"`` (see :data:`VARIANTS`).
+        head_stride: stride of the fused head map, 8 (the paper) or 4.
         **attention: keyword arguments for every :class:`~hsmla_med.nn.HSMLA` layer
             (``window``, ``block``, ``tau``, ``rho``, ``scales``, ``routing``, ``backend``...).
 
     ``forward``: ``(batch, in_channels, *spatial)`` -> logits ``(batch, out_channels, *spatial)``.
     """
 
-    def __init__(self, spatial_dims: int, in_channels: int, out_channels: int, variant: str = "b0", **attention) -> None:
+    def __init__(
+        self, spatial_dims: int, in_channels: int, out_channels: int, variant: str = "b0", head_stride: int = 8, **attention
+    ) -> None:
         super().__init__()
         _check_dims_channels(spatial_dims, in_channels=in_channels, out_channels=out_channels)
+        if head_stride not in _HEAD_STAGES:
+            raise ValueError(f"head_stride must be one of {sorted(_HEAD_STAGES)}, got {head_stride}")
         cfg = _variant(variant)
         self.spatial_dims, self.in_channels, self.out_channels, self.variant = spatial_dims, in_channels, out_channels, variant
         self.backbone = HSMLABackbone(spatial_dims, in_channels, cfg, **attention)
+        self._first = _HEAD_STAGES[head_stride]
         self.lateral = nn.ModuleList(
-            ConvNormAct(spatial_dims, width, cfg.head_width, 1, act=False) for width in cfg.widths[2:]
+            ConvNormAct(spatial_dims, width, cfg.head_width, 1, act=False) for width in cfg.widths[self._first :]
         )
         self.fuse = nn.Sequential(*(MBConv(spatial_dims, cfg.head_width, cfg.head_width) for _ in range(cfg.head_depth)))
         self.classify = Conv[Conv.CONV, spatial_dims](cfg.head_width, out_channels, 1)
@@ -165,7 +176,7 @@ class HSMLASegNet(GatedNetwork):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
-        features = self.backbone(x)[2:]
+        features = self.backbone(x)[self._first :]
         size = features[0].shape[2:]
         fused = self.lateral[0](features[0])
         for lateral, feature in zip(self.lateral[1:], features[1:]):
