@@ -17,6 +17,18 @@ def test_segnet_2d_any_size(variant):
             assert net(torch.randn(1, 1, *size)).shape == (1, 14, *size)
 
 
+@pytest.mark.parametrize("spatial_dims, size", [(2, (37, 21)), (3, (9, 20, 13))])
+def test_segnet_stride4_head_fuses_one_more_stage(spatial_dims, size):
+    coarse = HSMLASegNet(spatial_dims, 1, 3, head_stride=8)
+    fine = HSMLASegNet(spatial_dims, 1, 3, head_stride=4)
+    assert len(fine.lateral) == len(coarse.lateral) + 1
+    assert fine.lateral[0][0].in_channels == VARIANTS["b0"].widths[1]
+    with torch.no_grad():
+        assert fine.eval()(torch.randn(1, 1, *size)).shape == (1, 3, *size)
+    with pytest.raises(ValueError, match="head_stride"):
+        HSMLASegNet(2, 1, 3, head_stride=2)
+
+
 def test_segnet_3d_any_size():
     net = HSMLASegNet(3, 2, 4, variant="b0", block=2).eval()
     with torch.no_grad():
