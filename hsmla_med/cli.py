@@ -82,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, help="a checkpoint written by train")
     p.add_argument("--output", default="runs/evaluate", help="folder for metrics.json (default runs/evaluate)")
     p.add_argument("--tta", action="store_true", help="mirroring test-time augmentation")
+    p.add_argument("--routing", choices=["gate", "off", "all"], help="override HSMLA routing: off = linear attention only, all = refine every tile")
     _add_trainer_options(p)
 
     p = sub.add_parser("bench", help="CPU benchmark of HSMLA networks vs SegFormer and SwinUNETR", add_help=False)
@@ -179,13 +180,15 @@ def _evaluate(args) -> dict:
     task = get_task(args.task)
     module, meta = load_module(args.checkpoint, task.MODULE)
     module.config["inference"]["tta"] = args.tta
+    if args.routing:
+        module.network.set_routing(args.routing)
     # the data must be prepared exactly as for this checkpoint's training
     config["data"].update(module.config["data"])
     config["mode"] = {2: "2d", 3: "3d"}[module.config["spatial_dims"]]
     cases = task.datalist(config)
     summary = evaluate(module, task.datamodule(config, cases), config["trainer"], args.output)
     output = Path(args.output)
-    write_json(output / "metrics.json", {**summary, **meta, "checkpoint": str(args.checkpoint)})
+    write_json(output / "metrics.json", {**summary, **meta, "checkpoint": str(args.checkpoint), "routing": args.routing or "gate"})
     _print_summary(summary, output)
     return summary
 

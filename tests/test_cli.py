@@ -96,3 +96,18 @@ def test_infer_errors(capsys, tmp_path):
     corrupt = tmp_path / "bad.ckpt"
     corrupt.write_bytes(b"PK\x03\x04 truncated")
     assert f"{corrupt}: not a readable hsmla-med checkpoint" in _error(capsys, ["infer", "--task", "btcv", "--checkpoint", str(corrupt), "--input", "x", "--output", out])
+
+
+def test_train_3d_then_infer_through_the_cli(tmp_path, capsys):
+    data = make_dataset(tmp_path / "data", cases=3, shape=(40, 36, 12))
+    assert main(_train(tmp_path, data, "--mode", "3d")) == 0
+    run = tmp_path / "run"
+    assert json.loads((run / "metrics.json").read_text())["step"] == 1
+    source = data / "imagesTr" / "img0001.nii.gz"
+    assert main(["infer", "--task", "btcv", "--checkpoint", str(run / "best.ckpt"), "--input", str(source),
+                 "--output", str(tmp_path / "pred"), "--tta"]) == 0
+    assert "[1/1] img0001.nii.gz" in capsys.readouterr().out
+    pred, ref = nib.load(str(tmp_path / "pred" / "img0001.nii.gz")), nib.load(str(source))
+    assert pred.shape == ref.shape and np.allclose(pred.affine, ref.affine)
+    assert "no NIfTI files" in _error(capsys, ["infer", "--task", "btcv", "--checkpoint", str(run / "best.ckpt"),
+                                              "--input", str(tmp_path / "run" / "logs"), "--output", str(tmp_path / "p2")])
