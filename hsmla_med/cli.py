@@ -139,13 +139,15 @@ def _train(config: dict, resume: bool = False) -> dict:
     return summary
 
 
-def _print_summary(summary: dict, output: Path) -> None:
+def _print_summary(summary: dict | None, output: Path) -> None:
     if summary is None:
         return
-    print(f"\nmean Dice {summary['dice']:.4f}   mean HD95 {summary['hd95']:.2f} mm   ({summary['cases']} validation cases)")
-    for name, dice in summary["dice_per_class"].items():
-        hd = summary["hd95_per_class"][name]
-        print(f"  {name:<26} Dice {dice if dice is None else f'{dice:.4f}'}   HD95 {hd if hd is None else f'{hd:.2f}'}")
+    fmt = lambda v: "n/a" if v is None else f"{v:.4g}"  # noqa: E731
+    scalars = [f"{k} {fmt(v)}" for k, v in summary.items() if not isinstance(v, dict) and k != "cases"]
+    print(f"\n{'   '.join(scalars)}   ({summary.get('cases')} validation items)")
+    if "dice_per_class" in summary:
+        for name, dice in summary["dice_per_class"].items():
+            print(f"  {name:<26} Dice {fmt(dice)}   HD95 {fmt(summary['hd95_per_class'][name])}")
     print(f"metrics: {output / 'metrics.json'}")
 
 

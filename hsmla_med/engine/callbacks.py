@@ -25,9 +25,12 @@ class MetricsWriter(L.Callback):
             return
         record = {**module.summary, "epoch": trainer.current_epoch, "step": trainer.global_step}
         write_json(self.output / "metrics.json", record)
-        row = {"epoch": record["epoch"], "step": record["step"], "dice": record["dice"], "hd95": record["hd95"]}
-        row.update({f"dice_{k}": v for k, v in record["dice_per_class"].items()})
-        row.update({f"hd95_{k}": v for k, v in record["hd95_per_class"].items()})
+        row = {"epoch": record["epoch"], "step": record["step"]}
+        for key, value in module.summary.items():  # per-class dicts become columns key_name
+            if isinstance(value, dict):
+                row.update({f"{key.removesuffix('_per_class')}_{k}": v for k, v in value.items()})
+            else:
+                row[key] = value
         table = self.output / "metrics.csv"
         rows = []
         if table.exists():
@@ -41,10 +44,10 @@ class MetricsWriter(L.Callback):
             writer.writerows(rows)
 
 
-def training_curve(csv_logs: list[Path], path: str | Path) -> None:
-    """Plot the training loss and validation Dice from CSV-logger ``metrics.csv`` files (in run
-    order) into ``path`` (PNG): loss on the left axis, Dice on the right, against the step."""
-    loss, dice = [], []
+def training_curve(csv_logs: list[Path], path: str | Path, monitor: str = "dice") -> None:
+    """Plot the training loss and the validation ``monitor`` metric from CSV-logger
+    ``metrics.csv`` files (in run order) into ``path`` (PNG), against the step."""
+    loss, score = [], []
     for csv_log in csv_logs:
         if not csv_log.exists():
             continue
@@ -52,13 +55,13 @@ def training_curve(csv_logs: list[Path], path: str | Path) -> None:
             for r in csv.DictReader(f):
                 if r.get("train/loss"):
                     loss.append((int(r["step"]), float(r["train/loss"])))
-                if r.get("val/dice"):
-                    dice.append((int(r["step"]), float(r["val/dice"])))
-    plot_curve(Path(path), loss, dice)
+                if r.get(f"val/{monitor}"):
+                    score.append((int(r["step"]), float(r[f"val/{monitor}"])))
+    plot_curve(Path(path), loss, score, monitor)
 
 
-def plot_curve(path: Path, loss: list[tuple[int, float]], dice: list[tuple[int, float]]) -> None:
-    """Training loss (left axis) and validation Dice (right axis) against the step."""
+def plot_curve(path: Path, loss: list[tuple[int, float]], score: list[tuple[int, float]], monitor: str) -> None:
+    """Training loss (left axis) and the validation metric (right axis, 0..1) against the step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -66,13 +69,13 @@ def plot_curve(path: Path, loss: list[tuple[int, float]], dice: list[tuple[int, 
 
     fig, ax = plt.subplots(figsize=(7, 4))
     if loss:
-        ax.plot(*zip(*loss), color="tab:blue", lw=1, label="training loss")
+        ax.plot(*zip(*loss), color="tab:blue", lw=1)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss", color="tab:blue")
     right = ax.twinx()
-    if dice:
-        right.plot(*zip(*dice), "o-", color="tab:red", label="validation Dice")
-    right.set_ylabel("validation mean Dice", color="tab:red")
+    if score:
+        right.plot(*zip(*score), "o-", color="tab:red")
+    right.set_ylabel(f"validation {monitor}", color="tab:red")
     right.set_ylim(0, 1)
     fig.tight_layout()
     with atomic_path(path) as tmp:

@@ -69,7 +69,7 @@ def build_trainer(trainer_cfg: dict, output: Path, callbacks: list | None = None
 
 def fit(module: L.LightningModule, datamodule: L.LightningDataModule, output: str | Path, trainer_cfg: dict, resume: bool = False) -> dict:
     """Train, validate once more at the end if the last step was not validated, and leave
-    ``last.ckpt``, ``best.ckpt`` (highest ``val/dice``), ``metrics.json``, ``metrics.csv``,
+    ``last.ckpt``, ``best.ckpt`` (highest ``val/<module.monitor>``), ``metrics.json``, ``metrics.csv``,
     ``logs/metrics.csv`` and ``training_curve.png`` in ``output``. Returns the final summary.
 
     ``resume`` continues from ``output/last.ckpt``: weights, optimizer, learning-rate schedule and
@@ -82,7 +82,7 @@ def fit(module: L.LightningModule, datamodule: L.LightningDataModule, output: st
     checkpoints = ModelCheckpoint(
         dirpath=output,
         filename="best",
-        monitor="val/dice",
+        monitor=f"val/{module.monitor}",
         mode="max",
         save_top_k=1,
         save_last=True,
@@ -96,13 +96,13 @@ def fit(module: L.LightningModule, datamodule: L.LightningDataModule, output: st
     if module.validated_step != trainer.global_step:
         best_before = checkpoints.best_model_score
         trainer.validate(module, datamodule=datamodule, verbose=False)
-        dice = module.summary["dice"]
-        if dice is not None and (best_before is None or dice > float(best_before) or not best.exists()):
+        score = module.summary.get(module.monitor)
+        if score is not None and (best_before is None or score > float(best_before) or not best.exists()):
             _copy_rank_zero(last, best)
     # the curve of a resumed run includes the rows of the runs it continues
     version = loggers[0].version
     logs = [output / "logs" / f"version_{v}" / "metrics.csv" for v in (range(version + 1) if resume else [version])]
-    _finish_rank_zero(trainer, logs, output / "training_curve.png")
+    _finish_rank_zero(trainer, logs, output / "training_curve.png", module.monitor)
     return module.summary
 
 
@@ -113,10 +113,10 @@ def _copy_rank_zero(source: Path, target: Path) -> None:
 
 
 @rank_zero_only
-def _finish_rank_zero(trainer: L.Trainer, logs: list[Path], curve: Path) -> None:
+def _finish_rank_zero(trainer: L.Trainer, logs: list[Path], curve: Path, monitor: str) -> None:
     for logger in trainer.loggers:
         logger.save()
-    training_curve(logs, curve)
+    training_curve(logs, curve, monitor)
 
 
 def evaluate(module: L.LightningModule, datamodule: L.LightningDataModule, trainer_cfg: dict, output: str | Path) -> dict:
