@@ -26,12 +26,14 @@ _EPILOG = """examples:
   hsmla-med train --task btcv --devices 4 --strategy ddp              # multi-GPU (Lightning DDP)
   hsmla-med infer --task btcv --checkpoint runs/b1/best.ckpt --input /data/BTCV/imagesTs --output preds
   hsmla-med evaluate --task btcv --checkpoint runs/b1/best.ckpt --data-dir /data/BTCV
+  hsmla-med train --task camelyon16 --data-dir /data/CAMELYON16 --output runs/c16
+  hsmla-med wsi-heatmap --checkpoint runs/c16/best.ckpt --slide /data/CAMELYON16/testing/images --output heatmaps
   hsmla-med bench --only models
 """
 
 
 def _add_task_options(p: argparse.ArgumentParser, data: bool = True) -> None:
-    p.add_argument("--task", required=True, help="task pipeline: btcv")
+    p.add_argument("--task", required=True, help="task pipeline: btcv | camelyon16")
     if data:
         p.add_argument("--data-dir", help="dataset folder (MSD/nnU-Net layout with dataset.json); default: the synthetic dataset")
         p.add_argument("--config", help="YAML merged over the task's default config (configs/<task>.yaml)")
@@ -85,11 +87,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routing", choices=["gate", "off", "all"], help="override HSMLA routing: off = linear attention only, all = refine every tile")
     _add_trainer_options(p)
 
+    p = sub.add_parser("wsi-heatmap", help="tumour heatmaps of whole slides (CAMELYON16 checkpoint)", description="Streams the tissue patches of each slide through the classifier and writes <slide>_heatmap.tif (pyramidal, OpenSlide/QuPath), <slide>_overlay.png, <slide>_gates.png and <slide>.json into OUTPUT. Slides already done (their JSON exists) are skipped, so an interrupted run resumes.")
+    p.add_argument("--checkpoint", required=True, help="a checkpoint written by train --task camelyon16")
+    p.add_argument("--slide", required=True, help="a slide file (any format OpenSlide opens) or a folder of slides")
+    p.add_argument("--output", required=True, help="folder for the heatmaps")
+    p.add_argument("--level", type=int, help="pyramid level of the patches (default: the checkpoint's training level)")
+    p.add_argument("--batch-size", type=int, help="patches per forward pass (default: the checkpoint's, 64)")
+    p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto")
+
     p = sub.add_parser("bench", help="CPU benchmark of HSMLA networks vs SegFormer and SwinUNETR", add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the benchmark (hsmla-med bench --help)")
 
-    p = sub.add_parser("demo", help="train on synthetic BTCV for a few minutes, infer, print metrics", description="Generates the synthetic BTCV-format dataset, trains a small HSMLA model on it (configs/btcv_demo.yaml), segments the held-out cases and prints the metrics and output paths.")
-    p.add_argument("--output", default="runs/demo", help="run folder (default runs/demo)")
+    p = sub.add_parser("demo", help="train on synthetic data for a few minutes, infer, print metrics", description="Generates the synthetic BTCV-format volumes and CAMELYON16-format slides, trains a small HSMLA model on each (configs/<task>_demo.yaml), segments the held-out volumes, writes heatmaps of the held-out slides and prints the metrics and output paths.")
+    p.add_argument("--task", choices=["btcv", "camelyon16", "all"], default="btcv", help="which demo (default: btcv)")
+    p.add_argument("--output", default="runs/demo", help="run folder; one subfolder per task (default runs/demo)")
     p.add_argument("--max-steps", type=int, help="override the demo's training steps")
     return parser
 
@@ -173,6 +184,18 @@ def _infer(args) -> list[Path]:
     return written
 
 
+def _wsi_heatmap(args) -> list[Path]:
+    from hsmla_med.engine.run import load_module
+    from hsmla_med.pipelines import camelyon16
+
+    module, _ = load_module(args.checkpoint, camelyon16.MODULE)
+    if args.level is not None:
+        module.config["data"].update(level=args.level, mpp=None)
+    written = camelyon16.infer(module, args.slide, args.output, device=_device(args.device), batch_size=args.batch_size)
+    print(f"heatmaps of {len(written)} slide(s) in {args.output}")
+    return written
+
+
 def _evaluate(args) -> dict:
     from hsmla_med.engine.run import evaluate, load_module
     from hsmla_med.io import write_json
@@ -196,32 +219,37 @@ def _evaluate(args) -> dict:
 
 
 def _demo(args) -> int:
-    from hsmla_med.config import load_yaml, merge_config, task_config
-    from hsmla_med.pipelines import get_task
-
     from importlib import resources
 
-    started = time.perf_counter()
-    config = merge_config(task_config("btcv"), load_yaml(resources.files("hsmla_med.configs") / "btcv_demo.yaml"), "btcv_demo.yaml")
-    config["output"] = args.output
-    if args.max_steps:
-        config["trainer"]["max_steps"] = args.max_steps
-    summary = _train(config)
-    trained = time.perf_counter() - started
-
+    from hsmla_med.config import load_yaml, merge_config, task_config
     from hsmla_med.engine.run import load_module
+    from hsmla_med.pipelines import get_task
 
-    task = get_task("btcv")
-    cases = task.datalist(config)
-    module, _ = load_module(Path(args.output) / "best.ckpt", task.MODULE)
-    held_out = [c["image"] for c in cases.validation + cases.test]
-    predictions = Path(args.output) / "predictions"
-    written = task.infer(module, held_out, predictions)
-    print(f"\ndemo finished in {time.perf_counter() - started:.0f} s (training and validation {trained:.0f} s)")
-    print(f"mean Dice on {summary['cases']} held-out synthetic cases: {summary['dice']:.4f}")
-    print(f"checkpoints: {Path(args.output) / 'best.ckpt'}, {Path(args.output) / 'last.ckpt'}")
-    print(f"predictions: {', '.join(str(p) for p in written)}")
-    print(f"training curve: {Path(args.output) / 'training_curve.png'}")
+    tasks = ["btcv", "camelyon16"] if args.task == "all" else [args.task]
+    report = []
+    for name in tasks:
+        started = time.perf_counter()
+        overlay = resources.files("hsmla_med.configs") / f"{name}_demo.yaml"
+        config = merge_config(task_config(name), load_yaml(overlay), f"{name}_demo.yaml")
+        output = Path(args.output) / name
+        config["output"] = str(output)
+        if args.max_steps:
+            config["trainer"]["max_steps"] = args.max_steps
+        summary = _train(config)
+        task = get_task(name)
+        cases = task.datalist(config)
+        module, _ = load_module(output / "best.ckpt", task.MODULE)
+        # BTCV: segment the held-out volumes; CAMELYON16: heatmaps of the held-out test slides
+        held_out = [c["image"] for c in cases.validation + cases.test] if name == "btcv" else [c["slide"] for c in cases.test]
+        written = [p for item in held_out for p in task.infer(module, item, output / "predictions")]
+        metric = module.monitor
+        report.append(
+            f"{name}: {metric} {summary[metric]:.4f} on {summary['cases']} held-out synthetic items, "
+            f"{time.perf_counter() - started:.0f} s\n  checkpoints: {output / 'best.ckpt'}, {output / 'last.ckpt'}\n"
+            f"  metrics: {output / 'metrics.json'}, curve: {output / 'training_curve.png'}\n"
+            f"  outputs: {', '.join(str(p) for p in written)}"
+        )
+    print("\n" + "\n".join(report))
     return 0
 
 
@@ -248,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         "train": lambda: _train(_config(args), args.resume),
         "infer": lambda: _infer(args),
         "evaluate": lambda: _evaluate(args),
+        "wsi-heatmap": lambda: _wsi_heatmap(args),
         "bench": lambda: _bench(args),
         "demo": lambda: _demo(args),
     }

@@ -14,7 +14,7 @@ from hsmla_med.errors import ConfigError
 
 __all__ = ["TASKS", "get_task"]
 
-TASKS = ("btcv",)
+TASKS = ("btcv", "camelyon16")
 
 
 def get_task(name: str) -> ModuleType:

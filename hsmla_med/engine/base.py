@@ -93,7 +93,9 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
         self.validated_step = self.global_step
         # every rank holds the same gathered summary, so logging needs no further reduction
         for key, value in self.summary.items():
-            if isinstance(value, (int, float)) and key != "cases":
+            if key == self.monitor and value is None:
+                value = float("nan")  # undefined (e.g. AUC with one class): never the best
+            if isinstance(value, (int, float)) and key not in ("cases", "slides"):
                 self.log(f"val/{key}", float(value), prog_bar=key == self.monitor)
 
     def gather_rows(self) -> torch.Tensor:
