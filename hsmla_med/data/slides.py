@@ -1,0 +1,275 @@
+"""Whole-slide images through OpenSlide, read lazily: regions, a low-resolution tissue mask, patch grids.
+
+A CAMELYON16 slide is about 100,000 x 200,000 pixels at level 0 (0.23-0.24 µm per pixel), a
+pyramid of levels each halving the previous one. Nothing here reads a whole level 0: patches
+come through :func:`read_region`, and the tissue mask is computed on a low-resolution level,
+read in bands. Coordinates follow OpenSlide: (x, y) in level-0 pixels, sizes (width, height),
+and a level pixel ``j`` of downsample ``d`` covers level-0 pixels ``j*d .. j*d + d - 1`` (the
+convention of :func:`hsmla_med.data.asap.rasterise`, so tumour and tissue masks line up).
+
+Pipeline: :func:`tissue_mask` -> :func:`patch_grid` (patch corners on tissue) ->
+:func:`coverage` of a tumour mask (labels) -> :func:`read_region` per patch.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from pathlib import Path
+
+import numpy as np
+import openslide
+from skimage.color import rgb2hsv
+from skimage.filters import threshold_otsu
+from skimage.morphology import remove_small_holes, remove_small_objects
+
+from hsmla_med.errors import DataError
+
+__all__ = ["open_slide", "slide_mpp", "select_level", "read_region", "tissue_mask", "patch_grid", "coverage"]
+
+# scikit-image 0.26 renamed min_size/area_threshold (removes sizes < n) to max_size (removes sizes <= n).
+_SKIMAGE_MAX_SIZE = "max_size" in inspect.signature(remove_small_objects).parameters
+_BAND_PIXELS = 1 << 22  # pixels read per band for the tissue mask: ~16 MB of RGBA
+# Near-black pixels have an unstable, often high saturation (noise over ~0): scanner background,
+# not stain. Darker than this HSV value, a pixel counts as background.
+_MIN_VALUE = 0.15
+
+
+def _name(slide: openslide.OpenSlide) -> str:
+    """The slide's file, for messages (openslide-python keeps it only privately)."""
+    return str(getattr(slide, "_filename", slide))
+
+
+def open_slide(path: str | Path) -> openslide.OpenSlide:
+    """Open a whole-slide image (any format OpenSlide reads; a pyramidal tiled TIFF for CAMELYON16).
+
+    Raises:
+        DataError: naming the file, if it is missing or OpenSlide cannot read it.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: slide file not found")
+    try:
+        return openslide.OpenSlide(path)
+    except openslide.OpenSlideUnsupportedFormatError:
+        raise DataError(
+            f"{path}: not a slide OpenSlide can read (unsupported format, or a TIFF without tiles)"
+        ) from None
+    except openslide.OpenSlideError as err:
+        raise DataError(f"{path}: cannot open slide ({err})") from None
+
+
+def slide_mpp(slide: openslide.OpenSlide) -> float | None:
+    """Level-0 microns per pixel (``openslide.mpp-x``); None when the file does not say."""
+    try:
+        mpp = float(slide.properties[openslide.PROPERTY_NAME_MPP_X])
+    except (KeyError, ValueError):
+        return None
+    return mpp if math.isfinite(mpp) and mpp > 0 else None
+
+
+def select_level(slide: openslide.OpenSlide, level: int | None = None, mpp: float | None = None) -> int:
+    """A pyramid level, by index or by resolution; level 0 when neither is given.
+
+    Args:
+        level: index in ``0 .. slide.level_count - 1``.
+        mpp: microns per pixel wanted; the level whose mpp is closest in ratio (``|log(mpp_l /
+            mpp)|``, so 1.4 picks 1.0 over 2.0) is chosen. Needs the slide's mpp.
+
+    Raises:
+        ValueError: both or a non-positive mpp given.
+        DataError: (naming the slide) the index is out of range, or mpp is asked of a slide
+            without one.
+    """
+    if level is not None and mpp is not None:
+        raise ValueError("select a level by index or by mpp, not both")
+    if level is not None:
+        if not 0 <= level < slide.level_count:
+            raise DataError(f"{_name(slide)}: level {level} out of range, the slide has {slide.level_count} level(s)")
+        return int(level)
+    if mpp is None:
+        return 0
+    if not mpp > 0:
+        raise ValueError(f"mpp must be positive, got {mpp}")
+    base = slide_mpp(slide)
+    if base is None:
+        raise DataError(
+            f"{_name(slide)}: the slide has no microns-per-pixel (openslide.mpp-x); select the level by index"
+        )
+    level_mpp = base * np.asarray(slide.level_downsamples)
+    return int(np.argmin(np.abs(np.log(level_mpp / mpp))))
+
+
+def read_region(slide: openslide.OpenSlide, x0: int, y0: int, level: int, size: int | tuple[int, int]) -> np.ndarray:
+    """An RGB region of one level.
+
+    Args:
+        x0, y0: top-left corner in level-0 pixels (as OpenSlide's ``read_region``).
+        level: pyramid level read.
+        size: width and height in pixels of that level (an int: a square).
+
+    Returns:
+        uint8 (height, width, 3). Transparent pixels (alpha 0: outside the slide or its scanned
+        area) become white, like glass; partly transparent ones are composited onto white.
+
+    Raises:
+        DataError: naming the slide, if its data cannot be decoded (a truncated file).
+    """
+    width, height = (size, size) if np.isscalar(size) else size
+    if width <= 0 or height <= 0:
+        raise ValueError(f"region size must be positive, got {width}x{height}")
+    select_level(slide, level)
+    try:
+        rgba = np.asarray(slide.read_region((int(x0), int(y0)), level, (int(width), int(height))))
+    except openslide.OpenSlideError as err:
+        raise DataError(f"{_name(slide)}: cannot read region at ({x0}, {y0}) of level {level} ({err})") from None
+    alpha = rgba[..., 3:].astype(np.uint16)  # OpenSlide un-premultiplies: colour * alpha + white * (255 - alpha)
+    return ((rgba[..., :3] * alpha + 255 * (255 - alpha) + 127) // 255).astype(np.uint8)
+
+
+def _remove_small(mask: np.ndarray, area: float) -> np.ndarray:
+    """``mask`` without objects and holes of fewer than ``area`` pixels."""
+    size = max(1, math.ceil(area))
+    if _SKIMAGE_MAX_SIZE:
+        mask = remove_small_objects(mask, max_size=size - 1)
+        return remove_small_holes(mask, max_size=size - 1)
+    return remove_small_holes(remove_small_objects(mask, min_size=size), area_threshold=size)
+
+
+def tissue_mask(
+    slide: openslide.OpenSlide,
+    min_size: int = 2048,
+    max_size: int = 4096,
+    min_saturation: float = 0.05,
+    min_area: float = 2.0**18,
+) -> tuple[np.ndarray, float]:
+    """Boolean tissue mask at low resolution: saturated (stained) pixels, not glass or pale background.
+
+    The level read is the coarsest whose longer side is at least ``min_size`` (level 0 when the
+    whole slide is smaller). It is read in bands and, where longer than ``max_size`` (a
+    sparse pyramid, or a single-level file), averaged over ``f x f`` blocks with the smallest
+    integer ``f`` that brings it within ``max_size``; blocks cut by the right or bottom edge
+    are padded with white.
+
+    Tissue is where the HSV saturation exceeds Otsu's threshold, floored at ``min_saturation``
+    so that a slide of bare glass (saturation noise only) finds none; near-black pixels (HSV value
+    below 0.15: scanner background, whose noise is strongly saturated) count as background.
+    Tissue pieces smaller than ``min_area`` level-0 pixels (dust, debris) are removed and holes
+    smaller than that filled (``min_area / downsample**2`` mask pixels; the default 2**18,
+    512 x 512 level-0 pixels, is 0.015 mm² at 0.24 µm per pixel).
+
+    Returns:
+        (mask, downsample): bool (H_m, W_m) mask and its level-0 pixels per mask pixel. A slide
+        without tissue gives an all-False mask and a warning naming it.
+    """
+    if not 0 < min_size <= max_size:
+        raise ValueError(f"need 0 < min_size <= max_size, got {min_size}, {max_size}")
+    long_sides = [max(dims) for dims in slide.level_dimensions]
+    level = max((i for i, side in enumerate(long_sides) if side >= min_size), default=0)
+    width, height = slide.level_dimensions[level]
+    factor = math.ceil(long_sides[level] / max_size)
+    downsample = slide.level_downsamples[level] * factor
+
+    out_w, out_h = math.ceil(width / factor), math.ceil(height / factor)
+    rows = factor * max(1, _BAND_PIXELS // (width * factor))  # level rows per band, in whole blocks
+    saturation = np.empty((out_h, out_w), np.float32)
+    for top in range(0, height, rows):
+        band_h = min(rows, height - top)
+        band = read_region(slide, 0, round(top * slide.level_downsamples[level]), level, (width, band_h))
+        if factor > 1:
+            pad_h, pad_w = -band_h % factor, -width % factor
+            band = np.pad(band, ((0, pad_h), (0, pad_w), (0, 0)), constant_values=255)
+            band = band.reshape(band.shape[0] // factor, factor, out_w, factor, 3).mean(axis=(1, 3)) / 255.0
+        hsv = rgb2hsv(band)
+        band_sat = np.where(hsv[..., 2] < _MIN_VALUE, 0.0, hsv[..., 1])
+        saturation[top // factor : top // factor + len(band_sat)] = band_sat
+
+    if np.ptp(saturation) < 1e-6:  # uniform: Otsu has nothing to split
+        warnings.warn(f"{_name(slide)}: blank slide (uniform colour), no tissue found", stacklevel=2)
+        return np.zeros((out_h, out_w), bool), float(downsample)
+    mask = saturation > max(threshold_otsu(saturation), min_saturation)
+    mask = _remove_small(mask, min_area / downsample**2)
+    if not mask.any():
+        warnings.warn(
+            f"{_name(slide)}: no tissue found (nothing stained above saturation {min_saturation})", stacklevel=2
+        )
+    return mask, float(downsample)
+
+
+def patch_grid(
+    tissue: np.ndarray,
+    tissue_downsample: float,
+    level0_size: tuple[int, int],
+    patch_size: int,
+    stride: int,
+    level_downsample: float,
+    min_tissue: float = 0.5,
+) -> np.ndarray:
+    """Top-left corners of the patches of a level that lie on tissue.
+
+    Patches are ``patch_size`` pixels of a level with ``level_downsample``, so each covers a
+    footprint of ``patch_size * level_downsample`` level-0 pixels; they are stepped by
+    ``stride`` pixels of that level from (0, 0), and kept when they lie wholly inside the slide
+    and at least ``min_tissue`` of the footprint is tissue (see :func:`coverage`).
+
+    Args:
+        tissue: bool (H_m, W_m) mask, e.g. from :func:`tissue_mask`.
+        tissue_downsample: level-0 pixels per mask pixel.
+        level0_size: (width, height) of level 0.
+        min_tissue: fraction in [0, 1]; 0 keeps every patch inside the slide.
+
+    Returns:
+        int64 (n, 2) level-0 (x, y) corners, row by row (y, then x, ascending).
+    """
+    if patch_size <= 0 or stride <= 0:
+        raise ValueError(f"patch_size and stride must be positive, got {patch_size}, {stride}")
+    if not 0 <= min_tissue <= 1:
+        raise ValueError(f"min_tissue must be in [0, 1], got {min_tissue}")
+    footprint, step = patch_size * level_downsample, stride * level_downsample
+    # per axis: corners i*step with i*step + footprint <= side
+    xs, ys = (np.round(np.arange(max(0, math.floor((side - footprint) / step) + 1)) * step) for side in level0_size)
+    ys, xs = np.meshgrid(ys, xs, indexing="ij")
+    coords = np.stack([xs.ravel(), ys.ravel()], axis=1).astype(np.int64)
+    # the tolerance keeps fractions equal to min_tissue whose sum rounded a hair below it
+    return coords[coverage(tissue, tissue_downsample, coords, footprint) >= min_tissue - 1e-9]
+
+
+def coverage(mask: np.ndarray, mask_downsample: float, coords: np.ndarray, footprint_level0: float) -> np.ndarray:
+    """Fraction of each square patch footprint that the mask covers, by area.
+
+    Exact for footprints that cut mask pixels: the integral image of a piecewise-constant mask
+    is bilinear within each pixel, so interpolating it at the footprint's fractional corners
+    gives the covered area. Parts of a footprint outside the mask count as uncovered.
+
+    Args:
+        mask: bool (H_m, W_m) mask (tissue, or tumour from :func:`~hsmla_med.data.asap.rasterise`).
+        mask_downsample: level-0 pixels per mask pixel.
+        coords: (n, 2) level-0 (x, y) top-left corners.
+        footprint_level0: side of the footprints in level-0 pixels.
+
+    Returns:
+        float64 (n,) fractions in [0, 1].
+    """
+    height, width = mask.shape
+    integral = np.zeros((height + 1, width + 1), np.float64)
+    integral[1:, 1:] = np.cumsum(np.cumsum(mask, axis=0, dtype=np.int64), axis=1)
+    corners = np.asarray(coords, np.float64).reshape(-1, 2) / mask_downsample
+    side = footprint_level0 / mask_downsample
+
+    def area_to(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """Mask area in [0, x] x [0, y] (mask pixels), bilinear in the integral image."""
+        x, y = np.clip(x, 0, width), np.clip(y, 0, height)
+        j = np.minimum(np.floor(x), width - 1).astype(np.int64)
+        k = np.minimum(np.floor(y), height - 1).astype(np.int64)
+        a, b = x - j, y - k
+        return (
+            integral[k, j] * (1 - a) * (1 - b)
+            + integral[k, j + 1] * a * (1 - b)
+            + integral[k + 1, j] * (1 - a) * b
+            + integral[k + 1, j + 1] * a * b
+        )
+
+    x, y = corners[:, 0], corners[:, 1]
+    covered = area_to(x + side, y + side) - area_to(x, y + side) - area_to(x + side, y) + area_to(x, y)
+    return np.clip(covered / side**2, 0.0, 1.0)
