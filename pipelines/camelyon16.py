@@ -121,13 +121,14 @@ def slide_patches(case: dict, config: dict) -> dict:
     params = _grid_params(config)
     slide_path = Path(case["slide"])
     stat = slide_path.stat()
-    key = json.dumps([str(slide_path.resolve()), stat.st_size, stat.st_mtime_ns, case["annotation"], params], sort_keys=True)
+    notes = Path(case["annotation"]).stat().st_mtime_ns if case["annotation"] else None
+    key = json.dumps([str(slide_path.resolve()), stat.st_size, stat.st_mtime_ns, case["annotation"], notes, params], sort_keys=True)
     cache = Path(config["data"]["cache_dir"]).expanduser() / "camelyon16-patches" / f"{slide_path.stem}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.npz"
     if cache.is_file():
         with np.load(cache) as f:
             return {k: f[k] for k in f.files}
     slide = open_slide(slide_path)
-    level = select_level(slide, params["level"], params["mpp"])
+    level = select_level(slide, None if params["mpp"] else params["level"], params["mpp"])  # mpp wins when set
     level_ds = float(slide.level_downsamples[level])
     tissue, tissue_ds = tissue_mask(slide)
     footprint = params["patch_size"] * level_ds
