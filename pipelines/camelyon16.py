@@ -110,7 +110,7 @@ def datalist(config: dict) -> Datalist:
 
 def _grid_params(config: dict) -> dict:
     data = config["data"]
-    return {k: data[k] for k in ("level", "mpp", "patch_size", "stride", "min_tissue", "tumour_coverage")}
+    return {k: data[k] for k in ("level", "mpp", "patch_size", "stride", "min_tissue", "tumour_coverage", "tissue_min_area_um2")}
 
 
 def slide_patches(case: dict, config: dict) -> dict:
@@ -130,7 +130,10 @@ def slide_patches(case: dict, config: dict) -> dict:
     slide = open_slide(slide_path)
     level = select_level(slide, None if params["mpp"] else params["level"], params["mpp"])  # mpp wins when set
     level_ds = float(slide.level_downsamples[level])
-    tissue, tissue_ds = tissue_mask(slide)
+    # debris and holes below a physical area: the same tissue at any scanner resolution
+    mpp = slide_mpp(slide)
+    min_area = config["data"]["tissue_min_area_um2"] / mpp**2 if mpp else 2.0**18
+    tissue, tissue_ds = tissue_mask(slide, min_area=min_area)
     footprint = params["patch_size"] * level_ds
     coords = patch_grid(tissue, tissue_ds, slide.dimensions, params["patch_size"], params["stride"], level_ds, params["min_tissue"])
     labels = np.zeros(len(coords), dtype=np.int64)

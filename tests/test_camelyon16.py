@@ -1,0 +1,148 @@
+"""CAMELYON16 pipeline: slide discovery, the labelled patch grid, validation metrics from rows,
+heatmap export with a stub classifier, and a short training run through the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import openslide
+import pytest
+import torch
+from torch import nn
+
+from hsmla_med.cli import main
+from hsmla_med.config import merge_config, task_config
+from hsmla_med.data.synthetic_wsi import generate_camelyon16
+from hsmla_med.engine.classification import ClassificationModule, slide_maps
+from hsmla_med.errors import DataError
+from hsmla_med.metrics.pathology import auc
+from hsmla_med.pipelines import camelyon16
+
+SMALL = {"num_normal": 2, "num_tumor": 3, "num_test": 2, "size": [1536, 1024], "seed": 0}
+
+
+@pytest.fixture(scope="module")
+def slides(tmp_path_factory):
+    root = tmp_path_factory.mktemp("c16")
+    generate_camelyon16(root / "data", **{k: tuple(v) if k == "size" else v for k, v in SMALL.items()})
+    return root
+
+
+def _config(root, **data) -> dict:
+    override = {
+        "data": {"data_dir": str(root / "data"), "cache_dir": str(root / "cache"), "patch_size": 64, "stride": 64,
+                 "samples_per_epoch": 16, "batch_size": 8, "num_workers": 0, **data},
+        "trainer": {"max_steps": 2, "check_val_every_n_epoch": 1, "accelerator": "cpu", "progress_bar": False},
+    }
+    return merge_config(task_config("camelyon16"), override)
+
+
+def test_find_slides_layouts(tmp_path, slides):
+    training, test = camelyon16.find_slides(slides / "data")
+    assert sorted(c["label"] for c in training) == [0, 0, 1, 1, 1]
+    assert all((c["annotation"] is not None) == bool(c["label"]) for c in training)
+    assert len(test) == 2
+    flat = tmp_path / "flat"
+    (flat / "images").mkdir(parents=True)
+    (flat / "annotations").mkdir()
+    for name in ("a.tif", "b.svs", "notes.txt"):
+        (flat / "images" / name).write_bytes(b"")
+    (flat / "annotations" / "b.xml").write_text("<ASAP_Annotations/>")
+    training, _ = camelyon16.find_slides(flat)
+    assert [(c["slide"].rsplit("/", 1)[1], c["label"]) for c in training] == [("a.tif", 0), ("b.svs", 1)]
+    with pytest.raises(DataError, match="no slides"):
+        camelyon16.find_slides(flat / "images")
+
+
+def test_patch_grid_labels_follow_the_annotation(slides):
+    config = _config(slides)
+    cases = camelyon16.datalist(config)
+    tumour = next(c for c in cases.training + cases.validation if c["label"] == 1)
+    grid = camelyon16.slide_patches(tumour, config)
+    assert grid["labels"].sum() > 0 and (grid["labels"] == 0).sum() > 0
+    assert (grid["lesions"][grid["labels"] == 0] == 0).all() and (grid["lesions"][grid["labels"] == 1] > 0).all()
+    assert (grid["coords"] % 64 == 0).all()
+    np.testing.assert_array_equal(grid["rows"], grid["coords"][:, 1] // 64)
+    # tumour patches are darker (denser nuclei) than normal tissue patches on the synthetic slides
+    slide = openslide.OpenSlide(tumour["slide"])
+    mean = lambda xy: np.asarray(slide.read_region(tuple(int(v) for v in xy), 0, (64, 64)).convert("L")).mean()  # noqa: E731
+    dark_t = np.mean([mean(xy) for xy in grid["coords"][grid["labels"] == 1][:10]])
+    dark_n = np.mean([mean(xy) for xy in grid["coords"][grid["labels"] == 0][:10]])
+    assert dark_t < dark_n
+    again = camelyon16.slide_patches(tumour, config)  # from the cache
+    np.testing.assert_array_equal(again["coords"], grid["coords"])
+    assert len(list((slides / "cache" / "camelyon16-patches").glob("*.npz"))) >= 1
+
+
+def test_summary_from_rows_matches_direct_metrics():
+    # columns: index, slide, row, col, prob, label, lesion, slide_label
+    rows = torch.tensor([
+        [0, 0, 0, 0, 0.9, 1, 1, 1], [1, 0, 0, 1, 0.2, 0, 0, 1], [2, 0, 1, 1, 0.1, 0, 0, 1],
+        [3, 1, 0, 0, 0.3, 0, 0, 0], [4, 1, 2, 1, 0.6, 0, 0, 0],
+        [5, 2, 0, 0, 0.05, 0, 0, 0],
+    ], dtype=torch.float32)
+    maps = slide_maps(rows)
+    assert [m[0].shape for m in maps] == [(2, 2), (3, 2), (1, 1)]
+    assert np.isnan(maps[1][0][1, 0]) and maps[1][0][2, 1] == pytest.approx(0.6)
+    config = merge_config(task_config("camelyon16"), {})
+    module = ClassificationModule(camelyon16.module_config(config, {"variant": "b0"}, camelyon16.LABELS), network=nn.Identity())
+    summary = module.summarize_rows(rows)
+    assert summary["patch_auc"] == pytest.approx(auc(rows[:, 4].numpy(), rows[:, 5].numpy()))
+    assert summary["slides"] == 3 and summary["cases"] == 6
+    assert summary["froc"] == pytest.approx(1.0)  # the one lesion is the top detection; FPs come later
+    json.dumps(summary)
+
+
+class DarkIsTumour(nn.Module):
+    """A deterministic stub classifier: tumour logit from how dark the patch is."""
+
+    def forward(self, x):
+        darkness = 1 - x.mean(dim=(1, 2, 3))
+        return torch.stack([torch.zeros_like(darkness), 100 * (darkness - 0.33)], dim=1)
+
+
+def test_heatmap_export_with_a_stub_classifier(slides, tmp_path):
+    config = _config(slides)
+    cases = camelyon16.datalist(config)
+    tumour = next(c for c in cases.training + cases.validation if c["label"] == 1)
+    module = ClassificationModule(camelyon16.module_config(config, {"variant": "b0"}, camelyon16.LABELS), network=DarkIsTumour())
+    out = tmp_path / "heat"
+    [record] = camelyon16.infer(module, tumour["slide"], out, progress=lambda _: None)
+    stem = record.stem
+    info = json.loads(record.read_text())
+    assert info["patches"] > 0 and 0 < info["tissue_fraction"] < 1
+    assert (out / f"{stem}_overlay.png").is_file() and (out / f"{stem}_gates.png").is_file()
+    heat = openslide.OpenSlide(str(out / f"{stem}_heatmap.tif"))
+    grid = camelyon16.slide_patches(tumour, config)
+    assert heat.dimensions == (int(grid["cols"].max()) + 1, int(grid["rows"].max()) + 1)
+    values = np.asarray(heat.read_region((0, 0), 0, heat.dimensions).convert("L"))
+    at_tumour = values[grid["rows"][grid["labels"] == 1], grid["cols"][grid["labels"] == 1]].mean()
+    at_normal = values[grid["rows"][grid["labels"] == 0], grid["cols"][grid["labels"] == 0]].mean()
+    assert at_tumour > at_normal + 50
+    mtime = record.stat().st_mtime_ns
+    camelyon16.infer(module, tumour["slide"], out, progress=lambda _: None)  # resumes: already done
+    assert record.stat().st_mtime_ns == mtime
+    assert not [p for p in out.iterdir() if "tmp" in p.name]
+
+
+def test_train_through_the_cli(slides, tmp_path, capsys):
+    config = tmp_path / "c16.yaml"
+    config.write_text(json.dumps({"data": {"cache_dir": str(slides / "cache"), "patch_size": 64, "stride": 64,
+                                           "samples_per_epoch": 16, "batch_size": 8, "num_workers": 0},
+                                  "trainer": {"check_val_every_n_epoch": 1, "accelerator": "cpu", "progress_bar": False}}))
+    run = tmp_path / "run"
+    assert main(["train", "--task", "camelyon16", "--data-dir", str(slides / "data"), "--config", str(config),
+                 "--max-steps", "2", "--output", str(run)]) == 0
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert {"auc", "patch_auc", "froc", "step"} <= set(metrics) and metrics["step"] == 2
+    assert (run / "best.ckpt").is_file()
+    bad = slides / "data" / "training" / "lesion_annotations" / "tumor_001.xml"
+    saved = bad.read_text()
+    try:
+        bad.write_text("<ASAP_Annotations><Annotations>")
+        assert main(["train", "--task", "camelyon16", "--data-dir", str(slides / "data"), "--config", str(config),
+                     "--max-steps", "1", "--output", str(tmp_path / "bad")]) == 2
+        assert "tumor_001.xml: malformed ASAP XML" in capsys.readouterr().err
+    finally:
+        bad.write_text(saved)
