@@ -1,0 +1,123 @@
+"""PNG pictures of whole-slide results: a per-patch map laid over the slide thumbnail.
+
+Two pictures per slide: :func:`heatmap_overlay` shows the tumour probability, and
+:func:`gate_overlay` shows where HSMLA's gate sent tiles to softmax refinement, so a reader can
+check that the expensive attention went to the suspicious tissue. Both colour the map on a fixed
+0..1 scale with a perceptually uniform colormap (so colour differences mean value differences
+and pictures of different slides compare directly), leave patch-less cells (NaN) transparent so
+the tissue stays visible, and add a labelled colour bar.
+
+Rendering uses matplotlib's object API with an Agg canvas, not pyplot: no global backend or
+figure state is touched, so it works headless and beside other plotting code. Files are written
+atomically (:func:`hsmla_med.io.atomic_path`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import Normalize
+from matplotlib.figure import Figure
+
+from hsmla_med.io import atomic_path
+
+__all__ = ["gate_overlay", "heatmap_overlay"]
+
+DPI = 100
+# long side of the drawn thumbnail in pixels: small thumbnails are enlarged so that the colour
+# bar and title stay in proportion, huge ones reduced to keep the PNG a reasonable size
+MIN_SIDE, MAX_SIDE = 512, 2048
+# fixed margins in inches: outer border, colour bar width, gap and room for its ticks and label
+MARGIN, BAR, GAP, BAR_TEXT, TITLE = 0.15, 0.25, 0.15, 0.9, 0.45
+
+
+def _resize_nearest(values: np.ndarray, height: int, width: int) -> np.ndarray:
+    """``(h, w)`` map -> ``(height, width)``, each output pixel taking the cell under its centre."""
+    rows = ((np.arange(height) + 0.5) * values.shape[0] / height).astype(int)
+    cols = ((np.arange(width) + 0.5) * values.shape[1] / width).astype(int)
+    return values[np.minimum(rows, values.shape[0] - 1)][:, np.minimum(cols, values.shape[1] - 1)]
+
+
+def _overlay(path, thumbnail, values, title: str, alpha: float, cmap_name: str, label: str) -> Path:
+    """Draw ``values`` (0..1, NaN transparent) over ``thumbnail`` with a colour bar; write a PNG."""
+    thumbnail = np.asarray(thumbnail)
+    values = np.asarray(values, dtype=np.float64)
+    if thumbnail.ndim != 3 or thumbnail.shape[2] != 3 or thumbnail.dtype != np.uint8:
+        raise ValueError(f"thumbnail must be an (H, W, 3) uint8 RGB image, got {thumbnail.shape} {thumbnail.dtype}")
+    if values.ndim != 2 or values.size == 0:
+        raise ValueError(f"the map must be a non-empty 2D (h, w) array, got shape {values.shape}")
+    finite = values[~np.isnan(values)]
+    # values outside 0..1 (logits, percentages) would silently saturate the colormap
+    if finite.size and (finite.min() < 0 or finite.max() > 1):
+        raise ValueError(f"map values must lie in [0, 1] (NaN = no patch), got [{finite.min()}, {finite.max()}]")
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
+
+    height, width = thumbnail.shape[:2]
+    scale = np.clip(max(height, width), MIN_SIDE, MAX_SIDE) / max(height, width) / DPI
+    img_w, img_h = width * scale, height * scale  # inches, the thumbnail's aspect ratio
+    title_h = TITLE if title else 0.0
+    fig_w = MARGIN + img_w + GAP + BAR + BAR_TEXT
+    fig_h = MARGIN + img_h + max(MARGIN, title_h)
+
+    fig = Figure(figsize=(fig_w, fig_h), dpi=DPI, facecolor="white")
+    FigureCanvasAgg(fig)
+    ax = fig.add_axes((MARGIN / fig_w, MARGIN / fig_h, img_w / fig_w, img_h / fig_h))
+    ax.set_axis_off()
+    ax.imshow(thumbnail, interpolation="nearest")
+    # masked (NaN) cells take the colormap's "bad" colour, here fully transparent
+    cmap = colormaps[cmap_name].with_extremes(bad=(0.0, 0.0, 0.0, 0.0))
+    norm = Normalize(vmin=0.0, vmax=1.0)
+    resized = np.ma.masked_invalid(_resize_nearest(values, height, width))
+    ax.imshow(resized, cmap=cmap, norm=norm, alpha=alpha, interpolation="nearest")
+    if title:
+        ax.set_title(title)
+    cax = fig.add_axes(((MARGIN + img_w + GAP) / fig_w, MARGIN / fig_h, BAR / fig_w, img_h / fig_h))
+    # the legend shows the full-strength colours, not the translucent ones blended over tissue
+    fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), cax=cax, label=label, ticks=np.linspace(0, 1, 6))
+
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=DPI, facecolor="white")
+    return Path(path)
+
+
+def heatmap_overlay(path, thumbnail: np.ndarray, prob_map: np.ndarray, title: str = "", alpha: float = 0.5) -> Path:
+    """Write a PNG of the tumour-probability map over the slide thumbnail.
+
+    Args:
+        path: PNG file to write (folders are created; written atomically).
+        thumbnail: ``(H, W, 3)`` uint8 RGB thumbnail of the slide.
+        prob_map: ``(h, w)`` tumour probabilities in [0, 1] on the patch grid, covering the same
+            area as the thumbnail; NaN = no patch (drawn transparent). Any size: it is resized
+            to the thumbnail with nearest-neighbour sampling, so patches stay sharp squares.
+        title: text above the picture; none when empty.
+        alpha: opacity of the colours over the tissue (0 = thumbnail only, 1 = map only).
+
+    Returns:
+        ``path``. The picture uses the perceptual colormap "inferno" on a fixed 0..1 scale,
+        with a colour bar labelled "tumour probability".
+    """
+    return _overlay(path, thumbnail, prob_map, title, alpha, "inferno", "tumour probability")
+
+
+def gate_overlay(path, thumbnail: np.ndarray, gate_map: np.ndarray, title: str = "") -> Path:
+    """Write a PNG of HSMLA gate activity over the slide thumbnail.
+
+    Args:
+        path: PNG file to write (folders are created; written atomically).
+        thumbnail: ``(H, W, 3)`` uint8 RGB thumbnail of the slide.
+        gate_map: ``(h, w)`` per patch, the share of its tiles that the gate sent to softmax
+            refinement, in [0, 1]; NaN = no patch (drawn transparent). Resized like
+            :func:`heatmap_overlay`'s map.
+        title: text above the picture; none when empty.
+
+    Returns:
+        ``path``. The picture uses the colormap "viridis" (perceptual, and distinct from the
+        probability heatmap's) at the heatmap's default opacity 0.5 on a fixed 0..1 scale, with
+        a colour bar labelled "share of tiles refined (alpha)" (the gate's alpha, not opacity).
+    """
+    return _overlay(path, thumbnail, gate_map, title, 0.5, "viridis", "share of tiles refined (alpha)")
