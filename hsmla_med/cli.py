@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the benchmark (hsmla-med bench --help)")
 
     p = sub.add_parser("demo", help="train on synthetic data for a few minutes, infer, print metrics", description="Generates the synthetic BTCV-format volumes and CAMELYON16-format slides, trains a small HSMLA model on each (configs/<task>_demo.yaml), segments the held-out volumes, writes heatmaps of the held-out slides and prints the metrics and output paths.")
-    p.add_argument("--task", choices=["btcv", "camelyon16", "all"], default="btcv", help="which demo (default: btcv)")
+    p.add_argument("--task", choices=["btcv", "camelyon16", "all"], default="all", help="which demo (default: all)")
     p.add_argument("--output", default="runs/demo", help="run folder; one subfolder per task (default runs/demo)")
     p.add_argument("--max-steps", type=int, help="override the demo's training steps")
     return parser
