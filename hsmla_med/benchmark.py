@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--layer-channels", type=int, default=128, help="channels of the benchmarked layer")
     parser.add_argument("--head-dim", type=int, default=32, help="head width of the benchmarked layer")
-    parser.add_argument("--only", choices=["models", "layers"], help="run one of the two tables")
+    parser.add_argument("--only", choices=["models", "layers", "wsi"], help="run one table (wsi: whole-slide heatmap throughput, not part of the default run)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch CPU threads")
     parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -262,6 +262,14 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"{args.threads} threads")
+    if args.only == "wsi":
+        from hsmla_med.benchmark_wsi import bench_wsi
+
+        print("whole-slide heatmaps, 256 px patches at level 0, batch 32:", flush=True)
+        rows = bench_wsi()
+        write_csv(args.out / "wsi.csv", rows)
+        print("\n" + markdown(rows) + "\n")
+        return 0
     models = layers = []
     if args.only != "layers":
         print(f"networks at {args.size}x{args.size}, batch 1:", flush=True)

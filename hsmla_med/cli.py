@@ -95,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, help="patches per forward pass (default: the checkpoint's, 64)")
     p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto")
 
-    p = sub.add_parser("bench", help="CPU benchmark of HSMLA networks vs SegFormer and SwinUNETR", add_help=False)
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the benchmark (hsmla-med bench --help)")
+    # its options are the benchmark's own (hsmla-med bench --help), passed through unparsed
+    sub.add_parser("bench", help="CPU benchmark of HSMLA networks vs SegFormer and SwinUNETR", add_help=False)
 
     p = sub.add_parser("demo", help="train on synthetic data for a few minutes, infer, print metrics", description="Generates the synthetic BTCV-format volumes and CAMELYON16-format slides, trains a small HSMLA model on each (configs/<task>_demo.yaml), segments the held-out volumes, writes heatmaps of the held-out slides and prints the metrics and output paths.")
     p.add_argument("--task", choices=["btcv", "camelyon16", "all"], default="all", help="which demo (default: all)")
@@ -260,7 +260,11 @@ def _bench(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.args = extra
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("hsmla-med: %(message)s"))
     log.addHandler(handler)
