@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from hsmla_med.benchmark import _status_kib
+
 MODELS = ("HSMLA-B0", "HSMLA-B1", "ResNet-18 (MONAI)")
 SIZES = ((4096, 3072), (8192, 6144))
 
@@ -47,11 +49,6 @@ def _module(model: str, cache: Path, patch: int, batch: int):
     if model.startswith("HSMLA"):
         calibrate_tau(module.network, torch.rand(4, 3, patch, patch), 0.3)
     return module
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
 def _child(model: str, slide: str, cache: str, patch: int, batch: int) -> None:

@@ -300,12 +300,14 @@ def heatmap(
             if progress:
                 progress(min(start + batch_size, n), n)
     streamed = time.perf_counter() - started
-    # one heatmap pixel per patch-grid cell, at the physical size of a grid step
+    # k x k heatmap pixels per grid cell, k a power of two taking the long side to >= 1024 px, so
+    # that viewers get a pyramid even for small slides; the pixel size stays physical
     step_level0 = config["data"]["stride"] * float(slide.level_downsamples[level])
+    scale = 2 ** max(0, int(np.ceil(np.log2(1024 / max(prob.shape + (1,))))))
     mpp = slide_mpp(slide)
-    heat = np.nan_to_num(prob * 255, nan=0).round().astype(np.uint8)
+    heat = np.nan_to_num(prob * 255, nan=0).round().astype(np.uint8).repeat(scale, 0).repeat(scale, 1)
     stem = slide_path.stem
-    write_pyramidal_tiff(output / f"{stem}_heatmap.tif", heat, mpp * step_level0 if mpp else None)
+    write_pyramidal_tiff(output / f"{stem}_heatmap.tif", heat, mpp * step_level0 / scale if mpp else None)
     thumb = np.asarray(slide.get_thumbnail((slide.dimensions[0] // tissue_ds, slide.dimensions[1] // tissue_ds)).convert("RGB"))
     heatmap_overlay(output / f"{stem}_overlay.png", thumb, prob, title=f"{stem}: tumour probability")
     gate_overlay(output / f"{stem}_gates.png", thumb, alpha, title=f"{stem}: HSMLA tiles refined")
@@ -314,6 +316,7 @@ def heatmap(
         "slide": str(slide_path),
         "score": slide_score(prob, module.config["inference"]["slide_sigma"]),
         "patches": n,
+        "heatmap_pixels_per_cell": scale,
         "tissue_fraction": float(grid["tissue_fraction"]),
         "mean_alpha": float(np.nanmean(alpha)) if np.isfinite(alpha).any() else None,
         "seconds": time.perf_counter() - started,

@@ -115,8 +115,12 @@ def test_heatmap_export_with_a_stub_classifier(slides, tmp_path):
     assert (out / f"{stem}_overlay.png").is_file() and (out / f"{stem}_gates.png").is_file()
     heat = openslide.OpenSlide(str(out / f"{stem}_heatmap.tif"))
     grid = camelyon16.slide_patches(tumour, config)
-    assert heat.dimensions == (int(grid["cols"].max()) + 1, int(grid["rows"].max()) + 1)
-    values = np.asarray(heat.read_region((0, 0), 0, heat.dimensions).convert("L"))
+    k = info["heatmap_pixels_per_cell"]
+    assert heat.dimensions == ((int(grid["cols"].max()) + 1) * k, (int(grid["rows"].max()) + 1) * k)
+    assert heat.level_count >= 2 and max(heat.dimensions) >= 1024
+    slide_mpp = float(openslide.OpenSlide(tumour["slide"]).properties["openslide.mpp-x"])
+    assert float(heat.properties["openslide.mpp-x"]) == pytest.approx(slide_mpp * 64 / k, rel=1e-6)
+    values = np.asarray(heat.read_region((0, 0), 0, heat.dimensions).convert("L"))[::k, ::k]
     at_tumour = values[grid["rows"][grid["labels"] == 1], grid["cols"][grid["labels"] == 1]].mean()
     at_normal = values[grid["rows"][grid["labels"] == 0], grid["cols"][grid["labels"] == 0]].mean()
     assert at_tumour > at_normal + 50
