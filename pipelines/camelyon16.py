@@ -282,7 +282,10 @@ def heatmap(
     level, size = int(grid["level"]), int(config["data"]["patch_size"])
     tissue_ds = float(grid["tissue_downsample"])
     n = len(grid["coords"])
-    prob = np.full((int(grid["rows"].max(initial=-1)) + 1, int(grid["cols"].max(initial=-1)) + 1), np.nan)
+    # the grid covers the whole slide from its origin, so map cells line up with slide pixels
+    step_level0 = config["data"]["stride"] * float(slide.level_downsamples[level])
+    width, height = slide.dimensions
+    prob = np.full((int(np.ceil(height / step_level0)), int(np.ceil(width / step_level0))), np.nan)
     alpha = prob.copy()
     network = module.network.to(device).eval()
     batch_size = batch_size or module.config["inference"]["batch_size"]
@@ -302,13 +305,15 @@ def heatmap(
     streamed = time.perf_counter() - started
     # k x k heatmap pixels per grid cell, k a power of two taking the long side to >= 1024 px, so
     # that viewers get a pyramid even for small slides; the pixel size stays physical
-    step_level0 = config["data"]["stride"] * float(slide.level_downsamples[level])
     scale = 2 ** max(0, int(np.ceil(np.log2(1024 / max(prob.shape + (1,))))))
     mpp = slide_mpp(slide)
     heat = np.nan_to_num(prob * 255, nan=0).round().astype(np.uint8).repeat(scale, 0).repeat(scale, 1)
     stem = slide_path.stem
     write_pyramidal_tiff(output / f"{stem}_heatmap.tif", heat, mpp * step_level0 / scale if mpp else None)
-    thumb = np.asarray(slide.get_thumbnail((slide.dimensions[0] // tissue_ds, slide.dimensions[1] // tissue_ds)).convert("RGB"))
+    # thumbnail padded with glass to the grid's extent (a part of a cell beyond the slide edge)
+    thumb = np.asarray(slide.get_thumbnail((width / tissue_ds, height / tissue_ds)).convert("RGB"))
+    extent = np.round(np.array(prob.shape) * step_level0 / height * thumb.shape[0]).astype(int)
+    thumb = np.pad(thumb, ((0, max(0, extent[0] - thumb.shape[0])), (0, max(0, extent[1] - thumb.shape[1])), (0, 0)), constant_values=255)
     heatmap_overlay(output / f"{stem}_overlay.png", thumb, prob, title=f"{stem}: tumour probability")
     gate_overlay(output / f"{stem}_gates.png", thumb, alpha, title=f"{stem}: HSMLA tiles refined")
     slide.close()
