@@ -15,6 +15,8 @@ import time
 import warnings
 from pathlib import Path
 
+from hsmla_med.pipelines import TASKS
+
 __all__ = ["main", "build_parser"]
 
 log = logging.getLogger("hsmla_med")
@@ -33,7 +35,7 @@ _EPILOG = """examples:
 
 
 def _add_task_options(p: argparse.ArgumentParser, data: bool = True) -> None:
-    p.add_argument("--task", required=True, help="task pipeline: btcv | camelyon16")
+    p.add_argument("--task", required=True, help=f"task pipeline: {' | '.join(TASKS)}")
     if data:
         p.add_argument("--data-dir", help="dataset folder (MSD/nnU-Net layout with dataset.json); default: the synthetic dataset")
         p.add_argument("--config", help="YAML merged over the task's default config (configs/<task>.yaml)")
@@ -99,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", help="CPU benchmark of HSMLA networks vs SegFormer and SwinUNETR", add_help=False)
 
     p = sub.add_parser("demo", help="train on synthetic data for a few minutes, infer, print metrics", description="Generates the synthetic BTCV-format volumes and CAMELYON16-format slides, trains a small HSMLA model on each (configs/<task>_demo.yaml), segments the held-out volumes, writes heatmaps of the held-out slides and prints the metrics and output paths.")
-    p.add_argument("--task", choices=["btcv", "camelyon16", "all"], default="all", help="which demo (default: all)")
+    p.add_argument("--task", choices=[*TASKS, "all"], default="all", help="which demo (default: all)")
     p.add_argument("--output", default="runs/demo", help="run folder; one subfolder per task (default runs/demo)")
     p.add_argument("--max-steps", type=int, help="override the demo's training steps")
     return parser
@@ -225,7 +227,7 @@ def _demo(args) -> int:
     from hsmla_med.engine.run import load_module
     from hsmla_med.pipelines import get_task
 
-    tasks = ["btcv", "camelyon16"] if args.task == "all" else [args.task]
+    tasks = list(TASKS) if args.task == "all" else [args.task]
     report = []
     for name in tasks:
         started = time.perf_counter()
@@ -239,9 +241,7 @@ def _demo(args) -> int:
         task = get_task(name)
         cases = task.datalist(config)
         module, _ = load_module(output / "best.ckpt", task.MODULE)
-        # BTCV: segment the held-out volumes; CAMELYON16: heatmaps of the held-out test slides
-        held_out = [c["image"] for c in cases.validation + cases.test] if name == "btcv" else [c["slide"] for c in cases.test]
-        written = [p for item in held_out for p in task.infer(module, item, output / "predictions")]
+        written = [p for item in task.held_out(cases) for p in task.infer(module, item, output / "predictions")]
         metric = module.monitor
         report.append(
             f"{name}: {metric} {summary[metric]:.4f} on {summary['cases']} held-out synthetic items, "

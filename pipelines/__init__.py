@@ -1,8 +1,9 @@
 """Task pipelines, one module per benchmark; installed as ``hsmla_med.pipelines``.
 
 A task module provides ``datalist(config)``, ``datamodule(config, cases)``,
-``module_config(config, model, label_names)``, ``MODULE`` (its LightningModule class) and
-``infer(module, inputs, output, ...)``; the command line drives them all the same way.
+``module_config(config, model, label_names)``, ``MODULE`` (its LightningModule class),
+``infer(module, inputs, output, ...)`` and ``held_out(cases)`` (the inputs that ``demo`` runs
+``infer`` on); the command line drives them all the same way.
 """
 
 from __future__ import annotations

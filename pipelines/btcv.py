@@ -41,7 +41,7 @@ from hsmla_med.errors import ConfigError, DataError
 from hsmla_med.inference.sliding import predict_volume
 from hsmla_med.io import atomic_path
 
-__all__ = ["datalist", "transforms", "datamodule", "module", "infer", "MODULE"]
+__all__ = ["datalist", "transforms", "datamodule", "module_config", "held_out", "infer", "MODULE"]
 
 log = logging.getLogger("hsmla_med")
 MODULE = SegmentationModule
@@ -139,6 +139,11 @@ def datamodule(config: dict, cases: Datalist, in_channels: int = 1) -> CaseDataM
     train, val = transforms(config, in_channels, cases.num_classes)
     data = config["data"]
     return CaseDataModule(cases.training, cases.validation, train, val, data["batch_size"], data["num_workers"], data["cache_rate"])
+
+
+def held_out(cases: Datalist) -> list[str]:
+    """The volumes ``demo`` segments after training: validation and test images."""
+    return [c["image"] for c in cases.validation + cases.test]
 
 
 def _inputs(path: str | Path) -> list[Path]:

@@ -37,7 +37,7 @@ from hsmla_med.io import atomic_path, write_json
 from hsmla_med.metrics.pathology import lesion_labels, slide_score
 from hsmla_med.nn import GatedNetwork
 
-__all__ = ["MODULE", "LABELS", "find_slides", "datalist", "slide_patches", "datamodule", "module_config", "heatmap", "infer"]
+__all__ = ["MODULE", "LABELS", "find_slides", "datalist", "slide_patches", "datamodule", "module_config", "heatmap", "held_out", "infer"]
 
 log = logging.getLogger("hsmla_med")
 MODULE = ClassificationModule
@@ -329,6 +329,11 @@ def heatmap(
     }
     write_json(output / f"{stem}.json", record)
     return record
+
+
+def held_out(cases: Datalist) -> list[str]:
+    """The slides ``demo`` writes heatmaps of after training: the test slides."""
+    return [c["slide"] for c in cases.test]
 
 
 def infer(
