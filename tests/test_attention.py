@@ -102,6 +102,18 @@ def test_gate_is_head_mean_of_sigmoid_scores_over_tiles():
     torch.testing.assert_close(gate[0, 2, 1], scores.mean())
 
 
+@pytest.mark.parametrize("spatial", [(8, 12), (4, 8, 12)])
+def test_fused_gate_pooling_equals_conv_then_tile_average(spatial):
+    """On maps of whole tiles the gate pools with one strided convolution; it must equal the
+    3x3 depthwise conv followed by the tile average (float64, fresh weights)."""
+    layer = _layer(spatial_dims=len(spatial), channels=16, block=4).double()
+    torch.nn.init.normal_(layer.gate_conv.weight)
+    torch.nn.init.normal_(layer.gate_conv.bias)
+    ms = torch.randn(2, 48, *spatial, dtype=torch.float64)
+    expected = HF.tile_average(layer.gate_conv(ms), 4)
+    torch.testing.assert_close(layer._gate_pool(ms), expected, rtol=1e-10, atol=1e-10)
+
+
 def test_gradients_reach_the_gate():
     layer = _layer(channels=16).train()
     x = torch.randn(2, 16, 10, 9)

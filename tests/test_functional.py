@@ -104,6 +104,22 @@ def test_local_refine_selects_tiles(spatial, block):
     assert (r[~active[:, None, ..., None].expand_as(r)] == 0).all()
 
 
+@pytest.mark.parametrize("shape", [(2, 2, 6, 5, 4), (1, 2, 3, 5, 4, 3)])
+def test_local_refine_gradients_match_brute_force(shape):
+    """The training path differentiates through the dense local residual: its gradients with
+    respect to all six maps equal those of the float64 brute force."""
+    window, eps = 3, 1e-6
+    maps = [torch.randn(shape, requires_grad=True) for _ in range(6)]
+    weight = torch.randn(shape, dtype=torch.float64)
+    r = HF.local_refine(*maps, None, 0.0, 4, window, eps)
+    grads = torch.autograd.grad((r.double() * weight).sum(), maps)
+    q, k, v, qh, kh, vh = (m.detach().double().requires_grad_() for m in maps)
+    expected = brute_softmax(q, k, v, window) - brute_linear(qh, kh, vh, eps, window)
+    expected_grads = torch.autograd.grad((expected * weight).sum(), (q, k, v, qh, kh, vh))
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
 def test_local_refine_every_tile_and_no_tile():
     q, k, v, qh, kh, vh = _rand((1, 2, 9, 10, 4), 6)
     dense = HF.local_refine(q, k, v, qh, kh, vh, None, 0.0, 4, 3)
@@ -125,11 +141,12 @@ def test_local_refine_never_touches_inactive_tiles(monkeypatch):
     for t in (q, k, v, qh, kh, vh):
         t[:, :, ~keep] = math.nan
     seen = []
-    original = HF._window_softmax
-    monkeypatch.setattr(HF, "_window_softmax", lambda q_, *a: seen.append(q_.shape) or original(q_, *a))
+    original = HF._window_attention
+    monkeypatch.setattr(HF, "_window_attention", lambda q_, *a: seen.append(q_.shape) or original(q_, *a))
     r = HF.local_refine(q, k, v, qh, kh, vh, gate, 0.5, block, window)
     assert torch.isfinite(r).all()
-    assert seen == [torch.Size([2, 1, block * block, 4])]  # (heads, active tiles, tokens, d)
+    # (softmax and linear terms x heads, active tiles, tokens, d)
+    assert seen == [torch.Size([2 * 2, 1, block * block, 4])]
     assert torch.count_nonzero(r[:, :, 4:8, 8:12]) == r[:, :, 4:8, 8:12].numel()
 
 

@@ -157,11 +157,30 @@ class HSMLA(nn.Module):
         ``G^h_b = sigmoid(w_h . AvgPool_b(DWConv3x3([Qh_h; Kh_h; Vh_h])) + b_h)``,
         ``M_b = mean_h G^h_b``.
         """
-        pooled = HF.tile_average(self.gate_conv(ms), self.block)  # (b, 3C, *tiles)
+        pooled = self._gate_pool(ms)  # (b, 3C, *tiles)
         pooled = pooled.view(pooled.shape[0], 3, self.heads, self.head_dim, *pooled.shape[2:])
         logits = torch.einsum("bthd...,thd->bh...", pooled, self.gate_weight)
         logits = logits + self.gate_bias.view(1, -1, *([1] * self.spatial_dims))
         return logits.sigmoid().mean(dim=1)
+
+    def _gate_pool(self, ms: torch.Tensor) -> torch.Tensor:
+        """``AvgPool_b(DWConv3x3(ms))``, ``(b, 3C, *tiles)``.
+
+        Both are linear, so on a map made of whole tiles they are one depthwise convolution
+        with stride ``block`` whose kernel is the 3x3 kernel convolved with a ``block``-sized box
+        (divided by its volume): it never materialises the full-resolution conv output, which
+        costs as much as the Q/K/V projection on large maps. Maps with partial edge tiles average
+        over the tokens that exist, on the unfused path.
+        """
+        conv = self.gate_conv
+        if any(n % self.block for n in ms.shape[2:]):
+            return HF.tile_average(conv(ms), self.block)
+        dims, b = self.spatial_dims, self.block
+        conv_nd = (F.conv2d, F.conv3d)[dims - 2]
+        box = conv.weight.new_full((1, 1, *[b] * dims), 1.0 / b**dims)
+        # cross-correlating the zero-padded 3x3 kernels with the (symmetric) box = full convolution
+        kernel = conv_nd(F.pad(conv.weight, [b - 1] * (2 * dims)), box)  # (3C, 1, *[b + 2])
+        return conv_nd(ms, kernel, conv.bias, stride=b, padding=1, groups=ms.shape[1])
 
     def _ops(self, training: bool, device: torch.device):
         """The (linear_attention, local_refine) pair for this call: kernels or reference."""

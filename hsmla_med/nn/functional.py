@@ -124,26 +124,40 @@ def tile_grid(spatial: tuple[int, ...], block: int) -> tuple[int, ...]:
     return tuple(math.ceil(s / block) for s in spatial)
 
 
-def _positions(index: torch.Tensor, block: int, halo: int, spatial: tuple[int, ...]):
-    """Token positions of each tile in ``index`` (``(n, 1 + s)`` rows of ``(batch, *tile)``).
+@lru_cache(maxsize=64)
+def _tile_tables(spatial: tuple[int, ...], block: int, window: int, device: torch.device):
+    """Token positions of every tile of a map, computed once per map geometry.
 
-    Each tile spans ``block + 2 * halo`` tokens per axis from ``block * tile - halo``.
-    Returns ``(flat, inside)``, both ``(n, (block + 2 * halo)**s)``: the flat position in the
-    map, clamped into it, and whether the token lies inside the map.
+    Returns ``(q_flat, k_flat, hidden, partial)``: ``q_flat`` ``(tiles, block**s)`` the flat map
+    position of each tile's own tokens (clamped into the map), ``k_flat``
+    ``(tiles, (block + window - 1)**s)`` those of its halo (out-of-map tokens clamped to an edge
+    copy), ``hidden`` ``(tiles, block**s, halo**s)`` bool, halo key outside the query's window or
+    outside the map, and ``partial`` ``(tiles, block**s)`` bool, query inside the map (``None`` when every
+    tile is whole). Tiles are numbered row-major over :func:`tile_grid`.
     """
-    size = block + 2 * halo
-    offsets = torch.arange(size, device=index.device) - halo
-    flat = torch.zeros((index.shape[0], 1), dtype=torch.long, device=index.device)
-    inside = torch.ones((index.shape[0], 1), dtype=torch.bool, device=index.device)
-    for axis, n in enumerate(spatial):
-        coord = index[:, 1 + axis, None] * block + offsets  # (n_tiles, size)
-        inside = (inside.unsqueeze(-1) & (coord >= 0).unsqueeze(1) & (coord < n).unsqueeze(1)).flatten(1)
-        flat = (flat.unsqueeze(-1) * n + coord.clamp(0, n - 1).unsqueeze(1)).flatten(1)
-    return flat, inside
+    grid = tile_grid(spatial, block)
+    tiles = torch.cartesian_prod(*(torch.arange(n) for n in grid)).reshape(-1, len(grid))
+
+    def positions(halo: int):
+        size = block + 2 * halo
+        offsets = torch.arange(size) - halo
+        flat = torch.zeros((tiles.shape[0], 1), dtype=torch.long)
+        inside = torch.ones((tiles.shape[0], 1), dtype=torch.bool)
+        for axis, n in enumerate(spatial):
+            coord = tiles[:, axis, None] * block + offsets  # (tiles, size)
+            inside = (inside.unsqueeze(-1) & ((coord >= 0) & (coord < n)).unsqueeze(1)).flatten(1)
+            flat = (flat.unsqueeze(-1) * n + coord.clamp(0, n - 1).unsqueeze(1)).flatten(1)
+        return flat, inside
+
+    q_flat, q_inside = positions(0)
+    k_flat, k_inside = positions(window // 2)
+    hidden = ~(_band_mask(len(spatial), block, window).unsqueeze(0) & k_inside.unsqueeze(1))
+    partial = None if bool(q_inside.all()) else q_inside.to(device)
+    return q_flat.to(device), k_flat.to(device), hidden.to(device), partial
 
 
 class _TileSet:
-    """Token positions of a list of tiles, computed once for all gathers and the scatter.
+    """Token positions of a list of tiles, looked up once for all gathers and the scatter.
 
     ``index``: ``(n, 1 + s)`` rows of ``(batch, *tile)`` in batch-major order (as
     ``torch.nonzero`` and ``torch.cartesian_prod`` give them), so the rows of each batch element
@@ -151,12 +165,14 @@ class _TileSet:
     """
 
     def __init__(self, index: torch.Tensor, block: int, window: int, spatial: tuple[int, ...]) -> None:
-        self.q_flat, q_inside = _positions(index, block, 0, spatial)
-        self.k_flat, k_inside = _positions(index, block, window // 2, spatial)
-        band = _band_mask(len(spatial), block, window).to(index.device)
-        self.mask = (band.unsqueeze(0) & k_inside.unsqueeze(1)).unsqueeze(0)  # (1, n, Bq, Bk)
+        q_flat, k_flat, hidden, partial = _tile_tables(spatial, block, window, index.device)
+        tile = index[:, 1]
+        for axis, n in enumerate(tile_grid(spatial, block)[1:], 2):
+            tile = tile * n + index[:, axis]
+        self.q_flat, self.k_flat = q_flat[tile], k_flat[tile]
+        self.hidden = hidden[tile].unsqueeze(0)  # (1, n, Bq, Bk)
         # Queries of partial edge tiles that fall outside the map are not written back.
-        self.q_keep = None if bool(q_inside.all()) else q_inside
+        self.q_keep = None if partial is None else partial[tile]
         batches, counts = torch.unique_consecutive(index[:, 0], return_counts=True)
         self.runs = []  # (batch element, rows of index)
         start = 0
@@ -165,14 +181,14 @@ class _TileSet:
             start += n
 
     def gather(self, x: torch.Tensor, keys: bool) -> torch.Tensor:
-        """Tiles of a token-major ``(b, h, N, d)`` map -> ``(h, n, tokens, d)``: the tile's own
-        tokens, or with ``keys`` its halo (out-of-map tokens hold clamped edge copies; ``mask``
-        hides them). Whole contiguous token rows are copied, and the result feeds the batched
-        matmuls as it is."""
+        """Tiles of a token-major ``(P, b, h, N, d)`` stack of maps -> ``(P * h, n, tokens, d)``:
+        the tile's own tokens, or with ``keys`` its halo (out-of-map tokens hold clamped edge
+        copies; ``hidden`` hides them). Whole contiguous token rows are copied, and the result
+        feeds the batched matmuls as it is."""
         flat = self.k_flat if keys else self.q_flat
-        parts = [x[b].index_select(1, flat[r].flatten()) for b, r in self.runs]
-        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        return out.view(x.shape[1], *flat.shape, x.shape[-1])
+        parts = [x[:, b].index_select(2, flat[r].flatten()) for b, r in self.runs]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+        return out.view(x.shape[0] * x.shape[2], *flat.shape, x.shape[-1])
 
     def scatter(self, out: torch.Tensor, r: torch.Tensor) -> None:
         """Write ``(h, n, block**s, d)`` tile values into ``out``, ``(b, h * d, N)``, in place."""
@@ -191,37 +207,39 @@ def _all_tiles(shape: torch.Size, block: int, device: torch.device) -> torch.Ten
     return torch.cartesian_prod(*ranges).reshape(-1, 1 + len(grid))
 
 
-def _window_softmax(q, k, v, mask):
-    """Masked softmax attention of tile queries ``(..., Bq, d)`` over halo keys ``(..., Bk, d)``."""
-    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
-    # The finite minimum (not -inf) keeps rows of padded queries in partial tiles finite.
-    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    return scores.softmax(dim=-1) @ v
+def _window_attention(q, k, v, hidden, softmax_heads: int, eps: float) -> torch.Tensor:
+    """Attention of tile queries ``(P * h, n, Bq, d)`` over their halo keys ``(P * h, n, Bk, d)``
+    except the ``hidden`` ones ``(1, n, Bq, Bk)``: masked softmax for the first ``softmax_heads``
+    batch entries, and for the rest local ReLU linear attention (``q``, ``k`` already
+    ``phi(qh)``, ``phi(kh)``).
 
-
-def _window_linear(qh, kh, vh, mask, eps):
-    """Local ReLU linear attention of tile queries over their halo keys; ``qh``, ``kh`` are
-    already ``phi(qh)``, ``phi(kh)``.
-
+    The two terms share one batched matmul per product. The linear term uses
     ``phi(qh_i) Z_N(i) = sum_{j in N(i)} (phi(qh_i) . phi(kh_j)) vh_j``: the same band as the
-    softmax, with unnormalised non-negative weights; keys outside the map are zero-padded and
-    so contribute ``phi(0) = 0`` to both numerator and denominator.
+    softmax with unnormalised non-negative weights, normalised by their sum plus ``eps``.
     """
-    weights = (qh @ kh.transpose(-1, -2)) * mask
-    return (weights @ vh) / (weights.sum(dim=-1, keepdim=True) + eps)
+    scores = q @ k.transpose(-1, -2)
+    soft, lin = scores[:softmax_heads], scores[softmax_heads:]
+    if softmax_heads:
+        # The finite minimum (not -inf) keeps rows of padded queries in partial tiles finite.
+        soft.mul_(q.shape[-1] ** -0.5).masked_fill_(hidden, torch.finfo(scores.dtype).min)
+        soft.copy_(soft.softmax(dim=-1))
+    if lin.shape[0]:
+        lin.masked_fill_(hidden, 0.0)
+        lin.div_(lin.sum(dim=-1, keepdim=True).add_(eps))
+    return scores @ v
 
 
-def _local_terms(src: dict[str, torch.Tensor], tiles: _TileSet, eps: float, softmax: bool, linear: bool):
-    """``softmax`` and/or ``-linear`` local terms of the tiles, ``(heads, n, block**s, d)``, from
-    the token-major float32 maps of :func:`_tiled`."""
-    out = 0
-    if softmax:
-        q, k, v = tiles.gather(src["q"], False), tiles.gather(src["k"], True), tiles.gather(src["v"], True)
-        out = out + _window_softmax(q, k, v, tiles.mask)
-    if linear:
-        qh, kh, vh = tiles.gather(src["qh"], False), tiles.gather(src["kh"], True), tiles.gather(src["vh"], True)
-        out = out - _window_linear(qh, kh, vh, tiles.mask, eps)
-    return out
+def _local_terms(src: dict[str, torch.Tensor], tiles: _TileSet, eps: float, softmax: bool) -> torch.Tensor:
+    """``O_loc - O_linloc`` of the tiles (or the one term that ``src`` stacks), ``(h, n,
+    block**s, d)``, from the stacked token-major maps of :func:`_tiled`."""
+    terms, heads = src["q"].shape[0], src["q"].shape[2]
+    out = _window_attention(
+        tiles.gather(src["q"], False), tiles.gather(src["k"], True), tiles.gather(src["v"], True),
+        tiles.hidden, heads if softmax else 0, eps,
+    )
+    if terms == 1:
+        return out if softmax else -out
+    return out[:heads] - out[heads:]
 
 
 # Tiles are evaluated in chunks of about this many gathered elements per tensor, so temporary
@@ -229,24 +247,39 @@ def _local_terms(src: dict[str, torch.Tensor], tiles: _TileSet, eps: float, soft
 _CHUNK_ELEMENTS = 1 << 22
 
 
-def _tiled(tensors, window, block, index, eps, softmax, linear) -> torch.Tensor:
-    """Local terms for the tiles in ``index`` scattered into zeros: float32 ``(b, h, *S, d)``."""
-    ref = next(iter(tensors.values()))
+def _token_major(maps: list[torch.Tensor], relu: list[bool]) -> torch.Tensor:
+    """Stack ``(b, h, *S, d)`` maps into one token-major float32 ``(P, b, h, N, d)`` (one copy
+    each); ``phi = relu`` is applied in place where asked, before the gather, because halo tiles
+    repeat tokens."""
+    out = torch.stack([x.flatten(2, -2) for x in maps]).float()
+    for i, flag in enumerate(relu):
+        if flag:
+            out[i].relu_()
+    return out
+
+
+def _tiled(softmax_maps, linear_maps, window, block, index, eps) -> torch.Tensor:
+    """Local terms for the tiles in ``index`` scattered into zeros: float32 ``(b, h, *S, d)``.
+
+    ``softmax_maps`` is ``(q, k, v)`` or ``None``, ``linear_maps`` is ``(qh, kh, vh)`` or
+    ``None``; with both, the result is ``O_loc - O_linloc``."""
+    pairs = [m for m in (softmax_maps, linear_maps) if m is not None]
+    ref = pairs[0][0]
     b, h, d = ref.shape[0], ref.shape[1], ref.shape[-1]
     spatial = tuple(ref.shape[2:-1])
     out = torch.zeros((b, h * d, math.prod(spatial)), dtype=torch.float32, device=ref.device)
     halo_tokens = (block + window - 1) ** len(spatial)
-    rows = max(1, _CHUNK_ELEMENTS // (h * d * halo_tokens))
+    rows = max(1, _CHUNK_ELEMENTS // (len(pairs) * h * d * halo_tokens))
     with torch.autocast(device_type=ref.device.type, enabled=False):
-        # Token-major float32 maps (b, h, N, d), laid out once for every chunk; phi = relu is
-        # applied here, before the gather, because halo tiles repeat tokens.
-        src = {}
-        for name, x in tensors.items():
-            x = x.float().relu() if name in ("qh", "kh") else x.float()
-            src[name] = x.flatten(2, -2).contiguous()
+        # token-major float32 stacks (P, b, h, N, d), laid out once for every chunk
+        lin = [linear_maps is not None and m is linear_maps for m in pairs]
+        src = {
+            name: _token_major([m[i] for m in pairs], [flag and name != "v" for flag in lin])
+            for i, name in enumerate(("q", "k", "v"))
+        }
         for chunk in index.split(rows):
             tiles = _TileSet(chunk, block, window, spatial)
-            tiles.scatter(out, _local_terms(src, tiles, eps, softmax, linear))
+            tiles.scatter(out, _local_terms(src, tiles, eps, softmax_maps is not None))
     return _feature_view(out.view(b, h, d, *spatial))
 
 
@@ -267,7 +300,7 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: i
     _check_window(window)
     _check_same_map(q=q, k=k, v=v)
     index = _all_tiles(q.shape, _FULL_MAP_BLOCK, q.device)
-    return _tiled(dict(q=q, k=k, v=v), window, _FULL_MAP_BLOCK, index, 0.0, True, False).to(q.dtype)
+    return _tiled((q, k, v), None, window, _FULL_MAP_BLOCK, index, 0.0).to(q.dtype)
 
 
 def local_linear_attention(
@@ -285,7 +318,7 @@ def local_linear_attention(
     _check_window(window)
     _check_same_map(qh=qh, kh=kh, vh=vh)
     index = _all_tiles(qh.shape, _FULL_MAP_BLOCK, qh.device)
-    return (-_tiled(dict(qh=qh, kh=kh, vh=vh), window, _FULL_MAP_BLOCK, index, eps, False, True)).to(qh.dtype)
+    return (-_tiled(None, (qh, kh, vh), window, _FULL_MAP_BLOCK, index, eps)).to(qh.dtype)
 
 
 def local_refine(
@@ -332,8 +365,7 @@ def local_refine(
         index = torch.nonzero(gate > tau)
     if index.shape[0] == 0:
         return torch.zeros_like(q)
-    tensors = dict(q=q, k=k, v=v, qh=qh, kh=kh, vh=vh)
-    return _tiled(tensors, window, block, index, eps, True, True).to(q.dtype)
+    return _tiled((q, k, v), (qh, kh, vh), window, block, index, eps).to(q.dtype)
 
 
 def tile_average(x: torch.Tensor, block: int) -> torch.Tensor:
