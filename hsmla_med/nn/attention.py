@@ -238,7 +238,7 @@ class HSMLA(nn.Module):
             # Active tiles keep the gate weight they had in training (DESIGN.md §3.6 adds R at
             # weight 1): the budget keeps M near rho, so a network trained on M * R saw R at about
             # 0.3, and full-weight R at inference cost 7 Dice points on BTCV (docs/benchmarks.md).
-            out = out + self._tokens_gate(gate, spatial).to(r.dtype) * r
+            out = torch.addcmul(out, self._tokens_gate(gate, spatial).to(r.dtype), r)
         else:
             self.last_alpha = 0.0
 
