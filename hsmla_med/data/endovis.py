@@ -47,6 +47,7 @@ __all__ = [
     "find_frames",
     "find_videos",
     "instrument_type",
+    "load_frame",
     "merge_labels",
     "read_frame",
     "read_label",
@@ -213,14 +214,20 @@ class LoadFramed(MapTransform):
 
     def __call__(self, data: dict) -> dict:
         out = {k: v for k, v in data.items() if k != "labels"}
-        rgb = read_frame(data["image"])
-        top, left, h, w = crop_box(rgb.shape[:2], self.crop, data["image"])
-        box = (slice(top, top + h), slice(left, left + w))
-        out["image"] = torch.from_numpy(np.ascontiguousarray(rgb[box].transpose(2, 0, 1))).float().div_(255.0)
+        out["image"], (top, left, h, w), shape = load_frame(data["image"], self.crop)
         if "labels" in data:
-            label = merge_labels(data["labels"], self.problem, rgb.shape[:2])
-            out["label"] = torch.from_numpy(np.ascontiguousarray(label[box]))[None].long()
+            label = merge_labels(data["labels"], self.problem, shape)
+            out["label"] = torch.from_numpy(np.ascontiguousarray(label[top : top + h, left : left + w]))[None].long()
         return out
+
+
+def load_frame(path: str | Path, crop: Sequence[int] | None = CROP) -> tuple[torch.Tensor, tuple[int, int, int, int], tuple[int, int]]:
+    """A frame for the network: ``(image, box, shape)`` with ``image`` ``(3, h, w)`` float32 in
+    0..1 cropped to ``box`` = :func:`crop_box` ``(top, left, h, w)`` of the frame's ``shape`` (H, W)."""
+    rgb = read_frame(path)
+    top, left, h, w = crop_box(rgb.shape[:2], crop, path)
+    image = torch.from_numpy(np.ascontiguousarray(rgb[top : top + h, left : left + w].transpose(2, 0, 1))).float().div_(255.0)
+    return image, (top, left, h, w), rgb.shape[:2]
 
 
 def _frames(folder: Path) -> list[Path]:
