@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import random
-import re
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -26,8 +25,9 @@ from monai.transforms import Compose, RandFlipd, RandScaleIntensityd, RandShiftI
 from PIL import Image
 
 from hsmla_med.data.datalist import Datalist
-from hsmla_med.data.endovis import PROBLEMS, LoadFramed, find_frames, find_videos, load_frame
+from hsmla_med.data.endovis import PROBLEMS, VIDEO_FOLDER, LoadFramed, find_frames, find_videos, load_frame
 from hsmla_med.data.synthetic_endovis import generate_endovis
+from hsmla_med.engine.base import plain
 from hsmla_med.engine.datamodule import CaseDataModule
 from hsmla_med.engine.segmentation import FrameSegmentationModule
 from hsmla_med.errors import ConfigError, DataError
@@ -37,7 +37,6 @@ __all__ = ["MODULE", "datalist", "transforms", "datamodule", "module_config", "h
 
 log = logging.getLogger("hsmla_med")
 MODULE = FrameSegmentationModule
-_VIDEO = re.compile(r"^instrument_dataset_\d+$")
 
 
 def _problem(config: dict) -> str:
@@ -133,7 +132,7 @@ def output_path(frame: Path, output: Path) -> Path:
     """``output/instrument_dataset_K/frameNNN.png`` for a frame in the challenge layout (frame
     names repeat across videos), ``output/<name>.png`` otherwise."""
     video = frame.parent.parent.name
-    if frame.parent.name == "left_frames" and _VIDEO.match(video):
+    if frame.parent.name == "left_frames" and VIDEO_FOLDER.match(video):
         return output / video / f"{frame.stem}.png"
     return output / f"{frame.stem}.png"
 
@@ -165,7 +164,7 @@ def infer(
     for frame in frames:
         image, (top, left, h, w), shape = load_frame(frame, cfg["data"]["crop"])
         with torch.inference_mode():
-            x = torch.as_tensor(resize({"image": image})["image"])[None].to(device)
+            x = plain(resize({"image": image})["image"])[None].to(device)
             tic = time.perf_counter()
             probs = module.predict_probabilities(x)
             labels = F.interpolate(probs, size=(h, w), mode="bilinear", align_corners=False).argmax(1)[0]

@@ -3,6 +3,7 @@ synthetic generator, bad inputs, geometry of inference, and train / infer / demo
 
 from __future__ import annotations
 
+import csv
 import json
 import shutil
 
@@ -246,6 +247,13 @@ def test_train_then_infer_through_the_cli(tmp_path, cache, capsys):
         mask = np.asarray(Image.open(m))
         assert mask.shape == (1080, 1920) and mask.max() <= 1 and mask[:28].max() == 0
     assert "frames/s" in capsys.readouterr().out
+    # evaluate reproduces the best checkpoint's validation scores (its saved taus, same frames)
+    assert main(["evaluate", "--task", "endovis", "--checkpoint", str(out / "best.ckpt"), "--data-dir", str(data),
+                 "--config", str(user), "--output", str(tmp_path / "eval")]) == 0
+    scores = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    with (out / "metrics.csv").open() as f:
+        best = max(float(row["dice"]) for row in csv.DictReader(f))
+    assert scores["dice"] == pytest.approx(best, abs=1e-5)
 
 
 def test_missing_mask_is_one_clear_error(tmp_path, cache, capsys):
@@ -268,3 +276,16 @@ def test_demo_runs_on_a_tiny_synthetic_dataset(tmp_path, cache, capsys):
     assert (run / "best.ckpt").is_file()
     # the held-out videos: the validation video and the test video, one mask per frame
     assert len(list((run / "predictions").glob("instrument_dataset_*/frame*.png"))) == 4
+
+
+def test_bench_endovis_times_rgb_models_side_by_side():
+    pytest.importorskip("transformers")
+    from hsmla_med.benchmark import bench_endovis
+
+    rows = bench_endovis(runs=1, size=(64, 96), classes=4)
+    assert [r["model"] for r in rows] == ["HSMLA-B0", "SegFormer-B0"]
+    hsmla, segformer = rows
+    assert hsmla["frames_per_s"] == pytest.approx(1e3 / hsmla["latency_ms"])
+    assert hsmla["speedup_vs_segformer_b0"] == pytest.approx(segformer["latency_ms"] / hsmla["latency_ms"])
+    assert segformer["speedup_vs_segformer_b0"] == pytest.approx(1.0)
+    assert 0.0 < hsmla["mean_alpha"] <= 1.0  # taus calibrated: some, not all, tiles refined

@@ -42,6 +42,7 @@ __all__ = [
     "PROBLEMS",
     "INSTRUMENT_TYPES",
     "PART_VALUES",
+    "VIDEO_FOLDER",
     "LoadFramed",
     "crop_box",
     "find_frames",
@@ -70,7 +71,7 @@ PROBLEMS = {  # class names per task, index = label value
     "type": ["background"] + [name.lower() for name in INSTRUMENT_TYPES],
 }
 _FRAMES, _LABELS, _LABEL_SUFFIX = "left_frames", "ground_truth", "_labels"
-_VIDEO = re.compile(r"^instrument_dataset_(\d+)$")
+VIDEO_FOLDER = re.compile(r"^instrument_dataset_(\d+)$")  # one video of the challenge
 
 
 def _open(path: Path) -> Image.Image:
@@ -246,7 +247,7 @@ def find_videos(root: str | Path) -> list[dict]:
     if not root.is_dir():
         raise DataError(f"{root}: data directory not found")
     videos = sorted(
-        ((int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _VIDEO.match(p.name))), key=lambda kv: kv[0]
+        ((int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := VIDEO_FOLDER.match(p.name))), key=lambda kv: kv[0]
     )
     if not videos:
         raise DataError(f"{root}: no instrument_dataset_K folders (EndoVis 2017 layout)")
@@ -285,7 +286,7 @@ def find_frames(path: str | Path) -> list[Path]:
     if (path / _FRAMES).is_dir():
         path = path / _FRAMES
     frames = _frames(path)
-    if not frames and any(_VIDEO.match(p.name) for p in path.iterdir()):
+    if not frames and any(VIDEO_FOLDER.match(p.name) for p in path.iterdir()):
         frames = [Path(c["image"]) for v in find_videos(path) for c in v["frames"]]
     if not frames:
         raise DataError(f"{path}: no PNG frames in the input folder")
