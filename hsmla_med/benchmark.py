@@ -11,8 +11,11 @@ Layer scaling: one HSMLA layer (inference, alpha = 0.3) vs
 ``torch.nn.functional.scaled_dot_product_attention`` over the same tokens at 32^2 .. 256^2:
 median time, and peak memory measured as the resident-set growth of a fresh process.
 
-Writes ``models.csv``, ``layer_scaling.csv`` and ``benchmarks.png`` into ``--out`` and prints
-markdown tables.
+EndoVis 2017 (``--only endovis``): HSMLA-B0 vs SegFormer-B0 frames per second on one RGB frame
+of the standard 1024x1280 crop, 3 -> 8 channels, interleaved rounds.
+
+Writes ``models.csv``, ``layer_scaling.csv`` and ``benchmarks.png`` (``endovis.csv`` with
+``--only endovis``) into ``--out`` and prints markdown tables.
 
     hsmla-med bench --out bench_out        (or: python -m hsmla_med.benchmark --out bench_out)
 """
@@ -59,13 +62,13 @@ def median_seconds(fn, warmup: int = 2, runs: int = 5, budget_s: float = 60.0) -
 class _SegFormer(torch.nn.Module):
     """SegFormer logits (1/4 resolution) upsampled to the input, as a segmentation net returns."""
 
-    def __init__(self, hidden_sizes, depths, decoder_hidden_size):
+    def __init__(self, hidden_sizes, depths, decoder_hidden_size, in_channels: int = 1, out_channels: int = OUT_CHANNELS):
         super().__init__()
         from transformers import SegformerConfig, SegformerForSemanticSegmentation
 
         config = SegformerConfig(
-            num_channels=1,
-            num_labels=OUT_CHANNELS,
+            num_channels=in_channels,
+            num_labels=out_channels,
             hidden_sizes=hidden_sizes,
             depths=depths,
             decoder_hidden_size=decoder_hidden_size,
@@ -77,8 +80,8 @@ class _SegFormer(torch.nn.Module):
         return torch.nn.functional.interpolate(logits, size=x.shape[2:], mode="bilinear", align_corners=False)
 
 
-def _hsmla(variant: str, routing: str, sample: torch.Tensor) -> torch.nn.Module:
-    net = build_network(model_config(variant), 2, 1, OUT_CHANNELS).eval()
+def _hsmla(variant: str, routing: str, sample: torch.Tensor, out_channels: int = OUT_CHANNELS) -> torch.nn.Module:
+    net = build_network(model_config(variant), 2, sample.shape[1], out_channels).eval()
     net.set_routing(routing)
     if routing == "gate":
         calibrate_tau(net, sample, 0.3)
@@ -101,10 +104,21 @@ def build_models(sample: torch.Tensor) -> dict[str, callable]:
 
 
 def bench_models(size: int, runs: int) -> list[dict]:
-    """Median latency per model over ``runs`` rounds; each round times every model once, so a
-    burst of load from elsewhere on a shared machine hits all models alike."""
+    """The network table: every model of :func:`build_models` on a 1-channel ``size`` x ``size``
+    input, with the speed-up over SegFormer-B2."""
     x = torch.randn(1, 1, size, size)
-    models = {name: make().eval() for name, make in build_models(x).items()}
+    rows = time_models({name: make() for name, make in build_models(x).items()}, x, runs)
+    reference = next(r["latency_ms"] for r in rows if r["model"] == "SegFormer-B2")
+    for r in rows:
+        r["speedup_vs_segformer_b2"] = reference / r["latency_ms"]
+    return rows
+
+
+def time_models(models: dict[str, torch.nn.Module], x: torch.Tensor, runs: int) -> list[dict]:
+    """Median latency per model on input ``x`` over ``runs`` rounds after two warm-up calls
+    each; each round times every model once, so a burst of load from elsewhere on a shared
+    machine hits all models alike. Rows: model, params_m, latency_ms, mean_alpha."""
+    models = {name: model.eval() for name, model in models.items()}
     times = {name: [] for name in models}
     with torch.no_grad():
         for model in models.values():
@@ -126,9 +140,24 @@ def bench_models(size: int, runs: int) -> list[dict]:
                 "mean_alpha": statistics.mean(alphas) if alphas else "",
             }
         )
-    reference = next(r["latency_ms"] for r in rows if r["model"] == "SegFormer-B2")
+    return rows
+
+
+def bench_endovis(runs: int, size: tuple[int, int] = (1024, 1280), classes: int = 8) -> list[dict]:
+    """EndoVis 2017 frame rate: HSMLA-B0 (tau calibrated to alpha 0.3) and SegFormer-B0 on one
+    RGB frame of the standard crop ``size`` (H, W), 3 -> ``classes`` channels (8: the type task,
+    7 instruments and background), timed in interleaved rounds; frames/s and the ratio of
+    HSMLA-B0's frame rate to SegFormer-B0's."""
+    x = torch.randn(1, 3, *size)
+    models = {
+        "HSMLA-B0": _hsmla("b0", "gate", x, classes),
+        "SegFormer-B0": _SegFormer([32, 64, 160, 256], [2, 2, 2, 2], 256, in_channels=3, out_channels=classes),
+    }
+    rows = time_models(models, x, runs)
+    reference = next(r["latency_ms"] for r in rows if r["model"] == "SegFormer-B0")
     for r in rows:
-        r["speedup_vs_segformer_b2"] = reference / r["latency_ms"]
+        r["frames_per_s"] = 1e3 / r["latency_ms"]
+        r["speedup_vs_segformer_b0"] = reference / r["latency_ms"]
     return rows
 
 
@@ -249,7 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--layer-channels", type=int, default=128, help="channels of the benchmarked layer")
     parser.add_argument("--head-dim", type=int, default=32, help="head width of the benchmarked layer")
-    parser.add_argument("--only", choices=["models", "layers", "wsi"], help="run one table (wsi: whole-slide heatmap throughput, not part of the default run)")
+    parser.add_argument(
+        "--only", choices=["models", "layers", "wsi", "endovis"],
+        help="run one table (wsi: whole-slide heatmap throughput; endovis: frames/s of HSMLA-B0 vs SegFormer-B0 on 1024x1280 RGB frames; neither is part of the default run)",
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch CPU threads")
     parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -268,6 +300,12 @@ def main(argv: list[str] | None = None) -> int:
         print("whole-slide heatmaps, 256 px patches at level 0, batch 32:", flush=True)
         rows = bench_wsi()
         write_csv(args.out / "wsi.csv", rows)
+        print("\n" + markdown(rows) + "\n")
+        return 0
+    if args.only == "endovis":
+        print("EndoVis 2017 frames, 1024x1280 RGB (the standard crop), batch 1, 3 -> 8 channels:", flush=True)
+        rows = bench_endovis(args.runs)
+        write_csv(args.out / "endovis.csv", rows)
         print("\n" + markdown(rows) + "\n")
         return 0
     models = layers = []

@@ -104,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", choices=[*TASKS, "all"], default="all", help="which demo (default: all)")
     p.add_argument("--output", default="runs/demo", help="run folder; one subfolder per task (default runs/demo)")
     p.add_argument("--max-steps", type=int, help="override the demo's training steps")
+    p.add_argument("--config", help="YAML merged over the demo's config (configs/<task>_demo.yaml), e.g. a smaller synthetic dataset")
     return parser
 
 
@@ -158,9 +159,10 @@ def _print_summary(summary: dict | None, output: Path) -> None:
     fmt = lambda v: "n/a" if v is None else f"{v:.4g}"  # noqa: E731
     scalars = [f"{k} {fmt(v)}" for k, v in summary.items() if not isinstance(v, dict) and k != "cases"]
     print(f"\n{'   '.join(scalars)}   ({summary.get('cases')} validation items)")
-    if "dice_per_class" in summary:
-        for name, dice in summary["dice_per_class"].items():
-            print(f"  {name:<26} Dice {fmt(dice)}   HD95 {fmt(summary['hd95_per_class'][name])}")
+    per_class = [k for k in ("dice", "hd95", "iou") if f"{k}_per_class" in summary]
+    titles = {"dice": "Dice", "hd95": "HD95", "iou": "IoU"}
+    for name in summary[f"{per_class[0]}_per_class"] if per_class else []:
+        print(f"  {name:<26} " + "   ".join(f"{titles[k]} {fmt(summary[f'{k}_per_class'][name])}" for k in per_class))
     print(f"metrics: {output / 'metrics.json'}")
 
 
@@ -233,6 +235,8 @@ def _demo(args) -> int:
         started = time.perf_counter()
         overlay = resources.files("hsmla_med.configs") / f"{name}_demo.yaml"
         config = merge_config(task_config(name), load_yaml(overlay), f"{name}_demo.yaml")
+        if args.config:
+            config = merge_config(config, load_yaml(args.config), args.config)
         output = Path(args.output) / name
         config["output"] = str(output)
         if args.max_steps:

@@ -1,5 +1,6 @@
 """The segmentation ``LightningModule``: DiceCE plus the gate regularisers, and whole-volume
-validation with Dice and HD95 (mm) gathered across processes."""
+validation with Dice and HD95 (mm) gathered across processes; its 2D-frame variant validates
+whole frames with Dice and IoU."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from torch import nn
 
 from hsmla_med.engine.base import GatedModule, plain
 from hsmla_med.inference.sliding import predict_volume
-from hsmla_med.metrics import case_scores, summarize
+from hsmla_med.metrics import case_scores, frame_scores, summarize, summarize_frames
 
-__all__ = ["SegmentationModule", "voxel_spacing"]
+__all__ = ["SegmentationModule", "FrameSegmentationModule", "voxel_spacing"]
 
 
 def voxel_spacing(affine: torch.Tensor) -> torch.Tensor:
@@ -67,3 +68,29 @@ class SegmentationModule(GatedModule):
     def summarize_rows(self, rows: torch.Tensor) -> dict:
         n = len(self.label_names) - 1
         return summarize(rows[:, 1 : 1 + n], rows[:, 1 + n :], self.label_names[1:])
+
+
+class FrameSegmentationModule(SegmentationModule):
+    """:class:`SegmentationModule` for 2D frames (video, endoscopy): the same loss and
+    sliding-window prediction, validated per frame with Dice and IoU (mean over the classes
+    present, :func:`~hsmla_med.metrics.summarize_frames`) instead of per volume with HD95.
+
+    Batches are dicts with ``image`` ``(B, C, H, W)`` and ``label`` ``(B, 1, H, W)``; validation
+    batches also carry ``case`` (the frame's index). ``config["inference"]`` as for
+    :class:`SegmentationModule`, with ``slab`` 1 (a frame is one slice).
+    """
+
+    def predict_probabilities(self, image: torch.Tensor) -> torch.Tensor:
+        """Class probabilities ``(B, classes, H, W)`` of frames ``(B, C, H, W)``: a frame is a
+        volume of one slice to :meth:`SegmentationModule.predict_probabilities`."""
+        return super().predict_probabilities(image[..., None])[..., 0]
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        pred = self.predict_probabilities(plain(batch["image"])).argmax(dim=1, keepdim=True)
+        dice, iou = frame_scores(pred.cpu(), plain(batch["label"]).cpu(), len(self.label_names))
+        case = torch.as_tensor(batch["case"], dtype=torch.float32).reshape(-1, 1)
+        self.rows.append(torch.cat([case, dice, iou], dim=1))
+
+    def summarize_rows(self, rows: torch.Tensor) -> dict:
+        n = len(self.label_names) - 1
+        return summarize_frames(rows[:, 1 : 1 + n], rows[:, 1 + n :], self.label_names[1:])

@@ -1,4 +1,5 @@
-"""Per-case Dice and HD95 (mm) of segmentations with MONAI, and their JSON-friendly summary.
+"""Per-case Dice and HD95 (mm) of segmentations with MONAI, and their JSON-friendly summary;
+per-frame Dice and IoU of 2D frames (EndoVis) and theirs.
 
 Conventions for a (case, foreground class) pair:
 
@@ -17,10 +18,10 @@ import warnings
 from collections.abc import Sequence
 
 import torch
-from monai.metrics import compute_dice, compute_hausdorff_distance
+from monai.metrics import compute_dice, compute_hausdorff_distance, compute_iou
 from monai.networks.utils import one_hot
 
-__all__ = ["case_scores", "summarize"]
+__all__ = ["case_scores", "summarize", "frame_scores", "summarize_frames"]
 
 
 def _one_hot(seg: torch.Tensor, num_classes: int, name: str) -> torch.Tensor:
@@ -148,3 +149,55 @@ def summarize(dice: torch.Tensor, hd95: torch.Tensor, label_names: Sequence[str]
         "hd95_per_class": hd95_per_class,
         "cases": int(dice.shape[0]),
     }
+
+
+def frame_scores(pred: torch.Tensor, truth: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dice and IoU of every frame and foreground class (MONAI ``compute_dice``/``compute_iou``).
+
+    Args:
+        pred, truth: ``(B, 1, H, W)`` label maps or ``(B, num_classes, H, W)`` 0/1 one-hot, as
+            for :func:`case_scores`.
+        num_classes: number of classes including the background.
+
+    Returns:
+        ``(dice, iou)``, float32 ``(B, num_classes - 1)``: NaN where the class is in neither
+        prediction nor truth of the frame (not counted), 0 where it is in exactly one.
+    """
+    if num_classes < 2:
+        raise ValueError(f"num_classes counts the background and must be at least 2, got {num_classes}")
+    if pred.shape[0] != truth.shape[0] or pred.shape[2:] != truth.shape[2:]:
+        raise ValueError(f"pred and truth differ in batch or spatial shape: {tuple(pred.shape)}, {tuple(truth.shape)}")
+    pred_oh = _one_hot(pred.as_subclass(torch.Tensor), num_classes, "pred")
+    truth_oh = _one_hot(truth.as_subclass(torch.Tensor), num_classes, "truth")
+    dice = compute_dice(pred_oh, truth_oh, include_background=False, ignore_empty=False)
+    iou = compute_iou(pred_oh, truth_oh, include_background=False, ignore_empty=False)
+    absent = ~(pred_oh[:, 1:].flatten(2).any(-1) | truth_oh[:, 1:].flatten(2).any(-1))
+    nan = torch.tensor(float("nan"), device=pred.device)
+    return torch.where(absent, nan, dice).float(), torch.where(absent, nan, iou).float()
+
+
+def summarize_frames(dice: torch.Tensor, iou: torch.Tensor, label_names: Sequence[str]) -> dict:
+    """Dataset summary of per-frame scores, the EndoVis 2017 way: each frame's score is the mean
+    over the classes present in its truth or prediction, and ``dice``/``iou`` are the means of
+    those over the frames (frames with no class present in either are skipped).
+
+    Args:
+        dice, iou: ``(frames, classes)`` rows stacked from :func:`frame_scores`.
+        label_names: names of the foreground classes, in column order.
+
+    Returns:
+        ``{"dice", "iou", "dice_per_class", "iou_per_class", "cases"}``: per-class values are
+        each class's mean over the frames that count it (None if none does), ``cases`` the number
+        of frames. JSON-serialisable.
+    """
+    if dice.shape != iou.shape or dice.ndim != 2 or dice.shape[1] != len(label_names):
+        raise ValueError(f"dice {tuple(dice.shape)} and iou {tuple(iou.shape)} must be (frames, {len(label_names)})")
+    summary = {}
+    for name, scores in (("dice", dice), ("iou", iou)):
+        per_frame = scores.double().nanmean(1)
+        per_frame = per_frame[torch.isfinite(per_frame)]
+        summary[name] = float(per_frame.mean()) if per_frame.numel() else None
+    summary["dice_per_class"] = _class_means(dice, label_names)[1]
+    summary["iou_per_class"] = _class_means(iou, label_names)[1]
+    summary["cases"] = int(dice.shape[0])
+    return summary

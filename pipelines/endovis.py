@@ -1,0 +1,183 @@
+"""EndoVis 2017: robotic surgical instrument segmentation on RGB video frames (PNG).
+
+What is specific to the benchmark lives here: the dataset (the challenge's
+``instrument_dataset_K`` folders, or the synthetic default), split into training and validation
+by video (frames of one video are near-duplicates, so a frame-level split would leak), MONAI
+transforms on the cropped frames resized to ``data.size``, and writing PNG masks in each input
+frame's own geometry. Reading, the crop and the label conventions are
+:mod:`hsmla_med.data.endovis`'s; the loop, checkpoints and the frame module
+(:class:`~hsmla_med.engine.segmentation.FrameSegmentationModule`, Dice and IoU) are the
+engine's.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from monai.transforms import Compose, RandFlipd, RandScaleIntensityd, RandShiftIntensityd, RandZoomd, Resized
+from PIL import Image
+
+from hsmla_med.data.datalist import Datalist
+from hsmla_med.data.endovis import PROBLEMS, VIDEO_FOLDER, LoadFramed, find_frames, find_videos, load_frame
+from hsmla_med.data.synthetic_endovis import generate_endovis
+from hsmla_med.engine.base import plain
+from hsmla_med.engine.datamodule import CaseDataModule
+from hsmla_med.engine.segmentation import FrameSegmentationModule
+from hsmla_med.errors import ConfigError, DataError
+from hsmla_med.io import atomic_path
+
+__all__ = ["MODULE", "datalist", "transforms", "datamodule", "module_config", "held_out", "infer"]
+
+log = logging.getLogger("hsmla_med")
+MODULE = FrameSegmentationModule
+
+
+def _problem(config: dict) -> str:
+    problem = config["data"]["problem"]
+    if problem not in PROBLEMS:
+        raise ConfigError(f"data.problem must be one of {', '.join(PROBLEMS)}, got {problem!r}")
+    return problem
+
+
+def datalist(config: dict) -> Datalist:
+    """Frames of the user's folder or of the synthetic default (generated once into
+    ``cache_dir``, logged as synthetic). Training and validation are labelled videos: those in
+    ``data.validation_videos`` or a seeded ``validation_fraction`` of them are validation; the
+    frames of unlabelled videos (the challenge's test set) are ``test``."""
+    data = config["data"]
+    problem = _problem(config)
+    root, synthetic = data["data_dir"], False
+    if not root:
+        root = Path(data["cache_dir"]).expanduser() / "endovis-synthetic"
+        log.warning("No --data-dir given: using SYNTHETIC EndoVis 2017-format frames in %s (drawn instruments, not surgery)", root)
+        generate_endovis(root, **data["synthetic"])
+        synthetic = True
+    videos = find_videos(root)
+    labelled = [v["video"] for v in videos if v["labelled"]]
+    if len(labelled) < 2:
+        raise DataError(f"{root}: need at least two videos with ground_truth to hold one out for validation, found {len(labelled)}")
+    if data["validation_videos"]:
+        held = {int(k) for k in data["validation_videos"]}
+        if not held <= set(labelled) or held == set(labelled):
+            raise ConfigError(f"data.validation_videos {sorted(held)} must be some, not all, of the labelled videos {labelled} in {root}")
+    else:
+        order = list(labelled)
+        random.Random(config["seed"]).shuffle(order)
+        held = set(order[: max(1, round(data["validation_fraction"] * len(order)))])
+    pick = lambda keep: [c for v in videos for c in v["frames"] if keep(v)]  # noqa: E731
+    return Datalist(
+        PROBLEMS[problem],
+        pick(lambda v: v["labelled"] and v["video"] not in held),
+        pick(lambda v: v["video"] in held),
+        pick(lambda v: not v["labelled"]),
+        Path(root),
+        synthetic,
+    )
+
+
+def transforms(config: dict) -> tuple[Compose, Compose]:
+    """Training and validation transforms: read, crop and merge the labels
+    (:class:`~hsmla_med.data.endovis.LoadFramed`), resize to ``data.size`` (area for the frame,
+    nearest for the labels); training adds flips, zoom and per-channel colour scale and shift."""
+    data, keys = config["data"], ["image", "label"]
+    aug = data["augment"]
+    load = [LoadFramed(_problem(config), data["crop"]), Resized(keys, spatial_size=data["size"], mode=["area", "nearest-exact"])]
+    train = load + [
+        RandFlipd(keys, prob=aug["flip_prob"], spatial_axis=0),
+        RandFlipd(keys, prob=aug["flip_prob"], spatial_axis=1),
+        RandZoomd(keys, prob=aug["zoom_prob"], min_zoom=aug["zoom_range"][0], max_zoom=aug["zoom_range"][1], mode=["bilinear", "nearest-exact"], keep_size=True),
+        RandScaleIntensityd("image", factors=aug["colour_scale"], prob=aug["colour_prob"], channel_wise=True),
+        RandShiftIntensityd("image", offsets=aug["colour_shift"], prob=aug["colour_prob"], channel_wise=True),
+    ]
+    return Compose(train), Compose(load)
+
+
+def datamodule(config: dict, cases: Datalist) -> CaseDataModule:
+    train, val = transforms(config)
+    data = config["data"]
+    return CaseDataModule(cases.training, cases.validation, train, val, data["batch_size"], data["num_workers"], data["cache_rate"])
+
+
+def module_config(config: dict, model: dict, label_names: list[str], in_channels: int = 3) -> dict:
+    """The hyper-parameters of :class:`FrameSegmentationModule` for this task config; the
+    inference window is the whole resized frame (``data.size``)."""
+    data = config["data"]
+    return {
+        "task": "endovis",
+        "network": model,
+        "spatial_dims": 2,
+        "in_channels": in_channels,
+        "label_names": list(label_names),
+        "optim": dict(config["optim"]),
+        "loss": dict(config["loss"]),
+        "inference": {**config["inference"], "roi_size": list(data["size"]), "slab": 1},
+        "data": {"problem": _problem(config), "crop": data["crop"], "size": list(data["size"])},
+    }
+
+
+def held_out(cases: Datalist) -> list[str]:
+    """The inputs ``demo`` segments after training: the folders of the validation and test videos."""
+    folders = {str(Path(c["image"]).parent.parent) for c in cases.validation + cases.test}
+    return sorted(folders)
+
+
+def output_path(frame: Path, output: Path) -> Path:
+    """``output/instrument_dataset_K/frameNNN.png`` for a frame in the challenge layout (frame
+    names repeat across videos), ``output/<name>.png`` otherwise."""
+    video = frame.parent.parent.name
+    if frame.parent.name == "left_frames" and VIDEO_FOLDER.match(video):
+        return output / video / f"{frame.stem}.png"
+    return output / f"{frame.stem}.png"
+
+
+def infer(
+    module: FrameSegmentationModule,
+    inputs: str | Path | Iterable[str | Path],
+    output: str | Path,
+    tta: bool = False,
+    device: str = "cpu",
+    progress: Callable[[str], None] = print,
+) -> list[Path]:
+    """Segment frames and write one PNG mask per frame (uint8 class index, :data:`PROBLEMS`
+    order) at the input frame's size, and report frames per second.
+
+    ``inputs``: frame PNGs, folders of them, video folders or a dataset root
+    (:func:`~hsmla_med.data.endovis.find_frames`). Each frame is cropped as in training
+    (``data.crop``; a 1080 x 1920 frame to its 1024 x 1280 window), resized to ``data.size``;
+    the class probabilities are resized back to the crop (bilinear) before the argmax, and the
+    crop is placed into the frame's geometry with background (0) outside it, so the mask
+    overlays the input frame pixel for pixel. ``tta`` averages over mirrored frames.
+    """
+    cfg = module.config
+    module.config["inference"]["tta"] = tta
+    frames = [f for p in ([inputs] if isinstance(inputs, (str, Path)) else inputs) for f in find_frames(p)]
+    resize = Resized("image", spatial_size=cfg["data"]["size"], mode="area")
+    module = module.to(device).eval()
+    written, network_s, started = [], 0.0, time.perf_counter()
+    for frame in frames:
+        image, (top, left, h, w), shape = load_frame(frame, cfg["data"]["crop"])
+        with torch.inference_mode():
+            x = plain(resize({"image": image})["image"])[None].to(device)
+            tic = time.perf_counter()
+            probs = module.predict_probabilities(x)
+            labels = F.interpolate(probs, size=(h, w), mode="bilinear", align_corners=False).argmax(1)[0]
+            network_s += time.perf_counter() - tic
+        mask = np.zeros(shape, np.uint8)
+        mask[top : top + h, left : left + w] = labels.to(torch.uint8).cpu().numpy()
+        path = output_path(frame, Path(output))
+        with atomic_path(path) as tmp:
+            Image.fromarray(mask).save(tmp)
+        written.append(path)
+    total = time.perf_counter() - started
+    progress(
+        f"endovis: {len(frames)} frame(s), {len(frames) / total:.2f} frames/s "
+        f"({len(frames) / max(network_s, 1e-9):.2f} frames/s network only, {device}, input {cfg['data']['size']})"
+    )
+    return written
