@@ -37,6 +37,7 @@ import torch
 
 from hsmla_med.config import build_network, model_config
 from hsmla_med.nn import HSMLA, calibrate_tau
+from hsmla_med.runtime import tune_cpu_allocator
 
 OUT_CHANNELS = 14
 LAYER_KINDS = {"hsmla": "HSMLA (alpha 0.3)", "sdpa": "softmax SDPA", "conv1x1": "1x1 conv C->3C"}
@@ -292,8 +293,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     args.out.mkdir(parents=True, exist_ok=True)
+    tuned = tune_cpu_allocator()
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-          f"{args.threads} threads")
+          f"{args.threads} threads, heap top pad {'on' if tuned else 'off'} (hsmla_med.runtime)")
     if args.only == "wsi":
         from hsmla_med.benchmark_wsi import bench_wsi
 

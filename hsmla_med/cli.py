@@ -279,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     for message in (".*does not have many workers.*", ".*treespec, LeafSpec.*", ".*smaller than the logging interval.*"):
         warnings.filterwarnings("ignore", message=message)
     from hsmla_med.errors import find_input_error
+    from hsmla_med.runtime import tune_cpu_allocator
+
+    tune_cpu_allocator()
 
     commands = {
         "train": lambda: _train(_config(args), args.resume),
