@@ -142,3 +142,26 @@ def test_bad_inputs():
         net(torch.randn(1, 1, 32, 32))
     with pytest.raises(ValueError, match="spatial_dims=2"):
         net(torch.randn(1, 3, 8, 8, 8))
+
+
+@pytest.mark.parametrize("spatial_dims, groups, stride", [(2, 1, 1), (2, 6, 2), (3, 1, 2)])
+def test_conv_norm_act_folds_batchnorm_at_inference(spatial_dims, groups, stride):
+    """Eval mode folds the BatchNorm into the convolution: the output equals conv, then
+    BatchNorm with its running statistics, then Hardswish, evaluated separately in float64."""
+    from hsmla_med.nn.blocks import ConvNormAct
+
+    block = ConvNormAct(spatial_dims, 6, 12, 3, stride=stride, groups=groups).double()
+    conv, norm, act = block
+    with torch.no_grad():
+        norm.running_mean.normal_()
+        norm.running_var.uniform_(0.5, 2.0)
+        norm.weight.normal_()
+        norm.bias.normal_()
+    block.eval()
+    x = torch.randn(2, 6, *[9] * spatial_dims, dtype=torch.float64)
+    expected = act((conv(x) - norm.running_mean.view(-1, *[1] * spatial_dims))
+                   / torch.sqrt(norm.running_var + norm.eps).view(-1, *[1] * spatial_dims)
+                   * norm.weight.view(-1, *[1] * spatial_dims) + norm.bias.view(-1, *[1] * spatial_dims))
+    torch.testing.assert_close(block(x), expected, rtol=1e-10, atol=1e-10)
+    block.train()  # training normalises with the batch statistics, not the folded running ones
+    torch.testing.assert_close(block(x), act(torch.nn.functional.batch_norm(conv(x), None, None, norm.weight, norm.bias, True)))

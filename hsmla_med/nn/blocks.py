@@ -20,7 +20,12 @@ class ChannelLayerNorm(nn.LayerNorm):
 
 
 class ConvNormAct(nn.Sequential):
-    """Convolution ('same' padding, so odd sizes give ``ceil(size / stride)``), BatchNorm, Hardswish."""
+    """Convolution ('same' padding, so odd sizes give ``ceil(size / stride)``), BatchNorm, Hardswish.
+
+    In eval mode the BatchNorm is folded into the convolution (its running statistics become a
+    per-channel scale of the kernel and a bias): one pass over the map instead of two, the
+    inference option DESIGN.md §3 names for the convolutional stages.
+    """
 
     def __init__(
         self,
@@ -37,8 +42,16 @@ class ConvNormAct(nn.Sequential):
                 in_channels, out_channels, kernel_size, stride=stride, padding=kernel_size // 2, groups=groups, bias=False
             ),
             Norm[Norm.BATCH, spatial_dims](out_channels),
-            nn.Hardswish() if act else nn.Identity(),
+            nn.Hardswish(inplace=True) if act else nn.Identity(),
         )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        conv, norm, act = self
+        if self.training:
+            return act(norm(conv(x)))
+        scale = norm.weight * torch.rsqrt(norm.running_var + norm.eps)
+        weight = conv.weight * scale.view(-1, *[1] * (conv.weight.dim() - 1))
+        return act(conv._conv_forward(x, weight, norm.bias - norm.running_mean * scale))
 
 
 class _Residual(nn.Module):
