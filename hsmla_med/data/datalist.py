@@ -26,7 +26,7 @@ import numpy as np
 
 from hsmla_med.errors import DataError
 
-__all__ = ["Datalist", "load_datalist", "find_dataset_json", "read_header", "case_name", "check_pair"]
+__all__ = ["Datalist", "load_datalist", "find_dataset_json", "read_json", "read_header", "case_name", "check_pair"]
 
 _JSON_NAMES = ("dataset.json", "dataset_0.json")
 _NIFTI = re.compile(r"\.nii(\.gz)?$")
@@ -67,7 +67,7 @@ def find_dataset_json(data_dir: str | Path, name: str | None = None) -> Path:
     raise DataError(f"{data_dir}: no dataset JSON ({' or '.join(candidates)}) in the data directory")
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
@@ -166,7 +166,7 @@ def load_datalist(
     """
     data_dir = Path(data_dir)
     path = find_dataset_json(data_dir, dataset_json)
-    meta = _read_json(path)
+    meta = read_json(path)
     if "labels" not in meta:
         raise DataError(f"{path}: missing 'labels' (label value → name)")
     names = _label_names(meta["labels"], path)

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from hsmla_med.data.datalist import _read_json
+from hsmla_med.data.datalist import read_json
 from hsmla_med.data.endovis import CROP
 from hsmla_med.io import atomic_path, write_json
 
@@ -180,7 +180,7 @@ def generate_endovis(
     }
     marker = root / "synthetic.json"
     if marker.is_file():
-        meta = _read_json(marker)
+        meta = read_json(marker)
         if "generator" not in meta:
             raise FileExistsError(f"{marker}: not written by the synthetic EndoVis generator; refusing to overwrite")
         if meta["generator"] == params:
