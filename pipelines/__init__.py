@@ -15,7 +15,7 @@ from hsmla_med.errors import ConfigError
 
 __all__ = ["TASKS", "get_task"]
 
-TASKS = ("btcv", "camelyon16", "endovis")
+TASKS = ("btcv", "camelyon16", "endovis", "luna16")
 
 
 def get_task(name: str) -> ModuleType:

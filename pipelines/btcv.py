@@ -41,7 +41,7 @@ from hsmla_med.errors import ConfigError, DataError
 from hsmla_med.inference.sliding import predict_volume
 from hsmla_med.io import atomic_path
 
-__all__ = ["datalist", "transforms", "datamodule", "module_config", "held_out", "infer", "MODULE"]
+__all__ = ["datalist", "preprocessing", "crop_and_augment", "transforms", "datamodule", "module_config", "held_out", "infer", "MODULE"]
 
 log = logging.getLogger("hsmla_med")
 MODULE = SegmentationModule
@@ -95,16 +95,17 @@ def roi_size(config: dict) -> list[int]:
     return list(config["data"]["roi_size_2d" if spatial_dims(config) == 2 else "roi_size_3d"])
 
 
-def transforms(config: dict, in_channels: int, num_classes: int) -> tuple[Compose, Compose]:
-    """Training and validation transforms. 2D mode crops single axial slices out of the
-    resampled volume (``(h, w, 1)`` crops, the slice axis squeezed); 3D crops patches."""
+def crop_and_augment(config: dict) -> list:
+    """Random training crops of a preprocessed ``image``/``label`` volume, centred on foreground
+    or background in the ratio ``data.pos_neg``, and augmentation. 2D mode crops single axial
+    slices (``(h, w, 1)`` crops, the slice axis squeezed); 3D crops patches."""
     keys = ["image", "label"]
     dims = spatial_dims(config)
     roi = roi_size(config)
     crop = roi + [1] if dims == 2 else roi
     aug = config["data"]["augment"]
     pos, neg = config["data"]["pos_neg"]
-    train = preprocessing(config, in_channels, num_classes) + [
+    train = [
         SpatialPadd(keys, spatial_size=crop),
         RandCropByPosNegLabeld(
             keys, "label", spatial_size=crop, pos=pos, neg=neg, num_samples=config["data"]["samples_per_case"], image_key="image", image_threshold=0
@@ -117,7 +118,14 @@ def transforms(config: dict, in_channels: int, num_classes: int) -> tuple[Compos
         RandRotate90d(keys, prob=aug["rot90_prob"], max_k=3, spatial_axes=(0, 1)),
         RandShiftIntensityd("image", offsets=aug["shift_offset"], prob=aug["shift_prob"]),
     ]
-    return Compose(train), Compose(preprocessing(config, in_channels, num_classes))
+    return train
+
+
+def transforms(config: dict, in_channels: int, num_classes: int) -> tuple[Compose, Compose]:
+    """Training and validation transforms: :func:`preprocessing`, then for training
+    :func:`crop_and_augment`."""
+    pre = preprocessing(config, in_channels, num_classes)
+    return Compose(pre + crop_and_augment(config)), Compose(pre)
 
 
 def module_config(config: dict, model: dict, label_names: Sequence[str], in_channels: int = 1) -> dict:

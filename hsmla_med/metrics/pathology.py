@@ -28,10 +28,12 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from monai.metrics import compute_froc_curve_data, compute_froc_score, compute_roc_auc
+from monai.metrics import compute_roc_auc
 from monai.transforms import ProbNMS
 from scipy.ndimage import gaussian_filter
 from skimage.measure import label as connected_components
+
+from hsmla_med.metrics.froc import froc_summary
 
 __all__ = ["auc", "detect_lesions", "lesion_froc", "lesion_labels", "slide_score"]
 
@@ -187,16 +189,11 @@ def lesion_froc(
         ``{"froc": float | None, "sensitivity": {str(rate): float | None}, "lesions": int,
         "slides": int}``; froc and sensitivities are None when there is no lesion at all.
 
-    Note:
-        ``compute_froc_curve_data`` (like the official script) never uses the lowest
-        probability in the pool as a threshold, because in the official layout that is the 0
-        recorded for a missed lesion. When every lesion is detected, no 0 is there and the
-        least probable detection would silently never count; a 0.0 is therefore always added
-        to the pool (as a false-positive probability, which no threshold above 0 counts).
+    The curve and its reading are :func:`~hsmla_med.metrics.froc.froc_summary`'s.
     """
     if len(detections) != len(lesion_labels):
         raise ValueError(f"got detections for {len(detections)} slides but labels for {len(lesion_labels)}")
-    fp_probs, tp_probs = [0.0], []
+    fp_probs, tp_probs = [], []
     for i, (found, labels) in enumerate(zip(detections, lesion_labels)):
         found = np.asarray(found, dtype=np.float64).reshape(-1, 3)
         labels = np.asarray(labels)
@@ -207,20 +204,5 @@ def lesion_froc(
         fp, tp = _slide_fp_tp(found[found[:, 0] > 0], labels, i)
         fp_probs += fp
         tp_probs.append(tp)
-    tp_all = np.concatenate(tp_probs) if tp_probs else np.zeros(0)
-    result = {
-        "froc": None,
-        "sensitivity": {str(r): None for r in fp_rates},
-        "lesions": int(tp_all.size),
-        "slides": len(detections),
-    }
-    if tp_all.size == 0:
-        return result
-    fps_per_slide, sensitivity = compute_froc_curve_data(
-        np.asarray(fp_probs), tp_all, num_targets=tp_all.size, num_images=len(detections)
-    )
-    result["froc"] = float(compute_froc_score(fps_per_slide, sensitivity, eval_thresholds=tuple(fp_rates)))
-    result["sensitivity"] = {
-        str(r): float(compute_froc_score(fps_per_slide, sensitivity, eval_thresholds=(r,))) for r in fp_rates
-    }
-    return result
+    summary = froc_summary(fp_probs, np.concatenate(tp_probs) if tp_probs else [], len(detections), fp_rates)
+    return {"froc": summary["froc"], "sensitivity": summary["sensitivity"], "lesions": summary["targets"], "slides": len(detections)}

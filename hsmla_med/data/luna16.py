@@ -1,0 +1,234 @@
+"""LUNA16 on disk: MetaImage CT scans, nodule annotations in world millimetres, and the
+geometry between the two.
+
+LUNA16 ships ``subset0`` .. ``subset9`` folders of ``<seriesuid>.mhd`` headers with their
+``.raw`` voxels, ``annotations.csv`` (``seriesuid,coordX,coordY,coordZ,diameter_mm``) and
+``annotations_excluded.csv`` (findings that count neither as hits nor as false positives). The
+coordinates are ITK physical points: millimetres in the scanner's LPS frame, mapped from a voxel
+index ``(i, j, k)`` (x, y, z order) by ``origin + direction @ (spacing * index)``.
+
+MONAI's ITK reader turns the same geometry into a RAS affine (x and y negated); the nodule masks
+and the detections are computed in that frame, and converted back to LPS for the CSVs.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import logging
+from collections.abc import Hashable, Mapping
+from pathlib import Path
+
+import numpy as np
+import SimpleITK as sitk
+import torch
+from monai.data import MetaTensor
+from monai.transforms import MapTransform
+
+from hsmla_med.errors import DataError
+
+__all__ = [
+    "COLUMNS",
+    "Geometry",
+    "find_scans",
+    "read_geometry",
+    "read_annotations",
+    "voxel_to_world",
+    "world_to_voxel",
+    "lps_to_ras",
+    "voxel_to_lps",
+    "LoadScand",
+    "NoduleMaskd",
+]
+
+log = logging.getLogger("hsmla_med")
+COLUMNS = ("seriesuid", "coordX", "coordY", "coordZ", "diameter_mm")
+LPS_TO_RAS = np.array([-1.0, -1.0, 1.0])
+
+
+class Geometry:
+    """Voxel grid of a scan in ITK's terms: ``origin`` (3,), ``spacing`` (3,) and ``direction``
+    (3, 3), all in x, y, z order, and ``size`` (3,) in voxels."""
+
+    def __init__(self, origin, spacing, direction, size) -> None:
+        self.origin = np.asarray(origin, dtype=np.float64)
+        self.spacing = np.asarray(spacing, dtype=np.float64)
+        self.direction = np.asarray(direction, dtype=np.float64).reshape(3, 3)
+        self.size = np.asarray(size, dtype=np.int64)
+
+
+def voxel_to_world(index: np.ndarray, geometry: Geometry) -> np.ndarray:
+    """LPS millimetres of continuous voxel indices ``(n, 3)`` (x, y, z order)."""
+    index = np.atleast_2d(np.asarray(index, dtype=np.float64))
+    return geometry.origin + (index * geometry.spacing) @ geometry.direction.T
+
+
+def world_to_voxel(world: np.ndarray, geometry: Geometry) -> np.ndarray:
+    """Continuous voxel indices ``(n, 3)`` (x, y, z order) of LPS millimetres ``(n, 3)``."""
+    world = np.atleast_2d(np.asarray(world, dtype=np.float64))
+    return np.linalg.solve(geometry.direction, (world - geometry.origin).T).T / geometry.spacing
+
+
+def lps_to_ras(points: np.ndarray) -> np.ndarray:
+    """LPS <-> RAS millimetres ``(n, 3)`` (the same sign flip both ways)."""
+    return np.asarray(points, dtype=np.float64) * LPS_TO_RAS
+
+
+def _check_mhd(path: Path) -> None:
+    """A MetaImage header whose voxel file is missing gets an error naming both."""
+    try:
+        header = dict(line.split("=", 1) for line in path.read_text(errors="replace").splitlines() if "=" in line)
+    except OSError as err:
+        raise DataError(f"{path}: cannot read MetaImage header ({err.strerror})") from None
+    header = {k.strip(): v.strip() for k, v in header.items()}
+    data_file = header.get("ElementDataFile")
+    if data_file is None:
+        raise DataError(f"{path}: not a MetaImage header (no ElementDataFile)")
+    if data_file != "LOCAL" and not (path.parent / data_file).is_file():
+        raise DataError(f"{path}: its voxel file {path.parent / data_file} is missing")
+
+
+def read_geometry(path: str | Path) -> Geometry:
+    """The voxel grid of a MetaImage scan, from its header only."""
+    path = Path(path)
+    _check_mhd(path)
+    reader = sitk.ImageFileReader()
+    reader.SetFileName(str(path))
+    try:
+        reader.ReadImageInformation()
+    except RuntimeError as err:
+        raise DataError(f"{path}: unreadable MetaImage header ({str(err).strip().splitlines()[-1]})") from None
+    return Geometry(reader.GetOrigin(), reader.GetSpacing(), reader.GetDirection(), reader.GetSize())
+
+
+def find_scans(root: str | Path) -> dict[str, Path]:
+    """``{seriesuid: path}`` of the ``.mhd`` scans under ``root`` (LUNA16's ``subsetK/``
+    folders or any other nesting), each checked for its ``.raw``."""
+    root = Path(root)
+    if not root.is_dir():
+        raise DataError(f"{root}: data directory not found")
+    scans = {}
+    for path in sorted(root.rglob("*.mhd")):
+        _check_mhd(path)
+        if path.stem in scans:
+            raise DataError(f"{path}: series {path.stem} appears twice (also {scans[path.stem]})")
+        scans[path.stem] = path
+    if not scans:
+        raise DataError(f"{root}: no MetaImage scans (*.mhd) found")
+    return scans
+
+
+def read_annotations(path: str | Path, series: Mapping[str, object] | None = None) -> dict[str, np.ndarray]:
+    """``{seriesuid: (n, 4) float array of x, y, z (LPS mm), diameter (mm)}`` from a LUNA16 CSV.
+
+    Args:
+        path: ``annotations.csv`` or ``annotations_excluded.csv``.
+        series: the known scans; rows of other series are dropped with one warning naming the
+            file (LUNA16's CSVs list all ten subsets, a user may hold a few).
+    """
+    path = Path(path)
+    try:
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
+            if missing:
+                raise DataError(f"{path}: missing column(s) {', '.join(missing)}; expected {','.join(COLUMNS)}")
+            rows = list(reader)
+    except OSError as err:
+        raise DataError(f"{path}: cannot read annotations ({err.strerror})") from None
+    found: dict[str, list] = {}
+    for line, row in enumerate(rows, 2):
+        try:
+            values = [float(row[c]) for c in COLUMNS[1:]]
+        except (TypeError, ValueError):
+            raise DataError(f"{path}, line {line}: coordinates and diameter must be numbers, got {[row[c] for c in COLUMNS[1:]]}") from None
+        if not np.all(np.isfinite(values)):
+            raise DataError(f"{path}, line {line}: coordinates and diameter must be finite")
+        found.setdefault(row["seriesuid"], []).append(values)
+    if series is not None:
+        unknown = sorted(set(found) - set(series))
+        if unknown:
+            log.warning("%s: %d series without a scan here ignored (%s%s)", path, len(unknown), ", ".join(unknown[:3]), ", ..." if len(unknown) > 3 else "")
+        found = {uid: v for uid, v in found.items() if uid in series}
+    return {uid: np.asarray(v, dtype=np.float64).reshape(-1, 4) for uid, v in found.items()}
+
+
+def voxel_to_lps(index: np.ndarray, affine) -> np.ndarray:
+    """LPS millimetres of continuous voxel indices ``(n, 3)`` of a MONAI (RAS) affine ``(4, 4)``."""
+    affine = np.asarray(affine, dtype=np.float64)
+    index = np.asarray(index, dtype=np.float64).reshape(-1, 3)
+    return lps_to_ras(index @ affine[:3, :3].T + affine[:3, 3])
+
+
+class LoadScand(MapTransform):
+    """Read a MetaImage scan (SimpleITK) into a channel-first float32 MONAI MetaTensor
+    ``(1, X, Y, Z)`` whose affine maps voxels to RAS millimetres, as MONAI's readers do. A
+    missing ``.raw``, an unreadable file or NaN/Inf voxels raise a :class:`DataError` naming the
+    file."""
+
+    def __init__(self, keys: Hashable = "image") -> None:
+        super().__init__([keys])
+
+    def __call__(self, data: Mapping) -> dict:
+        data = dict(data)
+        for key in self.keys:
+            path = Path(data[key])
+            _check_mhd(path)
+            try:
+                image = sitk.ReadImage(str(path))
+            except RuntimeError as err:
+                raise DataError(f"{path}: cannot read MetaImage ({str(err).strip().splitlines()[-1]})") from None
+            voxels = sitk.GetArrayViewFromImage(image).astype(np.float32).transpose(2, 1, 0)  # (z, y, x) -> (x, y, z)
+            finite = np.isfinite(voxels)
+            if not finite.all():
+                raise DataError(f"{path}: {int((~finite).sum())} voxel(s) are NaN or Inf")
+            geometry = Geometry(image.GetOrigin(), image.GetSpacing(), image.GetDirection(), image.GetSize())
+            affine = np.eye(4)
+            affine[:3, :3] = geometry.direction * geometry.spacing  # column i: axis i's step in LPS mm
+            affine[:3, 3] = geometry.origin
+            affine = np.diag([*LPS_TO_RAS, 1.0]) @ affine
+            meta = {"filename_or_obj": str(path), "affine": torch.as_tensor(affine), "original_affine": affine.copy(),
+                    "spatial_shape": np.asarray(voxels.shape)}
+            data[key] = MetaTensor(torch.from_numpy(np.ascontiguousarray(voxels))[None], meta=meta)
+        return data
+
+
+class NoduleMaskd(MapTransform):
+    """Render the nodules of a loaded scan as a ``label`` map of spheres (1 inside, 0 outside).
+
+    The scan is a channel-first MONAI MetaTensor ``(1, H, W, D)`` with its RAS affine (MONAI's
+    ITK reader); ``nodules`` holds the case's ``(n, 4)`` LPS centres and diameters in mm. A voxel
+    belongs to a nodule when its centre lies within the radius; a nodule smaller than a voxel
+    still marks the voxel nearest its centre.
+    """
+
+    def __init__(self, image_key: Hashable = "image", nodules_key: Hashable = "nodules", label_key: Hashable = "label") -> None:
+        super().__init__([image_key])
+        self.image_key, self.nodules_key, self.label_key = image_key, nodules_key, label_key
+
+    def __call__(self, data: Mapping) -> dict:
+        data = dict(data)
+        image = data[self.image_key]
+        affine = np.asarray(image.affine, dtype=np.float64)
+        shape = image.shape[1:]
+        label = np.zeros(shape, dtype=np.uint8)
+        inverse = np.linalg.inv(affine)
+        spacing = np.linalg.norm(affine[:3, :3], axis=0)
+        for x, y, z, diameter in np.asarray(data[self.nodules_key], dtype=np.float64).reshape(-1, 4):
+            centre = lps_to_ras([[x, y, z]])[0]
+            voxel = inverse[:3, :3] @ centre + inverse[:3, 3]
+            radius = diameter / 2
+            reach = np.ceil(radius / spacing).astype(int) + 1
+            lo = np.maximum(np.floor(voxel).astype(int) - reach, 0)
+            hi = np.minimum(np.ceil(voxel).astype(int) + reach + 1, shape)
+            if np.any(lo >= hi):
+                continue  # entirely outside the scan
+            grid = np.stack(np.meshgrid(*(np.arange(a, b) for a, b in zip(lo, hi)), indexing="ij"), axis=-1)
+            mm = grid @ affine[:3, :3].T + affine[:3, 3]
+            inside = np.linalg.norm(mm - centre, axis=-1) <= radius
+            label[tuple(slice(a, b) for a, b in zip(lo, hi))][inside] = 1
+            nearest = np.round(voxel).astype(int)
+            if np.all((nearest >= 0) & (nearest < shape)):
+                label[tuple(nearest)] = 1
+        data[self.label_key] = MetaTensor(torch.from_numpy(label[None]), meta=copy.deepcopy(image.meta))
+        return data

@@ -1,0 +1,180 @@
+"""LUNA16: lung nodule detection in chest CT (MetaImage scans, nodules in world millimetres).
+
+What is specific to the benchmark lives here: the dataset (LUNA16's ``subsetK/*.mhd`` folders with
+``annotations.csv`` and ``annotations_excluded.csv``, or the synthetic default), nodule spheres
+rendered as segmentation targets, and the submission CSV of ``infer``.
+
+The model is an HSMLA segmentation network, slice-wise by default (``mode: 2d``): axial slices
+after resampling to ``data.spacing``, predicted slice by slice into a probability volume. It is
+the BTCV pipeline's choice and for the same reason, the CPU budget; 2.5D slabs would add little
+for spheres that the resampled slices already cover several times, and ``mode: 3d`` trains 3D
+patches with the same code. Candidates are the connected components of the probability volume
+(:mod:`hsmla_med.metrics.detection`), placed in world millimetres through the preprocessed
+volume's affine, so no inverse resampling is needed.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import random
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+from monai.transforms import Compose, DeleteItemsd, EnsureTyped, Orientationd, ScaleIntensityRanged, Spacingd
+
+from hsmla_med.data.datalist import Datalist
+from hsmla_med.data.luna16 import COLUMNS, LoadScand, NoduleMaskd, find_scans, read_annotations
+from hsmla_med.data.synthetic_luna16 import generate_luna16
+from hsmla_med.engine.datamodule import CaseDataModule
+from hsmla_med.engine.detection import DetectionModule, scan_candidates
+from hsmla_med.errors import DataError
+from hsmla_med.inference.sliding import predict_volume
+from hsmla_med.io import atomic_path
+from hsmla_med.pipelines.btcv import crop_and_augment, roi_size, spatial_dims
+
+__all__ = ["MODULE", "LABELS", "datalist", "transforms", "datamodule", "module_config", "held_out", "infer"]
+
+log = logging.getLogger("hsmla_med")
+MODULE = DetectionModule
+LABELS = ["background", "nodule"]
+SUBMISSION = "submission.csv"
+
+
+def _csv(root: Path, name: str) -> Path | None:
+    """``name`` at the top of the dataset or in LUNA16's ``CSVFILES/`` folder."""
+    for path in (root / name, root / "CSVFILES" / name):
+        if path.is_file():
+            return path
+    return None
+
+
+def datalist(config: dict) -> Datalist:
+    """Scans with their nodules and excluded findings: the user's folder or the synthetic
+    default (generated once into ``cache_dir``, logged as synthetic). A seeded
+    ``validation_fraction`` of the scans is held out."""
+    data = config["data"]
+    root, synthetic = data["data_dir"], False
+    if not root:
+        synth = data["synthetic"]
+        root = Path(data["cache_dir"]).expanduser() / "luna16-synthetic"
+        log.warning("No --data-dir given: using SYNTHETIC LUNA16-format scans in %s (phantoms, not patients)", root)
+        generate_luna16(root, synth["num_scans"], tuple(synth["shape"]), synth["seed"])
+        synthetic = True
+    root = Path(root)
+    scans = find_scans(root)
+    notes = _csv(root, "annotations.csv")
+    if notes is None:
+        raise DataError(f"{root}: annotations.csv not found (at the top or in CSVFILES/)")
+    nodules = read_annotations(notes, scans)
+    excluded_csv = _csv(root, "annotations_excluded.csv")
+    excluded = read_annotations(excluded_csv, scans) if excluded_csv else {}
+    none = np.zeros((0, 4))
+    cases = [
+        {"image": str(path), "seriesuid": uid, "nodules": nodules.get(uid, none), "excluded": excluded.get(uid, none)}
+        for uid, path in scans.items()
+    ]
+    if len(cases) < 2:
+        raise DataError(f"{root}: need at least two scans to hold one out for validation, found {len(cases)}")
+    order = list(range(len(cases)))
+    random.Random(config["seed"]).shuffle(order)
+    held = set(order[: max(1, round(data["validation_fraction"] * len(cases)))])
+    training = [c for i, c in enumerate(cases) if i not in held]
+    validation = [c for i, c in enumerate(cases) if i in held]
+    return Datalist(LABELS, training, validation, [], root, synthetic)
+
+
+def preprocessing(config: dict, label: bool = True) -> list:
+    """Read the scan (and render its nodules), RAS orientation, resampling to ``data.spacing``,
+    HU window ``data.hu_window`` to 0..1."""
+    keys = ["image", "label"] if label else ["image"]
+    a_min, a_max = config["data"]["hu_window"]
+    return [
+        LoadScand("image"),
+        *([NoduleMaskd()] if label else []),
+        Orientationd(keys, axcodes="RAS", labels=(("L", "R"), ("P", "A"), ("I", "S"))),
+        Spacingd(keys, pixdim=config["data"]["spacing"], mode=["bilinear", "nearest"][: len(keys)]),
+        ScaleIntensityRanged("image", a_min=a_min, a_max=a_max, b_min=0.0, b_max=1.0, clip=True),
+        EnsureTyped(keys, dtype=[torch.float32, torch.int64][: len(keys)], track_meta=True),
+    ]
+
+
+def transforms(config: dict) -> tuple[Compose, Compose]:
+    """Training: preprocessing, then nodule-biased random crops and augmentation (the BTCV
+    pipeline's, :func:`~hsmla_med.pipelines.btcv.crop_and_augment`); validation: preprocessing."""
+    pre = preprocessing(config)
+    # the per-scan annotation arrays differ in length: the training batches need only the crops
+    drop = DeleteItemsd(["nodules", "excluded", "seriesuid"])
+    return Compose(pre + [drop] + crop_and_augment(config)), Compose(pre)
+
+
+def datamodule(config: dict, cases: Datalist) -> CaseDataModule:
+    train, val = transforms(config)
+    data = config["data"]
+    return CaseDataModule(cases.training, cases.validation, train, val, data["batch_size"], data["num_workers"], data["cache_rate"])
+
+
+def module_config(config: dict, model: dict, label_names: list[str], in_channels: int = 1) -> dict:
+    """The hyper-parameters of :class:`DetectionModule` for this task config."""
+    return {
+        "task": "luna16",
+        "network": model,
+        "spatial_dims": spatial_dims(config),
+        "in_channels": in_channels,
+        "label_names": list(label_names),
+        "optim": dict(config["optim"]),
+        "loss": dict(config["loss"]),
+        "inference": {**config["inference"], "roi_size": roi_size(config)},
+        "data": {"spacing": list(config["data"]["spacing"]), "hu_window": list(config["data"]["hu_window"])},
+    }
+
+
+def held_out(cases: Datalist) -> list[list[str]]:
+    """The scans ``demo`` detects nodules in after training: the validation scans, as one input
+    list, so that they share one submission CSV."""
+    return [[c["image"] for c in cases.validation]]
+
+
+def _inputs(path: str | Path) -> list[Path]:
+    path = Path(path)
+    if path.is_dir():
+        return list(find_scans(path).values())
+    if not path.is_file():
+        raise DataError(f"{path}: input not found")
+    return [path]
+
+
+def infer(
+    module: DetectionModule,
+    inputs: str | Path | Iterable[str | Path],
+    output: str | Path,
+    tta: bool = False,
+    device: str = "cpu",
+    progress: Callable[[str], None] = print,
+) -> list[Path]:
+    """Detect nodules in MetaImage scans (a ``.mhd``, a folder searched recursively, or a list of
+    either) and write ``output/submission.csv`` in LUNA16's format
+    (``seriesuid,coordX,coordY,coordZ,probability``, world millimetres), at most
+    ``inference.max_candidates`` rows per scan, most probable first."""
+    cfg = module.config
+    pre = Compose(preprocessing({"data": cfg["data"]}, label=False))
+    files = [Path(p) for p in ([inputs] if isinstance(inputs, (str, Path)) else inputs)]
+    files = [f for p in files for f in _inputs(p)]
+    module = module.to(device).eval()
+    inf = cfg["inference"]
+    rows = []
+    for i, file in enumerate(files, 1):
+        image = pre({"image": str(file)})["image"]
+        with torch.inference_mode():
+            probs = predict_volume(module.network, image[None].to(device), inf["roi_size"], cfg["spatial_dims"], inf["overlap"], inf["sw_batch_size"], tta, inf["slab"])
+        found = scan_candidates(probs[0, 1].float().cpu().numpy(), image.affine, inf)
+        progress(f"[{i}/{len(files)}] {file.name}: {len(found)} candidate(s)")
+        rows += [[file.stem, *np.round(c[:3], 3).tolist(), round(float(c[3]), 5)] for c in found]
+    path = Path(output) / SUBMISSION
+    with atomic_path(path) as tmp, tmp.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow([*COLUMNS[:4], "probability"])
+        writer.writerows(rows)
+    return [path]
