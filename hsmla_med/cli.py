@@ -22,7 +22,7 @@ __all__ = ["main", "build_parser"]
 log = logging.getLogger("hsmla_med")
 
 _EPILOG = """examples:
-  hsmla-med demo                                   # synthetic BTCV, a few minutes on CPU
+  hsmla-med demo                                   # all four tasks on synthetic data, minutes on CPU
   hsmla-med train --task btcv --data-dir /data/BTCV --model b1 --max-steps 20000 --output runs/b1
   hsmla-med train --task btcv --output runs/b1 --resume --max-steps 40000
   hsmla-med train --task btcv --devices 4 --strategy ddp              # multi-GPU (Lightning DDP)
@@ -30,6 +30,8 @@ _EPILOG = """examples:
   hsmla-med evaluate --task btcv --checkpoint runs/b1/best.ckpt --data-dir /data/BTCV
   hsmla-med train --task camelyon16 --data-dir /data/CAMELYON16 --output runs/c16
   hsmla-med wsi-heatmap --checkpoint runs/c16/best.ckpt --slide /data/CAMELYON16/testing/images --output heatmaps
+  hsmla-med train --task luna16 --data-dir /data/LUNA16 --output runs/luna
+  hsmla-med infer --task luna16 --checkpoint runs/luna/best.ckpt --input /data/LUNA16/subset9 --output luna_preds
   hsmla-med bench --only models
 """
 
@@ -72,10 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="random seed (config: seed)")
     _add_trainer_options(p)
 
-    p = sub.add_parser("infer", help="segment volumes with a checkpoint", description="Sliding-window inference; writes OUTPUT/<case>.nii.gz with each input's shape and affine.")
+    p = sub.add_parser("infer", help="run a checkpoint on new inputs", description="Sliding-window inference. btcv: OUTPUT/<case>.nii.gz with each input's shape and affine; endovis: one PNG mask per frame; luna16: OUTPUT/submission.csv (seriesuid,coordX,coordY,coordZ,probability). camelyon16: see wsi-heatmap.")
     _add_task_options(p, data=False)
     p.add_argument("--checkpoint", required=True, help="a checkpoint written by train (best.ckpt or last.ckpt)")
-    p.add_argument("--input", required=True, help="a NIfTI file or a folder of them")
+    p.add_argument("--input", required=True, help="a file or a folder: NIfTI volumes (btcv), PNG frames (endovis), MetaImage .mhd scans (luna16)")
     p.add_argument("--output", required=True, help="folder for the predicted label maps")
     p.add_argument("--tta", action="store_true", help="mirroring test-time augmentation")
     p.add_argument("--overlap", type=float, help="sliding-window overlap (default: the checkpoint's, 0.5)")
@@ -100,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     # its options are the benchmark's own (hsmla-med bench --help), passed through unparsed
     sub.add_parser("bench", help="CPU benchmark of HSMLA networks vs SegFormer and SwinUNETR", add_help=False)
 
-    p = sub.add_parser("demo", help="train on synthetic data for a few minutes, infer, print metrics", description="Generates the synthetic BTCV-format volumes and CAMELYON16-format slides, trains a small HSMLA model on each (configs/<task>_demo.yaml), segments the held-out volumes, writes heatmaps of the held-out slides and prints the metrics and output paths.")
+    p = sub.add_parser("demo", help="train on synthetic data for a few minutes, infer, print metrics", description="Generates synthetic data in each benchmark's format (BTCV NIfTI volumes, CAMELYON16 slides, EndoVis 2017 frames, LUNA16 MetaImage scans), trains a small HSMLA model on each (configs/<task>_demo.yaml), runs inference on the held-out data (label volumes, slide heatmaps, frame masks, a nodule submission CSV) and prints the metrics and output paths.")
     p.add_argument("--task", choices=[*TASKS, "all"], default="all", help="which demo (default: all)")
     p.add_argument("--output", default="runs/demo", help="run folder; one subfolder per task (default runs/demo)")
     p.add_argument("--max-steps", type=int, help="override the demo's training steps")
