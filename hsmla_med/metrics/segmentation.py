@@ -49,6 +49,18 @@ def _spacing(spacing, batch: int, dims: int) -> torch.Tensor:
     return s.expand(batch, dims) if shared else s
 
 
+def _one_hot_pair(pred: torch.Tensor, truth: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked one-hot plain tensors of a prediction and its truth (label maps or one-hot)."""
+    if num_classes < 2:
+        raise ValueError(f"num_classes counts the background and must be at least 2, got {num_classes}")
+    if pred.shape[0] != truth.shape[0] or pred.shape[2:] != truth.shape[2:]:
+        raise ValueError(f"pred and truth differ in batch or spatial shape: {tuple(pred.shape)}, {tuple(truth.shape)}")
+    # MetaTensor inputs would make MetaTensor outputs, whose metadata only gets in the way of
+    # concatenating and gathering the rows; the scores need none of it
+    return (_one_hot(pred.as_subclass(torch.Tensor), num_classes, "pred"),
+            _one_hot(truth.as_subclass(torch.Tensor), num_classes, "truth"))
+
+
 def case_scores(
     pred: torch.Tensor,
     truth: torch.Tensor,
@@ -75,14 +87,7 @@ def case_scores(
         the module docstring). HD95 is MONAI's symmetric one: the larger of the two directed 95th
         percentiles of the distances between the boundary voxels of the two masks.
     """
-    if num_classes < 2:
-        raise ValueError(f"num_classes counts the background and must be at least 2, got {num_classes}")
-    if pred.shape[0] != truth.shape[0] or pred.shape[2:] != truth.shape[2:]:
-        raise ValueError(f"pred and truth differ in batch or spatial shape: {tuple(pred.shape)}, {tuple(truth.shape)}")
-    # MetaTensor inputs would make MetaTensor outputs, whose metadata only gets in the way of
-    # concatenating and gathering the rows; the scores need none of it
-    pred_oh = _one_hot(pred.as_subclass(torch.Tensor), num_classes, "pred")
-    truth_oh = _one_hot(truth.as_subclass(torch.Tensor), num_classes, "truth")
+    pred_oh, truth_oh = _one_hot_pair(pred, truth, num_classes)
     batch, spatial = pred.shape[0], pred.shape[2:]
     spacing = _spacing(spacing, batch, len(spatial))
 
@@ -163,12 +168,7 @@ def frame_scores(pred: torch.Tensor, truth: torch.Tensor, num_classes: int) -> t
         ``(dice, iou)``, float32 ``(B, num_classes - 1)``: NaN where the class is in neither
         prediction nor truth of the frame (not counted), 0 where it is in exactly one.
     """
-    if num_classes < 2:
-        raise ValueError(f"num_classes counts the background and must be at least 2, got {num_classes}")
-    if pred.shape[0] != truth.shape[0] or pred.shape[2:] != truth.shape[2:]:
-        raise ValueError(f"pred and truth differ in batch or spatial shape: {tuple(pred.shape)}, {tuple(truth.shape)}")
-    pred_oh = _one_hot(pred.as_subclass(torch.Tensor), num_classes, "pred")
-    truth_oh = _one_hot(truth.as_subclass(torch.Tensor), num_classes, "truth")
+    pred_oh, truth_oh = _one_hot_pair(pred, truth, num_classes)
     dice = compute_dice(pred_oh, truth_oh, include_background=False, ignore_empty=False)
     iou = compute_iou(pred_oh, truth_oh, include_background=False, ignore_empty=False)
     absent = ~(pred_oh[:, 1:].flatten(2).any(-1) | truth_oh[:, 1:].flatten(2).any(-1))
