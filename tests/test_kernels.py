@@ -231,11 +231,13 @@ def test_modules_pair_each_kernel_with_its_reference():
 # -- dispatch from the HSMLA layer ---------------------------------------------------------------
 
 
-def test_layer_triton_backend_matches_reference_backend():
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_layer_triton_backend_matches_reference_backend(memory_format):
+    """Also with channels-last maps (the networks' layout), whose head views have other strides."""
     from hsmla_med.nn import HSMLA
 
-    layer = HSMLA(2, 16, head_dim=8, window=3, block=4).to(DEVICE).eval()
-    x = torch.randn(2, 16, 9, 11, device=DEVICE)
+    layer = HSMLA(2, 16, head_dim=8, window=3, block=4).to(DEVICE, memory_format=memory_format).eval()
+    x = torch.randn(2, 16, 9, 11, device=DEVICE).contiguous(memory_format=memory_format)
     with torch.no_grad():
         gate = layer.gate(layer._multiscale(layer.qkv(x)))
         layer.tau.fill_(gate.median().item())

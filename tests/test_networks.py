@@ -165,3 +165,20 @@ def test_conv_norm_act_folds_batchnorm_at_inference(spatial_dims, groups, stride
     torch.testing.assert_close(block(x), expected, rtol=1e-10, atol=1e-10)
     block.train()  # training normalises with the batch statistics, not the folded running ones
     torch.testing.assert_close(block(x), act(torch.nn.functional.batch_norm(conv(x), None, None, norm.weight, norm.bias, True)))
+
+
+@pytest.mark.parametrize("spatial_dims, size", [(2, (37, 29)), (3, (11, 13, 9))])
+def test_channels_last_layout_gives_the_channel_first_result(spatial_dims, size):
+    """The networks compute channels-last; the same weights in plain channel-first layout give
+    the same logits, for the segmentation and the classification net."""
+    import copy
+
+    for net in (HSMLASegNet(spatial_dims, 2, 3), HSMLAClassifier(spatial_dims, 2, 3)):
+        net.eval()
+        plain = copy.deepcopy(net).to(memory_format=torch.contiguous_format)
+        plain._memory_format = torch.contiguous_format
+        conv = next(m for m in net.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Conv3d)) and m.weight.shape[1] > 1)
+        assert not conv.weight.is_contiguous()
+        x = torch.randn(2, 2, *size)
+        with torch.no_grad():
+            torch.testing.assert_close(net(x), plain(x), rtol=1e-4, atol=1e-5)

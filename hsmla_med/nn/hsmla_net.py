@@ -87,7 +87,18 @@ class GatedNetwork(nn.Module):
         for layer in self.hsmla_layers().values():
             layer.backend = name
 
-    def _check_input(self, x: torch.Tensor) -> None:
+    def _channels_last(self) -> None:
+        """Hold the convolution weights channels-last (called at the end of ``__init__``).
+
+        oneDNN's CPU convolutions run about 15% faster on this network in that layout (measured
+        on HSMLA-B2 at 512 x 512, docs/benchmarks.md); ``forward`` puts its input in the same
+        layout. Values and shapes are unchanged; only the strides differ.
+        """
+        self._memory_format = torch.channels_last if self.spatial_dims == 2 else torch.channels_last_3d
+        self.to(memory_format=self._memory_format)
+
+    def _check_input(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` checked against ``spatial_dims``/``in_channels``, in the weights' layout."""
         if x.dim() != self.spatial_dims + 2:
             raise ValueError(
                 f"{type(self).__name__} with spatial_dims={self.spatial_dims} expects input of "
@@ -97,6 +108,7 @@ class GatedNetwork(nn.Module):
             raise ValueError(
                 f"{type(self).__name__} expects in_channels={self.in_channels}, got input with {x.shape[1]} channels."
             )
+        return x.contiguous(memory_format=self._memory_format)
 
 
 class HSMLABackbone(nn.Module):
@@ -173,9 +185,10 @@ class HSMLASegNet(GatedNetwork):
         self.fuse = nn.Sequential(*(MBConv(spatial_dims, cfg.head_width, cfg.head_width) for _ in range(cfg.head_depth)))
         self.classify = Conv[Conv.CONV, spatial_dims](cfg.head_width, out_channels, 1)
         self._mode = "bilinear" if spatial_dims == 2 else "trilinear"
+        self._channels_last()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x)
+        x = self._check_input(x)
         features = self.backbone(x)[self._first :]
         size = features[0].shape[2:]
         fused = self.lateral[0](features[0])
@@ -220,8 +233,9 @@ class HSMLAClassifier(GatedNetwork):
         self.head = nn.Sequential(
             nn.LayerNorm(width), nn.Linear(width, hidden), nn.Hardswish(), nn.Dropout(dropout), nn.Linear(hidden, out_channels)
         )
+        self._channels_last()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x)
+        x = self._check_input(x)
         features = self.backbone(x)[-1]
         return self.head(features.flatten(2).mean(dim=2))
