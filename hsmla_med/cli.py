@@ -278,7 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     # Lightning's tips (loggers to install, GPU/TPU availability, num_workers advice) and a
     # deprecation inside Lightning itself are noise to our users; real warnings stay visible.
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
-    for message in (".*does not have many workers.*", ".*treespec, LeafSpec.*", ".*smaller than the logging interval.*"):
+    # (the run folder holds config.yaml before Lightning's checkpoint callback looks at it)
+    for message in (".*does not have many workers.*", ".*treespec, LeafSpec.*", ".*smaller than the logging interval.*",
+                    "Checkpoint directory .* exists and is not empty"):
         warnings.filterwarnings("ignore", message=message)
     from hsmla_med.errors import find_input_error
     from hsmla_med.runtime import tune_cpu_allocator

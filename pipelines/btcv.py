@@ -35,6 +35,7 @@ from monai.transforms import (
 from hsmla_med.data.checks import CheckCased, LoadCased
 from hsmla_med.data.datalist import Datalist, case_name, load_datalist, read_header
 from hsmla_med.data.synthetic_btcv import generate_btcv
+from hsmla_med.engine.base import hparams
 from hsmla_med.engine.datamodule import CaseDataModule
 from hsmla_med.engine.segmentation import SegmentationModule
 from hsmla_med.errors import ConfigError, DataError
@@ -130,17 +131,9 @@ def transforms(config: dict, in_channels: int, num_classes: int) -> tuple[Compos
 
 def module_config(config: dict, model: dict, label_names: Sequence[str], in_channels: int = 1) -> dict:
     """The hyper-parameters of :class:`SegmentationModule` for this task config."""
-    return {
-        "task": "btcv",
-        "network": model,
-        "spatial_dims": spatial_dims(config),
-        "in_channels": in_channels,
-        "label_names": list(label_names),
-        "optim": dict(config["optim"]),
-        "loss": dict(config["loss"]),
-        "inference": {**config["inference"], "roi_size": roi_size(config)},
-        "data": {"spacing": list(config["data"]["spacing"]), "intensity": dict(config["data"]["intensity"])},
-    }
+    inference = {**config["inference"], "roi_size": roi_size(config)}
+    data = {"spacing": list(config["data"]["spacing"]), "intensity": dict(config["data"]["intensity"])}
+    return hparams(config, model, label_names, spatial_dims(config), in_channels, inference, data)
 
 
 def datamodule(config: dict, cases: Datalist, in_channels: int = 1) -> CaseDataModule:

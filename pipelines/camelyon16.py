@@ -29,6 +29,7 @@ from hsmla_med.data.datalist import Datalist
 from hsmla_med.data.slides import coverage, open_slide, patch_grid, read_region, select_level, slide_mpp, tissue_mask
 from hsmla_med.data.synthetic_wsi import generate_camelyon16
 from hsmla_med.data.tiff import write_pyramidal_tiff
+from hsmla_med.engine.base import hparams
 from hsmla_med.engine.classification import ClassificationModule
 from hsmla_med.engine.datamodule import CaseDataModule
 from hsmla_med.errors import DataError
@@ -241,17 +242,8 @@ def datamodule(config: dict, cases: Datalist) -> PatchDataModule:
 
 def module_config(config: dict, model: dict, label_names: list[str], in_channels: int = 3) -> dict:
     """The hyper-parameters of :class:`ClassificationModule` for this task config."""
-    return {
-        "task": "camelyon16",
-        "network": model,
-        "spatial_dims": 2,
-        "in_channels": in_channels,
-        "label_names": list(label_names),
-        "optim": dict(config["optim"]),
-        "loss": dict(config["loss"]),
-        "inference": dict(config["inference"]),
-        "data": _grid_params(config) | {"cache_dir": config["data"]["cache_dir"]},
-    }
+    data = _grid_params(config) | {"cache_dir": config["data"]["cache_dir"]}
+    return hparams(config, model, label_names, 2, in_channels, dict(config["inference"]), data)
 
 
 def _patch_alpha(network: torch.nn.Module) -> torch.Tensor | None:

@@ -27,7 +27,7 @@ from PIL import Image
 from hsmla_med.data.datalist import Datalist
 from hsmla_med.data.endovis import PROBLEMS, VIDEO_FOLDER, LoadFramed, find_frames, find_videos, load_frame
 from hsmla_med.data.synthetic_endovis import generate_endovis
-from hsmla_med.engine.base import plain
+from hsmla_med.engine.base import hparams, plain
 from hsmla_med.engine.datamodule import CaseDataModule
 from hsmla_med.engine.segmentation import FrameSegmentationModule
 from hsmla_med.errors import ConfigError, DataError
@@ -109,17 +109,8 @@ def module_config(config: dict, model: dict, label_names: list[str], in_channels
     """The hyper-parameters of :class:`FrameSegmentationModule` for this task config; the
     inference window is the whole resized frame (``data.size``)."""
     data = config["data"]
-    return {
-        "task": "endovis",
-        "network": model,
-        "spatial_dims": 2,
-        "in_channels": in_channels,
-        "label_names": list(label_names),
-        "optim": dict(config["optim"]),
-        "loss": dict(config["loss"]),
-        "inference": {**config["inference"], "roi_size": list(data["size"]), "slab": 1},
-        "data": {"problem": _problem(config), "crop": data["crop"], "size": list(data["size"])},
-    }
+    inference = {**config["inference"], "roi_size": list(data["size"]), "slab": 1}
+    return hparams(config, model, label_names, 2, in_channels, inference, {"problem": _problem(config), "crop": data["crop"], "size": list(data["size"])})
 
 
 def held_out(cases: Datalist) -> list[str]:

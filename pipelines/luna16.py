@@ -28,6 +28,7 @@ from monai.transforms import Compose, DeleteItemsd, EnsureTyped, Orientationd, S
 from hsmla_med.data.datalist import Datalist
 from hsmla_med.data.luna16 import COLUMNS, LoadScand, NoduleMaskd, find_scans, read_annotations
 from hsmla_med.data.synthetic_luna16 import generate_luna16
+from hsmla_med.engine.base import hparams
 from hsmla_med.engine.datamodule import CaseDataModule
 from hsmla_med.engine.detection import DetectionModule, scan_candidates
 from hsmla_med.errors import DataError
@@ -118,17 +119,9 @@ def datamodule(config: dict, cases: Datalist) -> CaseDataModule:
 
 def module_config(config: dict, model: dict, label_names: list[str], in_channels: int = 1) -> dict:
     """The hyper-parameters of :class:`DetectionModule` for this task config."""
-    return {
-        "task": "luna16",
-        "network": model,
-        "spatial_dims": spatial_dims(config),
-        "in_channels": in_channels,
-        "label_names": list(label_names),
-        "optim": dict(config["optim"]),
-        "loss": dict(config["loss"]),
-        "inference": {**config["inference"], "roi_size": roi_size(config)},
-        "data": {"spacing": list(config["data"]["spacing"]), "hu_window": list(config["data"]["hu_window"])},
-    }
+    inference = {**config["inference"], "roi_size": roi_size(config)}
+    data = {"spacing": list(config["data"]["spacing"]), "hu_window": list(config["data"]["hu_window"])}
+    return hparams(config, model, label_names, spatial_dims(config), in_channels, inference, data)
 
 
 def held_out(cases: Datalist) -> list[list[str]]:

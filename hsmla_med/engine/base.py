@@ -15,13 +15,30 @@ from hsmla_med.config import build_network
 from hsmla_med.engine.schedule import WarmupCosine
 from hsmla_med.nn import GatedNetwork, calibrate_tau
 
-__all__ = ["GatedModule", "plain"]
+__all__ = ["GatedModule", "hparams", "plain"]
 
 
 def plain(x: torch.Tensor) -> torch.Tensor:
     """The tensor without MONAI metadata: the network indexes its batch, and a batched
     MetaTensor refuses indexing when its items' metadata differ."""
     return x.as_tensor() if isinstance(x, MetaTensor) else x
+
+
+def hparams(config: dict, model: dict, label_names, spatial_dims: int, in_channels: int, inference: dict, data: dict) -> dict:
+    """The ``config`` of a :class:`GatedModule` from a task config: what every task saves in its
+    checkpoints (task, network, dims, channels, labels, optimiser, loss) plus the task's own
+    ``inference`` and ``data`` settings that inference needs to prepare inputs alike."""
+    return {
+        "task": config["task"],
+        "network": model,
+        "spatial_dims": spatial_dims,
+        "in_channels": in_channels,
+        "label_names": list(label_names),
+        "optim": dict(config["optim"]),
+        "loss": dict(config["loss"]),
+        "inference": inference,
+        "data": data,
+    }
 
 
 class GatedModule(L.LightningModule, metaclass=ABCMeta):
