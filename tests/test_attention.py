@@ -114,6 +114,21 @@ def test_fused_gate_pooling_equals_conv_then_tile_average(spatial):
     torch.testing.assert_close(layer._gate_pool(ms), expected, rtol=1e-10, atol=1e-10)
 
 
+def test_fused_gate_kernel_follows_weight_updates():
+    """Without gradients the fused kernel is kept; an optimizer step (in place) or loaded
+    weights must replace it."""
+    layer = _layer(channels=16, block=4).eval()
+    ms = torch.randn(1, 48, 8, 8)
+    with torch.no_grad():
+        first = layer._gate_pool(ms)
+        layer.gate_conv.weight.mul_(-2.0)  # as an optimizer step does
+        torch.testing.assert_close(layer._gate_pool(ms), HF.tile_average(layer.gate_conv(ms), 4))
+        other = _layer(channels=16, block=4).state_dict()
+        layer.load_state_dict(other)
+        torch.testing.assert_close(layer._gate_pool(ms), HF.tile_average(layer.gate_conv(ms), 4))
+    assert not torch.allclose(first, layer._gate_pool(ms))
+
+
 def test_gradients_reach_the_gate():
     layer = _layer(channels=16).train()
     x = torch.randn(2, 16, 10, 9)

@@ -111,6 +111,7 @@ class HSMLA(nn.Module):
         self.last_gate: torch.Tensor | None = None
         self.last_alpha: float = 0.0
         self._calibrate_to: float | None = None
+        self._gate_kernel: tuple | None = None  # (weight version key, fused gate-pooling kernel)
 
     # -- settings -----------------------------------------------------------------------------
     @property
@@ -175,12 +176,29 @@ class HSMLA(nn.Module):
         conv = self.gate_conv
         if any(n % self.block for n in ms.shape[2:]):
             return HF.tile_average(conv(ms), self.block)
-        dims, b = self.spatial_dims, self.block
-        conv_nd = (F.conv2d, F.conv3d)[dims - 2]
-        box = conv.weight.new_full((1, 1, *[b] * dims), 1.0 / b**dims)
-        # cross-correlating the zero-padded 3x3 kernels with the (symmetric) box = full convolution
-        kernel = conv_nd(F.pad(conv.weight, [b - 1] * (2 * dims)), box)  # (3C, 1, *[b + 2])
-        return conv_nd(ms, kernel, conv.bias, stride=b, padding=1, groups=ms.shape[1])
+        conv_nd = (F.conv2d, F.conv3d)[self.spatial_dims - 2]
+        return conv_nd(ms, self._gate_pool_kernel(), conv.bias, stride=self.block, padding=1, groups=ms.shape[1])
+
+    def _gate_pool_kernel(self) -> torch.Tensor:
+        """The fused kernel ``(3C, 1, *[block + 2])``: the 3x3 kernels fully convolved with the
+        ``block`` box (sums of shifted copies along each axis), divided by its volume.
+
+        Without gradients it is kept until the weights change (their version counter or storage):
+        a new kernel tensor on every call costs oneDNN a weight reorder, several times the strided
+        convolution itself on the small maps of the late stages.
+        """
+        weight, b, dims = self.gate_conv.weight, self.block, self.spatial_dims
+        key = (weight._version, weight.data_ptr(), weight.dtype, b)
+        differentiable = torch.is_grad_enabled() and weight.requires_grad
+        if not differentiable and self._gate_kernel is not None and self._gate_kernel[0] == key:
+            return self._gate_kernel[1]
+        kernel = F.pad(weight, [b - 1] * (2 * dims))
+        for axis in range(2, 2 + dims):
+            kernel = sum(kernel.narrow(axis, i, kernel.shape[axis] - b + 1) for i in range(b))
+        kernel = kernel / b**dims
+        if not differentiable:
+            self._gate_kernel = (key, kernel)
+        return kernel
 
     def _ops(self, training: bool, device: torch.device):
         """The (linear_attention, local_refine) pair for this call: kernels or reference."""
