@@ -107,8 +107,10 @@ def test_local_refine_selects_tiles(spatial, block):
 @pytest.mark.parametrize("shape", [(2, 2, 6, 5, 4), (1, 2, 3, 5, 4, 3)])
 def test_local_refine_gradients_match_brute_force(shape):
     """The training path differentiates through the dense local residual: its gradients with
-    respect to all six maps equal those of the float64 brute force."""
-    window, eps = 3, 1e-6
+    respect to all six maps equal those of the float64 brute force. (``eps`` keeps the linear
+    denominator away from zero: a near-empty ReLU overlap makes the float32 gradient
+    ill-conditioned, not wrong.)"""
+    window, eps = 3, 1e-2
     maps = [torch.randn(shape, requires_grad=True) for _ in range(6)]
     weight = torch.randn(shape, dtype=torch.float64)
     r = HF.local_refine(*maps, None, 0.0, 4, window, eps)
