@@ -163,26 +163,23 @@ def _tile_tables(spatial: tuple[int, ...], block: int, window: int, device: torc
 class _TileSet:
     """Token positions of a list of tiles, looked up once for all gathers and the scatter.
 
-    ``index``: ``(n, 1 + s)`` rows of ``(batch, *tile)`` in batch-major order (as
-    ``torch.nonzero`` and ``torch.cartesian_prod`` give them), so the rows of each batch element
-    form one contiguous run.
+    ``index``: ``(n,)`` ascending flat tile numbers ``batch * tiles + tile`` (tiles row-major
+    over :func:`tile_grid`), so the tiles of each batch element form one contiguous run.
     """
 
     def __init__(self, index: torch.Tensor, block: int, window: int, spatial: tuple[int, ...]) -> None:
         q_flat, k_flat, hidden, partial = _tile_tables(spatial, block, window, index.device)
-        tile = index[:, 1]
-        for axis, n in enumerate(tile_grid(spatial, block)[1:], 2):
-            tile = tile * n + index[:, axis]
+        tile = index % q_flat.shape[0]
         self.q_flat, self.k_flat = q_flat[tile], k_flat[tile]
         self.hidden = hidden[tile]  # (n, Bq, Bk)
         # Queries of partial edge tiles that fall outside the map are not written back.
         self.q_keep = None if partial is None else partial[tile]
-        batches, counts = torch.unique_consecutive(index[:, 0], return_counts=True)
         self.runs = []  # (batch element, rows of index)
         start = 0
-        for b, n in zip(batches.tolist(), counts.tolist()):
-            self.runs.append((b, slice(start, start + n)))
-            start += n
+        for b, n in enumerate(torch.bincount(index // q_flat.shape[0]).tolist()):
+            if n:
+                self.runs.append((b, slice(start, start + n)))
+                start += n
 
     def gather(self, x: torch.Tensor, keys: bool) -> torch.Tensor:
         """Tiles of a token-major ``(b, P, h, N, d)`` stack of maps -> ``(P * h, n, tokens, d)``:
@@ -207,9 +204,8 @@ class _TileSet:
 
 
 def _all_tiles(shape: torch.Size, block: int, device: torch.device) -> torch.Tensor:
-    grid = tile_grid(tuple(shape[2:-1]), block)
-    ranges = [torch.arange(n, device=device) for n in (shape[0], *grid)]
-    return torch.cartesian_prod(*ranges).reshape(-1, 1 + len(grid))
+    """Flat numbers of every tile of every batch element (the ``index`` of :class:`_TileSet`)."""
+    return torch.arange(shape[0] * math.prod(tile_grid(tuple(shape[2:-1]), block)), device=device)
 
 
 def _window_attention(q, k, v, hidden, softmax_heads: int, eps: float) -> torch.Tensor:
@@ -368,7 +364,7 @@ def local_refine(
         expected = (q.shape[0], *tile_grid(tuple(q.shape[2:-1]), block))
         if tuple(gate.shape) != expected:
             raise ValueError(f"gate must have shape {expected} (batch, *tiles), got {tuple(gate.shape)}.")
-        index = torch.nonzero(gate > tau)
+        index = torch.nonzero(gate.flatten() > tau).squeeze(1)
     if index.shape[0] == 0:
         return torch.zeros_like(q)
     return _tiled((q, k, v), (qh, kh, vh), window, block, index, eps).to(q.dtype)
