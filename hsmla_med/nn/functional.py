@@ -135,8 +135,9 @@ def _tile_tables(spatial: tuple[int, ...], block: int, window: int, device: torc
     position of each tile's own tokens (clamped into the map), ``k_flat``
     ``(tiles, (block + window - 1)**s)`` those of its halo (out-of-map tokens clamped to an edge
     copy), ``hidden`` ``(tiles, block**s, halo**s)`` float32, the score bias that hides a halo key
-    outside the query's window or outside the map (``_HIDDEN``, else 0), and ``partial`` ``(tiles, block**s)`` bool, query inside the map (``None`` when every
-    tile is whole). Tiles are numbered row-major over :func:`tile_grid`.
+    outside the query's window or outside the map (``_HIDDEN``, else 0), and ``partial``
+    ``(tiles, block**s)`` bool, query inside the map (``None`` when every tile is whole). Tiles
+    are numbered row-major over :func:`tile_grid`.
     """
     grid = tile_grid(spatial, block)
     tiles = torch.cartesian_prod(*(torch.arange(n) for n in grid)).reshape(-1, len(grid))
