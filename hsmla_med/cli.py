@@ -186,7 +186,8 @@ def _infer(args) -> list[Path]:
         module.config["inference"]["overlap"] = args.overlap
     started = time.perf_counter()
     written = task.infer(module, args.input, args.output, tta=args.tta, device=_device(args.device))
-    print(f"wrote {len(written)} prediction(s) into {args.output} in {time.perf_counter() - started:.1f} s")
+    print(f"wrote {len(written)} file(s) into {args.output} in {time.perf_counter() - started:.1f} s: "
+          + ", ".join(p.name for p in written[:3]) + (", ..." if len(written) > 3 else ""))
     return written
 
 
