@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from hsmla_med.nn.functional import _check_block, _check_window
+from hsmla_med.nn.functional import _check_block, _check_window, tile_broadcast
 from hsmla_med.nn.functional import local_refine as reference
 
 from ._runtime import check_features, dot_precision, lazy_jit, tl, triton
@@ -181,9 +181,10 @@ def local_refine(
     block: int,
     window: int,
     eps: float = 1e-6,
+    add_to: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Local residual ``R = O_loc - O_linloc`` on tiles with ``gate > tau``; the semantics of
-    :func:`reference`.
+    :func:`reference`, ``add_to`` included.
 
     Args:
         q, k, v: raw projections, ``(batch, heads, *spatial, head_dim)``.
@@ -193,6 +194,8 @@ def local_refine(
         block: tile size per axis (edge tiles may be partial).
         window: odd local window size per axis; keys outside the map are excluded.
         eps: linear-term denominator epsilon.
+        add_to: optional tensor of ``q``'s shape; with a ``gate``, ``gate * R`` is added to it
+            in place and it is returned.
 
     Returns:
         ``R`` of ``q``'s shape and dtype, laid out channel-first like the reference's result,
@@ -200,7 +203,13 @@ def local_refine(
         linear terms accumulated in float32); 3D maps are computed by :func:`reference`.
     """
     if q.dim() == 6:
-        return reference(q, k, v, qh, kh, vh, gate, tau, block, window, eps)
+        return reference(q, k, v, qh, kh, vh, gate, tau, block, window, eps, add_to)
+    if add_to is not None:
+        if gate is None:
+            raise ValueError("add_to needs a gate: it receives gate * R.")
+        r = local_refine(q, k, v, qh, kh, vh, gate, tau, block, window, eps)
+        weight = tile_broadcast(gate, block, tuple(q.shape[2:-1])).unsqueeze(1).unsqueeze(-1)
+        return add_to.addcmul_(weight.to(r.dtype), r)
     check_features("local_refine", (2,), q=q, k=k, v=v, qh=qh, kh=kh, vh=vh)
     _check_window(window)
     _check_block(block)

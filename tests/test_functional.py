@@ -219,3 +219,27 @@ def test_chunked_tile_evaluation_matches(monkeypatch):
     whole = HF.local_refine(q, k, v, qh, kh, vh, gate, 0.3, 4, 5)
     monkeypatch.setattr(HF, "_CHUNK_ELEMENTS", 1)
     torch.testing.assert_close(HF.local_refine(q, k, v, qh, kh, vh, gate, 0.3, 4, 5), whole)
+
+
+@pytest.mark.parametrize("layout", ["channel_first", "contiguous"])
+@pytest.mark.parametrize("spatial", [(9, 11), (5, 6, 7)])
+def test_local_refine_adds_gate_weighted_residual_in_place(spatial, layout):
+    """``add_to`` receives ``M * R`` on active tiles (the float64 brute force weighted by the
+    hand-broadcast gate) and nothing elsewhere; channel-first buffers (the layer's linear
+    output) are written tile by tile, other layouts through a full-size ``R``."""
+    b, h, d, block, window, tau = 2, 2, 4, 4, 3, 0.5
+    q, k, v, qh, kh, vh = _rand((b, h, *spatial, d), 6)
+    gate = torch.rand(b, *HF.tile_grid(spatial, block))
+    shape = (b, h, *spatial, d)
+    base = torch.randn(b, h, d, *spatial).movedim(2, -1) if layout == "channel_first" else torch.randn(shape)
+    expected = base.double().clone()
+    weight = gate * (gate > tau)
+    for axis, n in enumerate(spatial):
+        weight = weight.repeat_interleave(block, dim=1 + axis).narrow(1 + axis, 0, n)
+    full = brute_softmax(q, k, v, window) - brute_linear(qh, kh, vh, HF.DEFAULT_EPS, window)
+    expected += weight[:, None, ..., None].double() * full
+    out = HF.local_refine(q, k, v, qh, kh, vh, gate, tau, block, window, add_to=base)
+    assert out is base
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="add_to"):
+        HF.local_refine(q, k, v, qh, kh, vh, None, 0.0, block, window, add_to=base)

@@ -149,6 +149,18 @@ def test_local_refine_matches_reference(case, which, layout, dtype):
     _assert_close(out, _reference_refine(tensors, gate, tau, block, window), dtype)
 
 
+@pytest.mark.parametrize("case", REFINE_CASES, ids=CASE_IDS)
+def test_local_refine_add_to_matches_reference(case):
+    """``add_to`` (the layer's inference path) adds ``gate * R`` in place, as the reference does."""
+    shape, block, window = case
+    tensors = _features(shape, 6, torch.float32, "channel_first")
+    gate, tau, _ = _gate(shape, block, "between")
+    base = torch.randn(shape, device=DEVICE)
+    out = kernels.local_refine(*tensors, gate, tau, block, window, 1e-6, add_to=base.clone())
+    expected = HF.local_refine(*tensors, gate, tau, block, window, 1e-6, add_to=base.clone())
+    _assert_close(out, expected, torch.float32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", REFINE_CASES, ids=CASE_IDS)
 def test_refine_tiles_writes_exactly_the_listed_tiles(case, dtype):

@@ -109,7 +109,8 @@ class HSMLA(nn.Module):
         self.gate_bias = nn.Parameter(torch.zeros(self.heads))
         self.proj = conv(in_channels, in_channels, kernel_size=1)
         self.last_gate: torch.Tensor | None = None
-        self.last_alpha: float = 0.0
+        self._alpha = 0.0  # last_alpha without a gate
+        self._gate_tau = float(tau)  # the tau of the last gated forward
         self._calibrate_to: float | None = None
         self._gate_kernel: tuple | None = None  # (weight version key, fused gate-pooling kernel)
 
@@ -213,13 +214,6 @@ class HSMLA(nn.Module):
             return kernels.linear_attention, kernels.local_refine
         return HF.linear_attention, HF.local_refine
 
-    def _tokens_gate(self, gate: torch.Tensor, spatial: torch.Size) -> torch.Tensor:
-        """Broadcast ``(b, *tiles)`` to ``(b, 1, *spatial, 1)``."""
-        for axis in range(self.spatial_dims):
-            gate = gate.repeat_interleave(self.block, dim=1 + axis)
-        gate = gate[(slice(None), *(slice(0, n) for n in spatial))]
-        return gate.unsqueeze(1).unsqueeze(-1)
-
     # -- forward ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(batch, in_channels, *spatial)`` -> same shape."""
@@ -236,32 +230,39 @@ class HSMLA(nn.Module):
         q, k, v = self._split_heads(qkv)
         qh, kh, vh = self._split_heads(ms)
         linear_attention, local_refine = self._ops(self.training, x.device)
+        # The gate first, while the multi-scale map it pools is still in cache.
+        gate = self.gate(ms) if self.routing == "gate" else None
         out = linear_attention(qh, kh, vh, self.eps)
 
-        self.last_gate = None
+        self.last_gate, self._alpha = None, 0.0
         if self.routing == "all":
             out = out + local_refine(q, k, v, qh, kh, vh, None, 0.0, self.block, self.window, self.eps)
-            self.last_alpha = 1.0
+            self._alpha = 1.0
         elif self.routing == "gate":
-            gate = self.gate(ms)
             if self._calibrate_to is not None:
                 self.tau.fill_(torch.quantile(gate.detach().float().flatten(), 1.0 - self._calibrate_to).item())
-            self.last_gate = gate
-            active = gate.detach() > self.tau
-            self.last_alpha = float(active.float().mean())
-            if self.training:
-                r = local_refine(q, k, v, qh, kh, vh, None, 0.0, self.block, self.window, self.eps)
-            else:
-                r = local_refine(q, k, v, qh, kh, vh, gate, float(self.tau), self.block, self.window, self.eps)
+            tau = float(self.tau)
+            self.last_gate, self._gate_tau = gate, tau
             # Active tiles keep the gate weight they had in training (DESIGN.md §3.6 adds R at
             # weight 1): the budget keeps M near rho, so a network trained on M * R saw R at about
             # 0.3, and full-weight R at inference cost 7 Dice points on BTCV (docs/benchmarks.md).
-            out = torch.addcmul(out, self._tokens_gate(gate, spatial).to(r.dtype), r)
-        else:
-            self.last_alpha = 0.0
+            if self.training:
+                r = local_refine(q, k, v, qh, kh, vh, None, 0.0, self.block, self.window, self.eps)
+                weight = HF.tile_broadcast(gate, self.block, tuple(spatial)).unsqueeze(1).unsqueeze(-1)
+                out = torch.addcmul(out, weight.to(r.dtype), r)
+            else:
+                out = local_refine(q, k, v, qh, kh, vh, gate, tau, self.block, self.window, self.eps, add_to=out)
 
         out = out.movedim(-1, 2).reshape(x.shape[0], self.in_channels, *spatial)
         return self.proj(out.to(x.dtype))
+
+    @property
+    def last_alpha(self) -> float:
+        """Fraction of tiles refined by the last forward (with a gate: tiles above the tau of
+        that forward). Counted when asked for, which spares the forward a device sync."""
+        if self.last_gate is None:
+            return self._alpha
+        return float((self.last_gate.detach() > self._gate_tau).float().mean())
 
     def regularizers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(budget, smoothness) of the last forward's gate; zeros when no gate was computed."""

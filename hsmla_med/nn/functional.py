@@ -26,6 +26,7 @@ __all__ = [
     "local_linear_attention",
     "local_refine",
     "tile_grid",
+    "tile_broadcast",
     "tile_average",
     "gate_regularizers",
 ]
@@ -168,40 +169,57 @@ class _TileSet:
     over :func:`tile_grid`), so the tiles of each batch element form one contiguous run.
     """
 
-    def __init__(self, index: torch.Tensor, block: int, window: int, spatial: tuple[int, ...]) -> None:
+    def __init__(self, index: torch.Tensor, batch: int, block: int, window: int, spatial: tuple[int, ...]) -> None:
         q_flat, k_flat, hidden, partial = _tile_tables(spatial, block, window, index.device)
-        tile = index % q_flat.shape[0]
+        tiles = q_flat.shape[0]
+        if batch == 1:  # the usual inference case: one run, no counting
+            tile, self.runs = index, [(0, slice(0, index.shape[0]))]
+        else:
+            tile, self.runs, start = index % tiles, [], 0  # runs: (batch element, rows of index)
+            for b, n in enumerate(torch.bincount(index // tiles).tolist()):
+                if n:
+                    self.runs.append((b, slice(start, start + n)))
+                    start += n
         self.q_flat, self.k_flat = q_flat[tile], k_flat[tile]
         self.hidden = hidden[tile]  # (n, Bq, Bk)
         # Queries of partial edge tiles that fall outside the map are not written back.
         self.q_keep = None if partial is None else partial[tile]
-        self.runs = []  # (batch element, rows of index)
-        start = 0
-        for b, n in enumerate(torch.bincount(index // q_flat.shape[0]).tolist()):
-            if n:
-                self.runs.append((b, slice(start, start + n)))
-                start += n
 
-    def gather(self, x: torch.Tensor, keys: bool) -> torch.Tensor:
-        """Tiles of a token-major ``(b, P, h, N, d)`` stack of maps -> ``(P * h, n, tokens, d)``:
-        the tile's own tokens, or with ``keys`` its halo (out-of-map tokens hold clamped edge
-        copies; ``hidden`` hides them). Whole contiguous token rows are copied, and the result
-        feeds the batched matmuls as it is. (``index_select`` along the middle axis of a 3D
-        ``(P * h, N, d)`` view: on a 4D tensor it took three times as long.)"""
-        flat = self.k_flat if keys else self.q_flat
-        parts = [x[b].flatten(0, 1).index_select(1, flat[r].flatten()) for b, r in self.runs]
-        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        return out.view(x.shape[1] * x.shape[2], *flat.shape, x.shape[-1])
+    def _batched(self, select) -> torch.Tensor:
+        parts = [select(b, r) for b, r in self.runs]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
 
-    def scatter(self, out: torch.Tensor, r: torch.Tensor) -> None:
-        """Write ``(h, n, block**s, d)`` tile values into ``out``, ``(b, h * d, N)``, in place."""
+    def gather_keys(self, x: torch.Tensor) -> torch.Tensor:
+        """Halos of a token-major ``(b, P, h, N, d)`` stack of maps -> ``(P * h, n, halo, d)``
+        (out-of-map tokens hold clamped edge copies; ``hidden`` hides them). Whole contiguous
+        token rows are copied, and the result feeds the batched matmuls as it is.
+        (``index_select`` along the middle axis of a 3D ``(P * h, N, d)`` view: on a 4D tensor
+        it took three times as long.)"""
+        out = self._batched(lambda b, r: x[b].flatten(0, 1).index_select(1, self.k_flat[r].flatten()))
+        return out.view(x.shape[1] * x.shape[2], *self.k_flat.shape, x.shape[-1])
+
+    def gather_queries(self, maps: list[torch.Tensor]) -> torch.Tensor:
+        """The tiles' own tokens of P maps ``(b, h, *S, d)`` -> float32 ``(P * h, n, block**s, d)``.
+
+        Read straight from the maps: only the tiles' tokens are copied (the layer's maps are
+        channels-last, so each token's ``h * d`` channels are one contiguous row)."""
+        b, h, d = maps[0].shape[0], maps[0].shape[1], maps[0].shape[-1]
+        rows = [m.flatten(2, -2).transpose(1, 2).reshape(b, -1, h * d) for m in maps]  # (b, N, h * d)
+        out = torch.stack([self._batched(lambda i, r: x[i].index_select(0, self.q_flat[r].flatten())) for x in rows])
+        out = out.view(len(maps), -1, h, d).transpose(1, 2)  # (P, h, n * Bq, d)
+        return out.reshape(len(maps) * h, *self.q_flat.shape, d).float()
+
+    def scatter(self, out: torch.Tensor, r: torch.Tensor, add: bool) -> None:
+        """Write, or with ``add`` add, ``(h, n, block**s, d)`` tile values into ``out``,
+        ``(b, h * d, N)``, in place."""
         h, d = r.shape[0], r.shape[-1]
-        values = r.permute(0, 3, 1, 2).reshape(h * d, *self.q_flat.shape)
+        values = r.permute(0, 3, 1, 2).reshape(h * d, *self.q_flat.shape).to(out.dtype)
         for b, rows in self.runs:
             flat, vals = self.q_flat[rows], values[:, rows]
             if self.q_keep is not None:
                 flat, vals = flat[self.q_keep[rows]], vals[:, self.q_keep[rows]]
-            out[b].index_copy_(1, flat.flatten(), vals.reshape(h * d, -1))
+            write = out[b].index_add_ if add else out[b].index_copy_
+            write(1, flat.flatten(), vals.reshape(h * d, -1))
 
 
 def _all_tiles(shape: torch.Size, block: int, device: torch.device) -> torch.Tensor:
@@ -212,8 +230,8 @@ def _all_tiles(shape: torch.Size, block: int, device: torch.device) -> torch.Ten
 def _window_attention(q, k, v, hidden, softmax_heads: int, eps: float) -> torch.Tensor:
     """Attention of tile queries ``(P * h, n, Bq, d)`` over their halo keys ``(P * h, n, Bk, d)``
     with the score bias ``hidden`` ``(n, Bq, Bk)``: masked softmax for the first
-    ``softmax_heads`` batch entries, and for the rest local ReLU linear attention (``q``, ``k``
-    already ``phi(qh)``, ``phi(kh)``). ``q`` is scaled in place.
+    ``softmax_heads`` batch entries, and for the rest local ReLU linear attention (``k``
+    already ``phi(kh)``). ``q`` is modified in place: scaled, or passed through ``phi``.
 
     The two terms share one batched matmul per product and one bias addition. The linear term
     uses ``phi(qh_i) Z_N(i) = sum_{j in N(i)} (phi(qh_i) . phi(kh_j)) vh_j``: the same band as
@@ -223,6 +241,7 @@ def _window_attention(q, k, v, hidden, softmax_heads: int, eps: float) -> torch.
     softmax stays ``softmax``: in-place ``exp_`` with a row maximum was 15% slower here.)
     """
     q[:softmax_heads].mul_(q.shape[-1] ** -0.5)
+    q[softmax_heads:].relu_()
     scores = (q @ k.transpose(-1, -2)).add_(hidden)
     soft, lin = scores[:softmax_heads], scores[softmax_heads:]
     if softmax_heads:
@@ -233,15 +252,13 @@ def _window_attention(q, k, v, hidden, softmax_heads: int, eps: float) -> torch.
     return out
 
 
-def _local_terms(src: torch.Tensor, tiles: _TileSet, eps: float, softmax: bool) -> torch.Tensor:
-    """``O_loc - O_linloc`` of the tiles (or the one term that ``src`` stacks), ``(h, n,
-    block**s, d)``, from the token-major stack of :func:`_token_major`."""
-    terms, heads = src.shape[1] // 3, src.shape[2]
-    keys = tiles.gather(src[:, terms:], True)  # keys and values in one gather
-    out = _window_attention(
-        tiles.gather(src[:, :terms], False), keys[: terms * heads], keys[terms * heads :],
-        tiles.hidden, heads if softmax else 0, eps,
-    )
+def _local_terms(pairs, keys: torch.Tensor, tiles: _TileSet, eps: float, softmax: bool) -> torch.Tensor:
+    """``O_loc - O_linloc`` of the tiles (or the one term that ``pairs`` holds), ``(h, n,
+    block**s, d)``; ``keys`` is the stack of :func:`_key_stack` (the linear term last)."""
+    terms, heads = len(pairs), keys.shape[2]
+    kv = tiles.gather_keys(keys)  # keys and values in one gather
+    q = tiles.gather_queries([m[0] for m in pairs])
+    out = _window_attention(q, kv[: terms * heads], kv[terms * heads :], tiles.hidden, heads if softmax else 0, eps)
     if terms == 1:
         return out if softmax else -out
     return out[:heads] - out[heads:]
@@ -252,38 +269,48 @@ def _local_terms(src: torch.Tensor, tiles: _TileSet, eps: float, softmax: bool) 
 _CHUNK_ELEMENTS = 1 << 22
 
 
-def _token_major(terms: list[tuple[torch.Tensor, ...]], linear: list[bool]) -> torch.Tensor:
-    """Stack the ``(q, k, v)`` maps ``(b, h, *S, d)`` of P terms into one token-major float32
-    ``(b, 3 * P, h, N, d)``, ordered all queries, then all keys, then all values (so the keys
-    and values of every term are one contiguous slice). ``phi = relu`` is applied in place to
-    the queries and keys of ``linear`` terms, before the gather, because halo tiles repeat
-    tokens."""
-    out = torch.stack([m[i].flatten(2, -2) for i in range(3) for m in terms], dim=1).float()
+def _key_stack(terms: list[tuple[torch.Tensor, ...]], linear: list[bool]) -> torch.Tensor:
+    """Stack the keys and values ``(b, h, *S, d)`` of P ``(q, k, v)`` terms into one
+    token-major float32 ``(b, 2 * P, h, N, d)``, all keys then all values (so one gather
+    serves every term). ``phi = relu`` is applied in place to the keys of ``linear`` terms,
+    before the gather, because halo tiles repeat tokens."""
+    out = torch.stack([m[i].flatten(2, -2) for i in (1, 2) for m in terms], dim=1).float()
     for t, flag in enumerate(linear):
         if flag:
-            out[:, t :: len(terms)][:, :2].relu_()
+            out[:, t].relu_()
     return out
 
 
-def _tiled(softmax_maps, linear_maps, window, block, index, eps) -> torch.Tensor:
-    """Local terms for the tiles in ``index`` scattered into zeros: float32 ``(b, h, *S, d)``.
+def _tiled(softmax_maps, linear_maps, window, block, index, eps, weight=None, add_to=None) -> torch.Tensor:
+    """Local terms for the tiles in ``index``, float32 ``(b, h, *S, d)``, zero elsewhere.
 
     ``softmax_maps`` is ``(q, k, v)`` or ``None``, ``linear_maps`` is ``(qh, kh, vh)`` or
-    ``None``; with both, the result is ``O_loc - O_linloc``."""
+    ``None``; with both, the result is ``O_loc - O_linloc``. ``weight`` ``(n,)`` scales each
+    tile's values. With ``add_to``, a tensor of that shape whose channel-first view
+    ``(b, h, d, *S)`` is contiguous, the values are added into it in place and it is returned
+    (no full-size result is allocated)."""
     pairs = [m for m in (softmax_maps, linear_maps) if m is not None]
     ref = pairs[0][0]
     b, h, d = ref.shape[0], ref.shape[1], ref.shape[-1]
     spatial = tuple(ref.shape[2:-1])
-    out = torch.zeros((b, h * d, math.prod(spatial)), dtype=torch.float32, device=ref.device)
+    if add_to is None:
+        out = torch.zeros((b, h * d, math.prod(spatial)), dtype=torch.float32, device=ref.device)
+    else:
+        out = _channel_first(add_to).view(b, h * d, math.prod(spatial))
     halo_tokens = (block + window - 1) ** len(spatial)
     rows = max(1, _CHUNK_ELEMENTS // (len(pairs) * h * d * halo_tokens))
+    chunks = index.split(rows)
+    weights = [None] * len(chunks) if weight is None else weight.float().split(rows)
     with torch.autocast(device_type=ref.device.type, enabled=False):
-        # token-major float32 stack (b, 3P, h, N, d), laid out once for every chunk
-        src = _token_major(pairs, [m is linear_maps for m in pairs])
-        for chunk in index.split(rows):
-            tiles = _TileSet(chunk, block, window, spatial)
-            tiles.scatter(out, _local_terms(src, tiles, eps, softmax_maps is not None))
-    return _feature_view(out.view(b, h, d, *spatial))
+        # token-major float32 keys and values (b, 2P, h, N, d), laid out once for every chunk
+        keys = _key_stack(pairs, [m is linear_maps for m in pairs])
+        for chunk, w in zip(chunks, weights):
+            tiles = _TileSet(chunk, b, block, window, spatial)
+            r = _local_terms(pairs, keys, tiles, eps, softmax_maps is not None)
+            if w is not None:
+                r.mul_(w.view(1, -1, 1, 1))
+            tiles.scatter(out, r, add_to is not None)
+    return add_to if add_to is not None else _feature_view(out.view(b, h, d, *spatial))
 
 
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
@@ -336,6 +363,7 @@ def local_refine(
     block: int,
     window: int,
     eps: float = DEFAULT_EPS,
+    add_to: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Local residual ``R = O_loc - O_linloc`` on the tiles whose gate exceeds ``tau``.
 
@@ -351,24 +379,47 @@ def local_refine(
         tau: threshold; a tile is active when ``gate > tau``.
         block: tile size per axis.
         window: odd local window size per axis.
+        add_to: optional tensor of ``q``'s shape (the inference path passes the linear
+            attention output): with a ``gate``, ``M * R`` (each active tile weighted by its gate
+            value ``M``) is added to it in place and it is returned instead of ``R``, so that
+            ``R`` is never materialised at full size.
 
     Returns:
-        ``R``, shape and dtype of ``q``.
+        ``R``, shape and dtype of ``q``; or ``add_to``.
     """
     _check_features("q", q)
     _check_window(window)
     _check_block(block)
     _check_same_map(q=q, k=k, v=v, qh=qh, kh=kh, vh=vh)
     if gate is None:
+        if add_to is not None:
+            raise ValueError("add_to needs a gate: it receives gate * R.")
         index = _all_tiles(q.shape, block, q.device)
     else:
         expected = (q.shape[0], *tile_grid(tuple(q.shape[2:-1]), block))
         if tuple(gate.shape) != expected:
             raise ValueError(f"gate must have shape {expected} (batch, *tiles), got {tuple(gate.shape)}.")
         index = torch.nonzero(gate.flatten() > tau).squeeze(1)
+    if add_to is not None:
+        if add_to.shape != q.shape:
+            raise ValueError(f"add_to must have q's shape {tuple(q.shape)}, got {tuple(add_to.shape)}.")
+        weight = gate.flatten()[index]
+        if index.shape[0] and _channel_first(add_to).is_contiguous():
+            _tiled((q, k, v), (qh, kh, vh), window, block, index, eps, weight, add_to)
+        elif index.shape[0]:
+            add_to.add_(_tiled((q, k, v), (qh, kh, vh), window, block, index, eps, weight))
+        return add_to
     if index.shape[0] == 0:
         return torch.zeros_like(q)
     return _tiled((q, k, v), (qh, kh, vh), window, block, index, eps).to(q.dtype)
+
+
+def tile_broadcast(gate: torch.Tensor, block: int, spatial: tuple[int, ...]) -> torch.Tensor:
+    """A tile map ``(batch, *tiles)`` repeated over each tile's tokens: ``(batch, *spatial)``
+    (partial edge tiles cut to the map)."""
+    for axis in range(len(spatial)):
+        gate = gate.repeat_interleave(block, dim=1 + axis)
+    return gate[(slice(None), *(slice(0, n) for n in spatial))]
 
 
 def tile_average(x: torch.Tensor, block: int) -> torch.Tensor:
