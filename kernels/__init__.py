@@ -1,17 +1,22 @@
-"""Triton kernels of HSMLA attention for the inference path, installed as ``hsmla_med.kernels``.
+"""Kernels of HSMLA attention for the inference path, installed as ``hsmla_med.kernels``.
 
 One public function per op, each in its own module beside its reference (the matching
 :mod:`hsmla_med.nn.functional` op, named ``reference`` there) and tested against it:
 
-- :func:`linear_attention` (:mod:`.linear`): fused global ReLU linear attention;
-- :func:`local_refine` (:mod:`.refine`): tile-compacted local residual ``R = O_loc - O_linloc``.
+- :func:`linear_attention` (:mod:`.linear`, Triton): fused global ReLU linear attention;
+- :func:`local_refine` (:mod:`.refine`, Triton): tile-compacted local residual
+  ``R = O_loc - O_linloc``;
+- :func:`local_refine_cpu` (:mod:`.refine_cpu`, C compiled at first use): the same on the CPU.
 
-Importing this package never needs triton or a GPU; :func:`triton_available` says whether the
-kernels can run for a device.
+Importing this package never needs triton, a GPU or a compiler; :func:`triton_available` says
+whether the Triton kernels can run for a device, :func:`cpu_kernel_available` whether the C
+kernel is built.
 """
 
 from ._runtime import triton_available
 from .linear import linear_attention
 from .refine import local_refine
+from .refine_cpu import compiled as cpu_kernel_available
+from .refine_cpu import local_refine as local_refine_cpu
 
-__all__ = ["linear_attention", "local_refine", "triton_available"]
+__all__ = ["linear_attention", "local_refine", "local_refine_cpu", "triton_available", "cpu_kernel_available"]

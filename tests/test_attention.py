@@ -42,7 +42,7 @@ def test_hard_inference_equals_soft_path_fed_the_gate_on_active_tiles(spatial, m
 
 
 def test_inference_refines_only_active_tiles(monkeypatch):
-    layer = _layer(channels=16).eval()
+    layer = _layer(channels=16, backend="reference").eval()
     calls = []
     original = HF.local_refine
     monkeypatch.setattr(HF, "local_refine", lambda *a, **k: calls.append((a[6], a[7])) or original(*a, **k))
@@ -230,7 +230,16 @@ def test_bad_input_shape():
         layer(torch.zeros(1, 8, 4, 4))
 
 
-def test_cpu_auto_backend_uses_the_reference():
-    layer = _layer(channels=16).eval()
-    lin, refine = layer._ops(False, torch.device("cpu"))
-    assert lin is HF.linear_attention and refine is HF.local_refine
+def test_cpu_backends():
+    """``auto`` on the CPU: the C refinement kernel at inference, the reference in training
+    (the kernel has no backward); ``reference`` and ``cpu`` force either."""
+    from hsmla_med import kernels
+
+    cpu = torch.device("cpu")
+    layer = _layer(channels=16)
+    assert layer._ops(False, cpu) == (HF.linear_attention, kernels.local_refine_cpu)
+    assert layer._ops(True, cpu) == (HF.linear_attention, HF.local_refine)
+    layer.backend = "reference"
+    assert layer._ops(False, cpu) == (HF.linear_attention, HF.local_refine)
+    layer.backend = "cpu"
+    assert layer._ops(True, cpu) == (HF.linear_attention, kernels.local_refine_cpu)

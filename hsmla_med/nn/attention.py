@@ -16,8 +16,10 @@ __all__ = ["HSMLA", "ROUTING_MODES", "BACKENDS", "calibrate_tau"]
 #: ``gate``: learned routing (soft in training, hard at inference); ``off``: linear attention
 #: only (the paper's "MSLA only" ablation); ``all``: local refinement everywhere (alpha = 1).
 ROUTING_MODES = ("gate", "off", "all")
-#: ``auto``: Triton kernels at inference on CUDA, the reference otherwise.
-BACKENDS = ("auto", "reference", "triton")
+#: ``auto``: at inference the Triton kernels on CUDA and the C refinement kernel on the CPU,
+#: the reference otherwise; ``cpu`` forces the C kernel (which runs the reference for inputs it
+#: does not take, and whenever gradients are needed).
+BACKENDS = ("auto", "reference", "triton", "cpu")
 
 
 def _positive_int(name: str, value) -> int:
@@ -203,16 +205,22 @@ class HSMLA(nn.Module):
 
     def _ops(self, training: bool, device: torch.device):
         """The (linear_attention, local_refine) pair for this call: kernels or reference."""
-        use_triton = self.backend == "triton"
-        if self.backend == "auto" and not training and device.type == "cuda":
-            from hsmla_med import kernels
+        backend = self.backend
+        if backend == "auto":
+            backend = "reference"
+            if not training and device.type == "cpu":
+                backend = "cpu"
+            elif not training and device.type == "cuda":
+                from hsmla_med import kernels
 
-            use_triton = kernels.triton_available(device)
-        if use_triton:
-            from hsmla_med import kernels
+                backend = "triton" if kernels.triton_available(device) else "reference"
+        if backend == "reference":
+            return HF.linear_attention, HF.local_refine
+        from hsmla_med import kernels
 
-            return kernels.linear_attention, kernels.local_refine
-        return HF.linear_attention, HF.local_refine
+        if backend == "cpu":
+            return HF.linear_attention, kernels.local_refine_cpu
+        return kernels.linear_attention, kernels.local_refine
 
     # -- forward ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,197 @@
+"""Tile-compacted local refinement on the CPU: ``refine_cpu.c``, compiled at first use.
+
+The reference (:func:`hsmla_med.nn.functional.local_refine`) assembles the active tiles from
+whole-tensor PyTorch operations: a token-major stack of the keys and values, gathers of every
+tile's halo, batched matmuls over the full halo, a scatter back. On a CPU that costs a fixed
+~1 ms per layer plus memory traffic per tile, as much as the rest of the layer at alpha = 0.3
+(docs/benchmarks.md). The C kernel reads each halo where it lies, evaluates only the keys
+inside each query's window and adds the residual in place, with no intermediate tensors.
+
+PyTorch has no such operation and its extension builder needs the PyTorch headers (a minute
+of compiling on two cores), so the kernel is plain C called through :mod:`ctypes`: the system
+C compiler (``$CC``, default ``cc``) builds it once per source, compiler and CPU (``-O3
+-march=native``) into ``$HSMLA_MED_CACHE_DIR`` (default ``~/.cache/hsmla_med``) in about a
+second. Without a compiler, with ``HSMLA_MED_CPU_KERNEL=0``, for inputs it does not take
+(not float32, ``head_dim`` not contiguous) or when gradients are needed, :func:`local_refine`
+runs the reference instead, with the same result.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import warnings
+from pathlib import Path
+
+import torch
+
+from hsmla_med.nn.functional import _check_block, _check_features, _check_same_map, _check_window, tile_grid
+from hsmla_med.nn.functional import local_refine as reference
+
+__all__ = ["local_refine", "compiled"]
+
+_SOURCE = Path(__file__).with_name("refine_cpu.c")
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-std=c11", "-fPIC", "-shared")
+
+
+class _FeatureMap(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("stride", ctypes.c_int64 * 5)]
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("HSMLA_MED_CACHE_DIR"):
+        return Path(os.environ["HSMLA_MED_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hsmla_med"
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` depends on: a cache shared by different machines (a cluster's
+    home directory) keeps one library per CPU kind."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine() + platform.processor()
+    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags", "Features"))]
+    return platform.machine() + "\n".join(sorted(set(lines)))
+
+
+@functools.lru_cache(maxsize=None)
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("HSMLA_MED_CPU_KERNEL", "1") == "0":
+        return None
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        warnings.warn(f"no C compiler ({compiler!r}): HSMLA refinement runs the slower PyTorch reference on the CPU.")
+        return None
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+        key = hashlib.sha256("\0".join([_SOURCE.read_text(), " ".join(_FLAGS), version, _cpu_signature()]).encode())
+        target = _cache_dir() / f"refine_cpu-{key.hexdigest()[:16]}.so"
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+            built = subprocess.run(
+                [compiler, *_FLAGS, "-o", str(partial), str(_SOURCE), "-lm"], capture_output=True, text=True, timeout=300
+            )
+            if built.returncode:
+                partial.unlink(missing_ok=True)
+                raise OSError(f"{compiler} exited with {built.returncode}: {built.stderr.strip()[-2000:]}")
+            os.replace(partial, target)  # atomic: a concurrent process sees the whole file or none
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as err:
+        warnings.warn(f"the CPU refinement kernel could not be built ({err}); using the PyTorch reference.")
+        return None
+    fn = lib.hsmla_refine_tiles
+    i64p, fp = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_float)
+    fn.argtypes = [
+        _FeatureMap * 6, fp, i64p, i64p, fp, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+        i64p, i64p, i64p, ctypes.c_int64, ctypes.c_float,
+    ]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def compiled() -> bool:
+    """Whether the C kernel is built (building it now if needed) and enabled."""
+    return _library() is not None
+
+
+def _takes(maps: list[torch.Tensor], add_to: torch.Tensor | None) -> bool:
+    """The inputs the kernel works on: float32 CPU tensors, maps with ``head_dim`` contiguous
+    (``add_to`` may have any strides), and no gradient to compute."""
+    tensors = maps if add_to is None else [*maps, add_to]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and all(
+        m.stride(-1) == 1 for m in maps
+    )
+
+
+def _int64s(values) -> ctypes.Array:
+    return (ctypes.c_int64 * len(values))(*values)
+
+
+def _zyx(values: tuple[int, ...], pad: int) -> list[int]:
+    """Per-axis values of a 2D or 3D map as (z, y, x): 2D maps get ``pad`` on z."""
+    return [pad] * (3 - len(values)) + list(values)
+
+
+def local_refine(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qh: torch.Tensor,
+    kh: torch.Tensor,
+    vh: torch.Tensor,
+    gate: torch.Tensor | None,
+    tau: float,
+    block: int,
+    window: int,
+    eps: float = 1e-6,
+    add_to: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Local residual ``R = O_loc - O_linloc`` on tiles with ``gate > tau``, or ``add_to +=
+    gate * R``: the semantics and arguments of :func:`reference`, 2D and 3D.
+
+    Returns:
+        ``R`` (shape of ``q``, channel-first like the reference's result), or ``add_to``.
+    """
+    maps = [q, k, v, qh, kh, vh]
+    lib = _library()
+    if lib is None or not _takes(maps, add_to):
+        return reference(*maps, gate, tau, block, window, eps, add_to)
+    spatial_dims = _check_features("q", q)
+    _check_window(window)
+    _check_block(block)
+    _check_same_map(q=q, k=k, v=v, qh=qh, kh=kh, vh=vh)
+    b, heads, *spatial, d = q.shape
+    grid = (b, *tile_grid(tuple(spatial), block))
+    if gate is None:
+        if add_to is not None:
+            raise ValueError("add_to needs a gate: it receives gate * R.")
+        tiles = torch.cartesian_prod(*(torch.arange(n) for n in grid)).view(-1, len(grid))
+        weights = torch.ones(tiles.shape[0])
+    else:
+        if tuple(gate.shape) != grid:
+            raise ValueError(f"gate must have shape {grid} (batch, *tiles), got {tuple(gate.shape)}.")
+        active = gate.detach() > tau
+        tiles = torch.nonzero(active)
+        weights = gate.detach()[active].float() if add_to is not None else torch.ones(tiles.shape[0])
+    if add_to is not None and add_to.shape != q.shape:
+        raise ValueError(f"add_to must have q's shape {tuple(q.shape)}, got {tuple(add_to.shape)}.")
+    out = add_to if add_to is not None else torch.zeros((b, heads, d, *spatial)).movedim(2, -1)
+    if tiles.shape[0] == 0:
+        return out
+    if spatial_dims == 2:
+        tiles = torch.cat([tiles[:, :1], torch.zeros_like(tiles[:, :1]), tiles[:, 1:]], dim=1)
+    tiles, weights = tiles.contiguous(), weights.contiguous()
+    structs = (_FeatureMap * 6)()
+    for s, m in zip(structs, maps):
+        strides = m.stride()
+        s.data = m.data_ptr()
+        s.stride[:] = [strides[0], strides[1], *_zyx(strides[2:-1], 0)]
+    o = out.stride()
+    args = (
+        structs,
+        ctypes.cast(out.data_ptr(), ctypes.POINTER(ctypes.c_float)),
+        _int64s([o[0], o[1], *_zyx(o[2:-1], 0), o[-1]]),
+        ctypes.cast(tiles.data_ptr(), ctypes.POINTER(ctypes.c_int64)),
+        ctypes.cast(weights.data_ptr(), ctypes.POINTER(ctypes.c_float)),
+    )
+    geometry = (
+        heads,
+        _int64s(_zyx(tuple(spatial), 1)),
+        _int64s(_zyx((block,) * spatial_dims, 1)),
+        _int64s(_zyx((window // 2,) * spatial_dims, 0)),
+        d,
+        float(eps),
+    )
+    # the (tile, head) items run on torch's OpenMP threads (see refine_cpu.c)
+    if lib.hsmla_refine_tiles(*args, 0, tiles.shape[0] * heads, *geometry):
+        raise MemoryError("the CPU refinement kernel could not allocate its scratch memory.")
+    return out

@@ -1,0 +1,208 @@
+"""The C refinement kernel (``hsmla_med.kernels.refine_cpu``) against its reference,
+:func:`hsmla_med.nn.functional.local_refine` (itself tested against float64 brute force).
+
+Inputs are fresh random numbers every run, laid out as the HSMLA layer makes them (head views
+of a channels-last map) or as plain contiguous tensors. Every comparison first makes the
+reference unreachable from the wrapper, so a silent fallback fails the test.
+"""
+
+import math
+import shutil
+
+import pytest
+import torch
+
+from hsmla_med import kernels
+from hsmla_med.kernels import refine_cpu
+from hsmla_med.nn import HSMLA
+from hsmla_med.nn import functional as HF
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+
+# (shape (b, h, *S, d), block, window): odd maps, partial edge tiles, head_dim not a multiple of
+# the 16 vector lanes, tiles of 1 and of 64 queries, 3D.
+CASES = [
+    ((2, 3, 9, 11, 8), 4, 3),
+    ((1, 2, 16, 16, 32), 4, 7),
+    ((1, 2, 13, 10, 20), 8, 5),
+    ((2, 1, 7, 5, 4), 1, 5),
+    ((1, 2, 6, 5, 7, 8), 4, 3),
+    ((2, 1, 5, 9, 4, 12), 2, 5),
+]
+IDS = ["x".join(map(str, s)) + f"-b{b}-w{w}" for s, b, w in CASES]
+
+
+@pytest.fixture
+def kernel_only(monkeypatch):
+    """Fail instead of falling back to the reference."""
+    assert kernels.cpu_kernel_available()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the wrapper fell back to the reference")
+
+    monkeypatch.setattr(refine_cpu, "reference", refuse)
+
+
+def _maps(shape, layout):
+    """Six ``(b, h, *S, d)`` maps: head views of two channels-last ``(b, *S, 3 h d)`` maps (the
+    layer's q, k, v and qh, kh, vh) or independent contiguous tensors."""
+    b, h, *spatial, d = shape
+    if layout == "contiguous":
+        return [torch.randn(shape) for _ in range(6)]
+    maps = []
+    for _ in range(2):
+        x = torch.randn(b, *spatial, 3, h, d).movedim(-3, 1).movedim(-2, 2)  # (b, 3, h, *S, d)
+        maps += list(x.unbind(1))
+    return maps
+
+
+def _gate(shape, block, which):
+    grid = (shape[0], *HF.tile_grid(tuple(shape[2:-1]), block))
+    gate = torch.rand(grid)
+    tau = {"between": float(gate.median()), "all": -1.0, "none": 2.0}[which]
+    return gate, tau
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "contiguous"])
+@pytest.mark.parametrize("which", ["between", "all", "none"])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_residual_matches_reference(case, which, layout, kernel_only, monkeypatch):
+    shape, block, window = case
+    maps = _maps(shape, layout)
+    gate, tau = _gate(shape, block, which)
+    got = refine_cpu.local_refine(*maps, gate, tau, block, window, 1e-6)
+    monkeypatch.undo()
+    expected = HF.local_refine(*maps, gate, tau, block, window, 1e-6)
+    assert got.shape == expected.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    if which == "none":
+        assert torch.count_nonzero(got) == 0
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_dense_residual_matches_reference(case, kernel_only, monkeypatch):
+    shape, block, window = case
+    maps = _maps(shape, "channels_last")
+    got = refine_cpu.local_refine(*maps, None, 0.0, block, window, 1e-6)
+    monkeypatch.undo()
+    torch.testing.assert_close(got, HF.local_refine(*maps, None, 0.0, block, window, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_add_to_adds_gate_weighted_residual_and_nothing_else(case, kernel_only, monkeypatch):
+    """``add_to`` (channel-first, like the layer's linear output) receives ``gate * R`` on the
+    active tiles; every other element keeps its exact value."""
+    shape, block, window = case
+    b, h, *spatial, d = shape
+    maps = _maps(shape, "channels_last")
+    gate, tau = _gate(shape, block, "between")
+    base = torch.randn(b, h, d, *spatial).movedim(2, -1)
+    got = refine_cpu.local_refine(*maps, gate, tau, block, window, 1e-6, add_to=base.clone())
+    monkeypatch.undo()
+    expected = HF.local_refine(*maps, gate, tau, block, window, 1e-6, add_to=base.clone())
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    active = HF.tile_broadcast(gate > tau, block, tuple(spatial))[:, None, ..., None].expand_as(base)
+    assert torch.equal(got[~active], base[~active])
+
+
+def test_reads_nothing_outside_the_active_halos(kernel_only):
+    """NaN everywhere but one active tile's halo leaves the result finite."""
+    block, window = 4, 3
+    maps = _maps((1, 2, 16, 16, 8), "channels_last")
+    gate = torch.zeros(1, 4, 4)
+    gate[0, 1, 2] = 1.0  # rows 4..7, columns 8..11; halo rows 3..8, columns 7..12
+    keep = torch.zeros(16, 16, dtype=torch.bool)
+    keep[3:9, 7:13] = True
+    for m in maps:
+        m[:, :, ~keep] = math.nan
+    r = refine_cpu.local_refine(*maps, gate, 0.5, block, window, 1e-6)
+    assert torch.isfinite(r).all()
+    assert torch.count_nonzero(r[:, :, 4:8, 8:12]) == r[:, :, 4:8, 8:12].numel()
+
+
+@pytest.mark.parametrize("why", ["float64", "gradient", "strided head_dim"])
+def test_inputs_it_does_not_take_run_the_reference(why):
+    shape, block, window = (1, 2, 9, 7, 4), 4, 3
+    maps = _maps(shape, "contiguous")
+    if why == "float64":
+        maps = [m.double() for m in maps]
+    elif why == "gradient":
+        maps = [m.requires_grad_() for m in maps]
+    else:
+        maps = [torch.randn(1, 2, 4, 9, 7).movedim(2, -1) for _ in range(6)]  # channel-first
+    r = refine_cpu.local_refine(*maps, None, 0.0, block, window, 1e-6)
+    torch.testing.assert_close(r, HF.local_refine(*maps, None, 0.0, block, window, 1e-6))
+    if why == "gradient":
+        r.sum().backward()
+        assert all(m.grad is not None for m in maps)
+
+
+def test_bad_arguments_raise():
+    maps = _maps((1, 2, 8, 8, 4), "channels_last")
+    with pytest.raises(ValueError, match="gate"):
+        refine_cpu.local_refine(*maps, torch.zeros(1, 3, 3), 0.0, 4, 3)
+    with pytest.raises(ValueError, match="add_to"):
+        refine_cpu.local_refine(*maps, None, 0.0, 4, 3, add_to=torch.zeros(1, 2, 8, 8, 4))
+    with pytest.raises(ValueError, match="window"):
+        refine_cpu.local_refine(*maps, None, 0.0, 4, 4)
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """Builds into an empty cache; the process-wide library is looked up again afterwards."""
+    monkeypatch.setenv("HSMLA_MED_CACHE_DIR", str(tmp_path))
+    refine_cpu._library.cache_clear()
+    yield tmp_path
+    monkeypatch.undo()
+    refine_cpu._library.cache_clear()
+
+
+def test_builds_once_into_the_cache(fresh_build):
+    assert refine_cpu.compiled()
+    (library,) = fresh_build.iterdir()  # one library, no temporary left behind
+    assert library.suffix == ".so"
+    refine_cpu._library.cache_clear()
+    assert refine_cpu.compiled() and list(fresh_build.iterdir()) == [library]
+
+
+@pytest.mark.parametrize("how", ["missing compiler", "failing compiler", "switched off"])
+def test_without_the_kernel_the_reference_runs(how, fresh_build, monkeypatch, tmp_path):
+    if how == "missing compiler":
+        monkeypatch.setenv("CC", "no-such-compiler")
+    elif how == "failing compiler":
+        monkeypatch.setenv("CC", "false")
+    else:
+        monkeypatch.setenv("HSMLA_MED_CPU_KERNEL", "0")
+    if how == "switched off":
+        assert not refine_cpu.compiled()
+    else:
+        with pytest.warns(UserWarning, match="reference"):
+            assert not refine_cpu.compiled()
+    maps = _maps((1, 2, 9, 7, 4), "channels_last")
+    torch.testing.assert_close(
+        refine_cpu.local_refine(*maps, None, 0.0, 4, 3), HF.local_refine(*maps, None, 0.0, 4, 3)
+    )
+    assert not any(p.suffix in (".so", ".tmp") for p in tmp_path.iterdir())
+
+
+def test_layer_uses_the_kernel_at_cpu_inference(monkeypatch):
+    """``auto`` runs the C kernel in eval mode on the CPU and the reference in training; its
+    output equals the reference backend's."""
+    layer = HSMLA(2, 32, head_dim=8, window=5, block=4).to(memory_format=torch.channels_last).eval()
+    x = torch.randn(2, 32, 13, 18).contiguous(memory_format=torch.channels_last)
+    calls = []
+    original = kernels.local_refine_cpu
+    monkeypatch.setattr(kernels, "local_refine_cpu", lambda *a, **k: calls.append(1) or original(*a, **k))
+    with torch.no_grad():
+        gate = layer.gate(layer._multiscale(layer.qkv(x)))
+        layer.tau.fill_(gate.median().item())
+        fast = layer(x)
+        assert calls and 0.0 < layer.last_alpha < 1.0
+        layer.backend = "reference"
+        reference = layer(x)
+    torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-5)
+    layer.backend = "auto"
+    layer.train()
+    calls.clear()
+    layer(x).sum().backward()
+    assert not calls and layer.gate_weight.grad is not None
