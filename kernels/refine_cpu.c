@@ -18,6 +18,9 @@
 /* Queries are evaluated LANES at a time, one per vector lane: every loop over queries below has
  * this constant trip count and vectorises whole (16 float32 lanes: one AVX-512 register). */
 #define LANES 16
+/* value channels whose sums over the keys stay in registers: 2 x 8 vectors of LANES */
+#define CHANNELS 8
+typedef float lanes __attribute__((vector_size(LANES * sizeof(float))));
 
 typedef struct {
     const float *data;
@@ -185,35 +188,48 @@ int hsmla_refine_tiles(const feature_map maps[6], float *out, const int64_t out_
                             }
                         }
 
-                /* pass 2: softmax weights, and both terms' weighted values */
+                /* pass 2: softmax weights in place of the scores, and the totals */
+                const int64_t keys = j;
                 float total[LANES] = {0}, total_lin[LANES] = {0};
-                for (int64_t i = 0; i < d * LANES; ++i) acc[i] = acc_lin[i] = 0.0f;
-                j = 0;
-                for (int64_t z = lo[0]; z < hi[0]; ++z)
-                    for (int64_t y = lo[1]; y < hi[1]; ++y)
-                        for (int64_t x = lo[2]; x < hi[2]; ++x, ++j) {
-                            const float *v = token(&maps[2], b, h, z, y, x), *vh = token(&maps[5], b, h, z, y, x);
-                            float pr[LANES], shifted[LANES];
-                            const float *sj = score + j * LANES, *lj = linear + j * LANES;
-                            #pragma omp simd
-                            for (int p = 0; p < LANES; ++p) shifted[p] = sj[p] - top[p];
-                            exp_nonpositive(shifted, pr);
-                            #pragma omp simd
-                            for (int p = 0; p < LANES; ++p) {
-                                pr[p] = sj[p] == -INFINITY ? 0.0f : pr[p];
-                                total[p] += pr[p];
-                                total_lin[p] += lj[p];
-                            }
-                            for (int64_t ch = 0; ch < d; ++ch) {
-                                const float vc = v[ch], vhc = vh[ch];
-                                float *ac = acc + ch * LANES, *alc = acc_lin + ch * LANES;
-                                #pragma omp simd
-                                for (int p = 0; p < LANES; ++p) {
-                                    ac[p] += pr[p] * vc;
-                                    alc[p] += lj[p] * vhc;
+                for (int64_t i = 0; i < keys; ++i) {
+                    float *si = score + i * LANES, shifted[LANES], pr[LANES];
+                    const float *li = linear + i * LANES;
+                    #pragma omp simd
+                    for (int p = 0; p < LANES; ++p) shifted[p] = si[p] - top[p];
+                    exp_nonpositive(shifted, pr);
+                    #pragma omp simd
+                    for (int p = 0; p < LANES; ++p) {
+                        si[p] = si[p] == -INFINITY ? 0.0f : pr[p];
+                        total[p] += si[p];
+                        total_lin[p] += li[p];
+                    }
+                }
+
+                /* pass 3: both terms' weighted values, CHANNELS channels at a time, their sums
+                 * held in vector registers across all keys */
+                for (int64_t c0 = 0; c0 < d; c0 += CHANNELS) {
+                    const int64_t width = min64(CHANNELS, d - c0);
+                    lanes sum[CHANNELS], sum_lin[CHANNELS];
+                    for (int c = 0; c < CHANNELS; ++c) sum[c] = sum_lin[c] = (lanes){0};
+                    j = 0;
+                    for (int64_t z = lo[0]; z < hi[0]; ++z)
+                        for (int64_t y = lo[1]; y < hi[1]; ++y)
+                            for (int64_t x = lo[2]; x < hi[2]; ++x, ++j) {
+                                const float *v = token(&maps[2], b, h, z, y, x) + c0;
+                                const float *vh = token(&maps[5], b, h, z, y, x) + c0;
+                                lanes pr, w;
+                                memcpy(&pr, score + j * LANES, sizeof pr);
+                                memcpy(&w, linear + j * LANES, sizeof w);
+                                for (int c = 0; c < CHANNELS; ++c) {
+                                    sum[c] += pr * (c < width ? v[c] : 0.0f);
+                                    sum_lin[c] += w * (c < width ? vh[c] : 0.0f);
                                 }
                             }
-                        }
+                    for (int64_t c = 0; c < width; ++c) {
+                        memcpy(acc + (c0 + c) * LANES, &sum[c], sizeof sum[c]);
+                        memcpy(acc_lin + (c0 + c) * LANES, &sum_lin[c], sizeof sum_lin[c]);
+                    }
+                }
 
                 float a[LANES], a_lin[LANES];
                 #pragma omp simd

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import nibabel as nib
@@ -13,6 +14,12 @@ import yaml
 from hsmla_med.config import merge_config, task_config
 
 LABELS = {"0": "background", "1": "disc", "2": "bar"}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kernel_cache(tmp_path_factory):
+    """The C refinement kernel is built into this run's temporary folder, not ~/.cache."""
+    os.environ["HSMLA_MED_CACHE_DIR"] = str(tmp_path_factory.mktemp("kernel_cache"))
 
 
 def write_nifti(path: Path, array: np.ndarray, affine: np.ndarray) -> Path:

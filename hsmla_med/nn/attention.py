@@ -114,7 +114,7 @@ class HSMLA(nn.Module):
         self._alpha = 0.0  # last_alpha without a gate
         self._gate_tau = float(tau)  # the tau of the last gated forward
         self._calibrate_to: float | None = None
-        self._gate_kernel: tuple | None = None  # (weight version key, fused gate-pooling kernel)
+        self._derived_cache: dict[str, tuple] = {}  # see _derived
 
     # -- settings -----------------------------------------------------------------------------
     @property
@@ -162,10 +162,16 @@ class HSMLA(nn.Module):
         ``M_b = mean_h G^h_b``.
         """
         pooled = self._gate_pool(ms)  # (b, 3C, *tiles)
-        pooled = pooled.view(pooled.shape[0], 3, self.heads, self.head_dim, *pooled.shape[2:])
-        logits = torch.einsum("bthd...,thd->bh...", pooled, self.gate_weight)
-        logits = logits + self.gate_bias.view(1, -1, *([1] * self.spatial_dims))
-        return logits.sigmoid().mean(dim=1)
+        rows = pooled.flatten(2).transpose(1, 2)  # (b, tiles, 3C): contiguous rows when channels-last
+        logits = torch.matmul(rows, self._derived("gate_matrix", self.gate_weight, self._gate_matrix))
+        return logits.add_(self.gate_bias).sigmoid_().mean(dim=-1).view(pooled.shape[0], *pooled.shape[2:])
+
+    def _gate_matrix(self) -> torch.Tensor:
+        """The per-head projections ``w_h`` as one block matrix ``(3C, heads)``: row ``(t, h, i)``
+        holds ``w_h[t, i]`` in column ``h``, so that one matrix product gives every head's logit
+        (an ``einsum`` over the pooled map's head views cost more than the pooling)."""
+        eye = torch.eye(self.heads, dtype=self.gate_weight.dtype, device=self.gate_weight.device)
+        return (self.gate_weight.unsqueeze(-1) * eye.view(1, self.heads, 1, self.heads)).reshape(-1, self.heads)
 
     def _gate_pool(self, ms: torch.Tensor) -> torch.Tensor:
         """``AvgPool_b(DWConv3x3(ms))``, ``(b, 3C, *tiles)``.
@@ -180,28 +186,31 @@ class HSMLA(nn.Module):
         if any(n % self.block for n in ms.shape[2:]):
             return HF.tile_average(conv(ms), self.block)
         conv_nd = (F.conv2d, F.conv3d)[self.spatial_dims - 2]
-        return conv_nd(ms, self._gate_pool_kernel(), conv.bias, stride=self.block, padding=1, groups=ms.shape[1])
+        kernel = self._derived("gate_pool", conv.weight, self._gate_pool_kernel)
+        return conv_nd(ms, kernel, conv.bias, stride=self.block, padding=1, groups=ms.shape[1])
 
     def _gate_pool_kernel(self) -> torch.Tensor:
         """The fused kernel ``(3C, 1, *[block + 2])``: the 3x3 kernels fully convolved with the
         ``block`` box (sums of shifted copies along each axis), divided by its volume.
-
-        Without gradients it is kept until the weights change (their version counter or storage):
-        a new kernel tensor on every call costs oneDNN a weight reorder, several times the strided
-        convolution itself on the small maps of the late stages.
-        """
+        (Kept between calls by :meth:`_derived`: a new kernel tensor on every call costs oneDNN
+        a weight reorder, several times the strided convolution itself on small maps.)"""
         weight, b, dims = self.gate_conv.weight, self.block, self.spatial_dims
-        key = (weight._version, weight.data_ptr(), weight.dtype, b)
-        differentiable = torch.is_grad_enabled() and weight.requires_grad
-        if not differentiable and self._gate_kernel is not None and self._gate_kernel[0] == key:
-            return self._gate_kernel[1]
         kernel = F.pad(weight, [b - 1] * (2 * dims))
         for axis in range(2, 2 + dims):
             kernel = sum(kernel.narrow(axis, i, kernel.shape[axis] - b + 1) for i in range(b))
-        kernel = kernel / b**dims
-        if not differentiable:
-            self._gate_kernel = (key, kernel)
-        return kernel
+        return kernel / b**dims
+
+    def _derived(self, slot: str, weight: torch.Tensor, build) -> torch.Tensor:
+        """``build()``, a tensor derived from ``weight``; without gradients it is kept until the
+        weight changes (its version counter, storage or dtype: an optimizer step, loaded
+        weights, a cast)."""
+        if torch.is_grad_enabled() and weight.requires_grad:
+            return build()
+        key = (weight._version, weight.data_ptr(), weight.dtype)
+        kept = self._derived_cache.get(slot)
+        if kept is None or kept[0] != key:
+            kept = self._derived_cache[slot] = (key, build())
+        return kept[1]
 
     def _ops(self, training: bool, device: torch.device):
         """The (linear_attention, local_refine) pair for this call: kernels or reference."""
