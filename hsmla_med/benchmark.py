@@ -106,19 +106,25 @@ def build_models(sample: torch.Tensor) -> dict[str, callable]:
 
 def bench_models(size: int, runs: int) -> list[dict]:
     """The network table: every model of :func:`build_models` on a 1-channel ``size`` x ``size``
-    input, with the speed-up over SegFormer-B2."""
+    input, with the speed-up over SegFormer-B2 and, for the HSMLA-B2 variants, the time over
+    HSMLA-B2 with the refinement off as the median of the per-round ratios (each round times
+    the variants back to back, so the ratio is not moved by load that changes between rounds)."""
     x = torch.randn(1, 1, size, size)
-    rows = time_models({name: make() for name, make in build_models(x).items()}, x, runs)
+    rows, times = time_models({name: make() for name, make in build_models(x).items()}, x, runs)
     reference = next(r["latency_ms"] for r in rows if r["model"] == "SegFormer-B2")
+    off = times["HSMLA-B2 (refinement off)"]
     for r in rows:
         r["speedup_vs_segformer_b2"] = reference / r["latency_ms"]
+        paired = [t / o for t, o in zip(times[r["model"]], off)] if r["model"].startswith("HSMLA-B2") else None
+        r["b2_vs_refinement_off"] = statistics.median(paired) if paired else ""
     return rows
 
 
-def time_models(models: dict[str, torch.nn.Module], x: torch.Tensor, runs: int) -> list[dict]:
+def time_models(models: dict[str, torch.nn.Module], x: torch.Tensor, runs: int) -> tuple[list[dict], dict]:
     """Median latency per model on input ``x`` over ``runs`` rounds after two warm-up calls
     each; each round times every model once, so a burst of load from elsewhere on a shared
-    machine hits all models alike. Rows: model, params_m, latency_ms, mean_alpha."""
+    machine hits all models alike. Returns rows (model, params_m, latency_ms, mean_alpha) and
+    every round's seconds per model."""
     models = {name: model.eval() for name, model in models.items()}
     times = {name: [] for name in models}
     with torch.no_grad():
@@ -141,7 +147,7 @@ def time_models(models: dict[str, torch.nn.Module], x: torch.Tensor, runs: int) 
                 "mean_alpha": statistics.mean(alphas) if alphas else "",
             }
         )
-    return rows
+    return rows, times
 
 
 def bench_endovis(runs: int, size: tuple[int, int] = (1024, 1280), classes: int = 8) -> list[dict]:
@@ -154,7 +160,7 @@ def bench_endovis(runs: int, size: tuple[int, int] = (1024, 1280), classes: int 
         "HSMLA-B0": _hsmla("b0", "gate", x, classes),
         "SegFormer-B0": _SegFormer([32, 64, 160, 256], [2, 2, 2, 2], 256, in_channels=3, out_channels=classes),
     }
-    rows = time_models(models, x, runs)
+    rows, _ = time_models(models, x, runs)
     reference = next(r["latency_ms"] for r in rows if r["model"] == "SegFormer-B0")
     for r in rows:
         r["frames_per_s"] = 1e3 / r["latency_ms"]
