@@ -6,7 +6,8 @@ One public function per op, each in its own module beside its reference (the mat
 - :func:`linear_attention` (:mod:`.linear`, Triton): fused global ReLU linear attention;
 - :func:`local_refine` (:mod:`.refine`, Triton): tile-compacted local residual
   ``R = O_loc - O_linloc``;
-- :func:`local_refine_cpu` (:mod:`.refine_cpu`, C compiled at first use): the same on the CPU.
+- :func:`local_refine_cpu` (:mod:`.refine_cpu`, C compiled at first use): the same on the CPU;
+- :func:`block_gate_cpu` (:mod:`.gate_cpu`, C compiled at first use): the block gate on the CPU.
 
 Importing this package never needs triton, a GPU or a compiler; :func:`triton_available` says
 whether the Triton kernels can run for a device, :func:`cpu_kernel_available` whether the C
@@ -15,8 +16,16 @@ kernel is built.
 
 from ._runtime import triton_available
 from .linear import linear_attention
+from .gate_cpu import block_gate as block_gate_cpu
 from .refine import local_refine
 from .refine_cpu import compiled as cpu_kernel_available
 from .refine_cpu import local_refine as local_refine_cpu
 
-__all__ = ["linear_attention", "local_refine", "local_refine_cpu", "triton_available", "cpu_kernel_available"]
+__all__ = [
+    "linear_attention",
+    "local_refine",
+    "local_refine_cpu",
+    "block_gate_cpu",
+    "triton_available",
+    "cpu_kernel_available",
+]

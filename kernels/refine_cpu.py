@@ -1,17 +1,12 @@
-"""Tile-compacted local refinement on the CPU: ``refine_cpu.c``, compiled at first use.
+"""Tile-compacted local refinement on the CPU: ``refine_cpu.c``, built at first use by
+:mod:`._cpu_build`.
 
 The reference (:func:`hsmla_med.nn.functional.local_refine`) assembles the active tiles from
 whole-tensor PyTorch operations: a token-major stack of the keys and values, gathers of every
 tile's halo, batched matmuls over the full halo, a scatter back. On a CPU that costs a fixed
 ~1 ms per layer plus memory traffic per tile, as much as the rest of the layer at alpha = 0.3
-(docs/benchmarks.md). The C kernel reads each halo where it lies, evaluates only the keys
-inside each query's window and adds the residual in place, with no intermediate tensors.
-
-PyTorch has no such operation and its extension builder needs the PyTorch headers (a minute
-of compiling on two cores), so the kernel is plain C called through :mod:`ctypes`: the system
-C compiler (``$CC``, default ``cc``) builds it once per source, compiler and CPU (``-O3
--march=native``) into ``$HSMLA_MED_CACHE_DIR`` (default ``~/.cache/hsmla_med``) in about a
-second. Without a compiler, with ``HSMLA_MED_CPU_KERNEL=0``, for inputs it does not take
+(docs/benchmarks.md). The C kernel reads each halo where it lies and adds the residual in
+place, with no intermediate tensors. Without the built library, for inputs it does not take
 (not float32, ``head_dim`` not contiguous) or when gradients are needed, :func:`local_refine`
 runs the reference instead, with the same result.
 """
@@ -20,79 +15,31 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import warnings
-from pathlib import Path
 
 import torch
 
 from hsmla_med.nn.functional import _check_block, _check_features, _check_same_map, _check_window, tile_grid
 from hsmla_med.nn.functional import local_refine as reference
 
-__all__ = ["local_refine", "compiled"]
+from ._cpu_build import int64s, library
 
-_SOURCE = Path(__file__).with_name("refine_cpu.c")
-_FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-std=c11", "-fPIC", "-shared")
+__all__ = ["local_refine", "compiled"]
 
 
 class _FeatureMap(ctypes.Structure):
     _fields_ = [("data", ctypes.c_void_p), ("stride", ctypes.c_int64 * 5)]
 
 
-def _cache_dir() -> Path:
-    if os.environ.get("HSMLA_MED_CACHE_DIR"):
-        return Path(os.environ["HSMLA_MED_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hsmla_med"
-
-
-def _cpu_signature() -> str:
-    """What ``-march=native`` depends on: a cache shared by different machines (a cluster's
-    home directory) keeps one library per CPU kind."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.machine() + platform.processor()
-    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags", "Features"))]
-    return platform.machine() + "\n".join(sorted(set(lines)))
-
-
 @functools.lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("HSMLA_MED_CPU_KERNEL", "1") == "0":
-        return None
-    compiler = os.environ.get("CC", "cc")
-    if shutil.which(compiler) is None:
-        warnings.warn(f"no C compiler ({compiler!r}): HSMLA refinement runs the slower PyTorch reference on the CPU.")
-        return None
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256("\0".join([_SOURCE.read_text(), " ".join(_FLAGS), version, _cpu_signature()]).encode())
-        target = _cache_dir() / f"refine_cpu-{key.hexdigest()[:16]}.so"
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-            built = subprocess.run(
-                [compiler, *_FLAGS, "-o", str(partial), str(_SOURCE), "-lm"], capture_output=True, text=True, timeout=300
-            )
-            if built.returncode:
-                partial.unlink(missing_ok=True)
-                raise OSError(f"{compiler} exited with {built.returncode}: {built.stderr.strip()[-2000:]}")
-            os.replace(partial, target)  # atomic: a concurrent process sees the whole file or none
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as err:
-        warnings.warn(f"the CPU refinement kernel could not be built ({err}); using the PyTorch reference.")
-        return None
-    fn = lib.hsmla_refine_tiles
-    i64p, fp = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_float)
-    fn.argtypes = [
-        _FeatureMap * 6, fp, i64p, i64p, fp, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-        i64p, i64p, i64p, ctypes.c_int64, ctypes.c_float,
-    ]
-    fn.restype = ctypes.c_int
+    lib = library("refine_cpu")
+    if lib is not None:
+        i64p, fp = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_float)
+        lib.hsmla_refine_tiles.argtypes = [
+            _FeatureMap * 6, fp, i64p, i64p, fp, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+            i64p, i64p, i64p, ctypes.c_int64, ctypes.c_float,
+        ]
+        lib.hsmla_refine_tiles.restype = ctypes.c_int
     return lib
 
 
@@ -110,10 +57,6 @@ def _takes(maps: list[torch.Tensor], add_to: torch.Tensor | None) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and all(
         m.stride(-1) == 1 for m in maps
     )
-
-
-def _int64s(values) -> ctypes.Array:
-    return (ctypes.c_int64 * len(values))(*values)
 
 
 def _zyx(values: tuple[int, ...], pad: int) -> list[int]:
@@ -179,15 +122,15 @@ def local_refine(
     args = (
         structs,
         ctypes.cast(out.data_ptr(), ctypes.POINTER(ctypes.c_float)),
-        _int64s([o[0], o[1], *_zyx(o[2:-1], 0), o[-1]]),
+        int64s([o[0], o[1], *_zyx(o[2:-1], 0), o[-1]]),
         ctypes.cast(tiles.data_ptr(), ctypes.POINTER(ctypes.c_int64)),
         ctypes.cast(weights.data_ptr(), ctypes.POINTER(ctypes.c_float)),
     )
     geometry = (
         heads,
-        _int64s(_zyx(tuple(spatial), 1)),
-        _int64s(_zyx((block,) * spatial_dims, 1)),
-        _int64s(_zyx((window // 2,) * spatial_dims, 0)),
+        int64s(_zyx(tuple(spatial), 1)),
+        int64s(_zyx((block,) * spatial_dims, 1)),
+        int64s(_zyx((window // 2,) * spatial_dims, 0)),
         d,
         float(eps),
     )

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hsmla_med import kernels
-from hsmla_med.kernels import refine_cpu
+from hsmla_med.kernels import _cpu_build, gate_cpu, refine_cpu
 from hsmla_med.nn import HSMLA
 from hsmla_med.nn import functional as HF
 
@@ -147,21 +147,26 @@ def test_bad_arguments_raise():
         refine_cpu.local_refine(*maps, None, 0.0, 4, 4)
 
 
+def _forget_libraries():
+    for cached in (_cpu_build.library, refine_cpu._library, gate_cpu._library):
+        cached.cache_clear()
+
+
 @pytest.fixture
 def fresh_build(monkeypatch, tmp_path):
-    """Builds into an empty cache; the process-wide library is looked up again afterwards."""
+    """Builds into an empty cache; the process-wide libraries are looked up again afterwards."""
     monkeypatch.setenv("HSMLA_MED_CACHE_DIR", str(tmp_path))
-    refine_cpu._library.cache_clear()
+    _forget_libraries()
     yield tmp_path
     monkeypatch.undo()
-    refine_cpu._library.cache_clear()
+    _forget_libraries()
 
 
 def test_builds_once_into_the_cache(fresh_build):
     assert refine_cpu.compiled()
     (library,) = fresh_build.iterdir()  # one library, no temporary left behind
     assert library.suffix == ".so"
-    refine_cpu._library.cache_clear()
+    _forget_libraries()
     assert refine_cpu.compiled() and list(fresh_build.iterdir()) == [library]
 
 
@@ -206,3 +211,33 @@ def test_layer_uses_the_kernel_at_cpu_inference(monkeypatch):
     calls.clear()
     layer(x).sum().backward()
     assert not calls and layer.gate_weight.grad is not None
+
+
+@pytest.mark.parametrize("spatial,block,head_dim", [((16, 12), 4, 8), ((8, 8), 2, 4), ((8, 4, 12), 4, 8), ((9, 8), 4, 8)])
+def test_block_gate_matches_the_pytorch_gate(spatial, block, head_dim):
+    """The C gate equals the layer's PyTorch gate on channels-last maps; maps with partial tiles
+    (9 x 8 at block 4) and channel-first maps are left to PyTorch (``None``)."""
+    layer = HSMLA(len(spatial), 32, head_dim=head_dim, window=3, block=block).eval()
+    for p in (layer.gate_conv.weight, layer.gate_conv.bias, layer.gate_weight, layer.gate_bias):
+        torch.nn.init.normal_(p)
+    x = torch.randn(2, 32, *spatial)
+    with torch.no_grad():
+        ms = layer._multiscale(layer.qkv(x)).contiguous(memory_format=_channels_last(len(spatial)))
+        layer.backend = "reference"
+        expected = layer.gate(ms)
+        taps = layer._gate_pool_kernel().flatten(1).t()
+        args = (taps, layer.gate_conv.bias, layer.gate_weight, layer.gate_bias, block)
+        got = gate_cpu.block_gate(ms, *args)
+        assert gate_cpu.block_gate(ms.contiguous(), *args) is None
+        layer.backend = "cpu"
+        through_layer = layer.gate(ms)
+    torch.testing.assert_close(through_layer, expected, rtol=1e-5, atol=1e-6)
+    if any(n % block for n in spatial):
+        assert got is None
+    else:
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def _channels_last(spatial_dims):
+    return torch.channels_last if spatial_dims == 2 else torch.channels_last_3d

@@ -161,6 +161,13 @@ class HSMLA(nn.Module):
         ``G^h_b = sigmoid(w_h . AvgPool_b(DWConv3x3([Qh_h; Kh_h; Vh_h])) + b_h)``,
         ``M_b = mean_h G^h_b``.
         """
+        if self._backend_for(self.training, ms.device) == "cpu":
+            from hsmla_med import kernels
+
+            taps = self._derived("gate_taps", self.gate_conv.weight, lambda: self._gate_pool_kernel().flatten(1).t())
+            gate = kernels.block_gate_cpu(ms, taps, self.gate_conv.bias, self.gate_weight, self.gate_bias, self.block)
+            if gate is not None:
+                return gate
         pooled = self._gate_pool(ms)  # (b, 3C, *tiles)
         rows = pooled.flatten(2).transpose(1, 2)  # (b, tiles, 3C): contiguous rows when channels-last
         logits = torch.matmul(rows, self._derived("gate_matrix", self.gate_weight, self._gate_matrix))
@@ -212,17 +219,21 @@ class HSMLA(nn.Module):
             kept = self._derived_cache[slot] = (key, build())
         return kept[1]
 
+    def _backend_for(self, training: bool, device: torch.device) -> str:
+        """The backend this call runs: ``reference``, ``cpu`` or ``triton`` (see :data:`BACKENDS`)."""
+        if self.backend != "auto":
+            return self.backend
+        if not training and device.type == "cpu":
+            return "cpu"
+        if not training and device.type == "cuda":
+            from hsmla_med import kernels
+
+            return "triton" if kernels.triton_available(device) else "reference"
+        return "reference"
+
     def _ops(self, training: bool, device: torch.device):
         """The (linear_attention, local_refine) pair for this call: kernels or reference."""
-        backend = self.backend
-        if backend == "auto":
-            backend = "reference"
-            if not training and device.type == "cpu":
-                backend = "cpu"
-            elif not training and device.type == "cuda":
-                from hsmla_med import kernels
-
-                backend = "triton" if kernels.triton_available(device) else "reference"
+        backend = self._backend_for(training, device)
         if backend == "reference":
             return HF.linear_attention, HF.local_refine
         from hsmla_med import kernels
