@@ -2,11 +2,12 @@
 
 PyTorch's extension builder needs the PyTorch headers (a minute of compiling on two cores), so
 the kernels are plain C called through :mod:`ctypes`. ``$CC`` (default ``cc``) builds each
-source once per source, compiler and CPU (``-O3 -march=native``) into ``$HSMLA_MED_CACHE_DIR``
-(default ``~/.cache/hsmla_med``), in about a second. OpenMP regions run on torch's own threads:
-the libraries' ``libgomp.so.1`` resolves to the one torch has loaded. Without a compiler, or
-with ``HSMLA_MED_CPU_KERNEL=0``, :func:`library` returns ``None`` and the callers run their
-PyTorch reference.
+source once per source, compiler and CPU (``-O3 -march=native``) into
+``$HSMLA_MED_CACHE_DIR`` (default ``~/.cache/hsmla-med/kernels``, beside the synthetic
+datasets), in about a second. OpenMP regions run on torch's own threads: the libraries'
+``libgomp.so.1`` resolves to the one torch has loaded. Without a compiler, or with
+``HSMLA_MED_CPU_KERNEL=0``, :func:`library` returns ``None`` and the callers run their PyTorch
+reference.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-std=c11", "
 def _cache_dir() -> Path:
     if os.environ.get("HSMLA_MED_CACHE_DIR"):
         return Path(os.environ["HSMLA_MED_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hsmla_med"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hsmla-med" / "kernels"
 
 
 def _cpu_signature() -> str:
