@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from hsmla_med.nn.functional import _check_block, _check_window, tile_broadcast
+from hsmla_med.nn.functional import _check_refine, tile_broadcast
 from hsmla_med.nn.functional import local_refine as reference
 
 from ._runtime import check_features, dot_precision, lazy_jit, tl, triton
@@ -204,21 +204,16 @@ def local_refine(
     """
     if q.dim() == 6:
         return reference(q, k, v, qh, kh, vh, gate, tau, block, window, eps, add_to)
+    check_features("local_refine", (2,), q=q, k=k, v=v, qh=qh, kh=kh, vh=vh)
+    _check_refine((q, k, v, qh, kh, vh), gate, block, window, add_to)
     if add_to is not None:
-        if gate is None:
-            raise ValueError("add_to needs a gate: it receives gate * R.")
         r = local_refine(q, k, v, qh, kh, vh, gate, tau, block, window, eps)
         weight = tile_broadcast(gate, block, tuple(q.shape[2:-1])).unsqueeze(1).unsqueeze(-1)
         return add_to.addcmul_(weight.to(r.dtype), r)
-    check_features("local_refine", (2,), q=q, k=k, v=v, qh=qh, kh=kh, vh=vh)
-    _check_window(window)
-    _check_block(block)
     b, heads, height, width, d = q.shape
     grid = (b, triton.cdiv(height, block), triton.cdiv(width, block))
     if gate is None:
         tiles = torch.cartesian_prod(*(torch.arange(n, device=q.device) for n in grid))
-    elif tuple(gate.shape) != grid:
-        raise ValueError(f"gate must have shape {grid} (batch, *tiles), got {tuple(gate.shape)}.")
     else:
         tiles = torch.nonzero(gate > tau)
     out = torch.zeros((b, heads, d, height, width), dtype=q.dtype, device=q.device).movedim(2, -1)

@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from hsmla_med.nn.functional import _check_block, _check_features, _check_same_map, _check_window, tile_grid
+from hsmla_med.nn.functional import _check_refine, tile_grid
 from hsmla_med.nn.functional import local_refine as reference
 
 from ._cpu_build import int64s, library
@@ -88,25 +88,16 @@ def local_refine(
     lib = _library()
     if lib is None or not _takes(maps, add_to):
         return reference(*maps, gate, tau, block, window, eps, add_to)
-    spatial_dims = _check_features("q", q)
-    _check_window(window)
-    _check_block(block)
-    _check_same_map(q=q, k=k, v=v, qh=qh, kh=kh, vh=vh)
+    spatial_dims = _check_refine(maps, gate, block, window, add_to)
     b, heads, *spatial, d = q.shape
-    grid = (b, *tile_grid(tuple(spatial), block))
     if gate is None:
-        if add_to is not None:
-            raise ValueError("add_to needs a gate: it receives gate * R.")
+        grid = (b, *tile_grid(tuple(spatial), block))
         tiles = torch.cartesian_prod(*(torch.arange(n) for n in grid)).view(-1, len(grid))
         weights = torch.ones(tiles.shape[0])
     else:
-        if tuple(gate.shape) != grid:
-            raise ValueError(f"gate must have shape {grid} (batch, *tiles), got {tuple(gate.shape)}.")
         active = gate.detach() > tau
         tiles = torch.nonzero(active)
         weights = gate.detach()[active].float() if add_to is not None else torch.ones(tiles.shape[0])
-    if add_to is not None and add_to.shape != q.shape:
-        raise ValueError(f"add_to must have q's shape {tuple(q.shape)}, got {tuple(add_to.shape)}.")
     out = add_to if add_to is not None else torch.zeros((b, heads, d, *spatial)).movedim(2, -1)
     if tiles.shape[0] == 0:
         return out

@@ -351,6 +351,26 @@ def local_linear_attention(
     return (-_tiled(None, (qh, kh, vh), window, _FULL_MAP_BLOCK, index, eps)).to(qh.dtype)
 
 
+def _check_refine(maps, gate: torch.Tensor | None, block: int, window: int, add_to: torch.Tensor | None) -> int:
+    """The arguments of :func:`local_refine` (and of the kernels' versions); returns the
+    number of spatial dims."""
+    spatial_dims = _check_features("q", maps[0])
+    _check_window(window)
+    _check_block(block)
+    _check_same_map(**dict(zip(("q", "k", "v", "qh", "kh", "vh"), maps)))
+    q = maps[0]
+    if gate is not None:
+        expected = (q.shape[0], *tile_grid(tuple(q.shape[2:-1]), block))
+        if tuple(gate.shape) != expected:
+            raise ValueError(f"gate must have shape {expected} (batch, *tiles), got {tuple(gate.shape)}.")
+    if add_to is not None:
+        if gate is None:
+            raise ValueError("add_to needs a gate: it receives gate * R.")
+        if add_to.shape != q.shape:
+            raise ValueError(f"add_to must have q's shape {tuple(q.shape)}, got {tuple(add_to.shape)}.")
+    return spatial_dims
+
+
 def local_refine(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -387,22 +407,12 @@ def local_refine(
     Returns:
         ``R``, shape and dtype of ``q``; or ``add_to``.
     """
-    _check_features("q", q)
-    _check_window(window)
-    _check_block(block)
-    _check_same_map(q=q, k=k, v=v, qh=qh, kh=kh, vh=vh)
+    _check_refine((q, k, v, qh, kh, vh), gate, block, window, add_to)
     if gate is None:
-        if add_to is not None:
-            raise ValueError("add_to needs a gate: it receives gate * R.")
         index = _all_tiles(q.shape, block, q.device)
     else:
-        expected = (q.shape[0], *tile_grid(tuple(q.shape[2:-1]), block))
-        if tuple(gate.shape) != expected:
-            raise ValueError(f"gate must have shape {expected} (batch, *tiles), got {tuple(gate.shape)}.")
         index = torch.nonzero(gate.flatten() > tau).squeeze(1)
     if add_to is not None:
-        if add_to.shape != q.shape:
-            raise ValueError(f"add_to must have q's shape {tuple(q.shape)}, got {tuple(add_to.shape)}.")
         weight = gate.flatten()[index]
         if index.shape[0] and _channel_first(add_to).is_contiguous():
             _tiled((q, k, v), (qh, kh, vh), window, block, index, eps, weight, add_to)
