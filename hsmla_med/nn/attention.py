@@ -287,7 +287,7 @@ class HSMLA(nn.Module):
     @property
     def last_alpha(self) -> float:
         """Fraction of tiles refined by the last forward (with a gate: tiles above the tau of
-        that forward). Counted when asked for, which spares the forward a device sync."""
+        that forward). Counted when asked for rather than in every forward."""
         if self.last_gate is None:
             return self._alpha
         return float((self.last_gate.detach() > self._gate_tau).float().mean())
