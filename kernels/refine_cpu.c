@@ -8,7 +8,7 @@
  * and scattering whole tensors per layer).
  *
  * Maps are (batch, heads, Z, Y, X, head_dim); 2D maps pass Z = 1, block and radius 1 and 0 on
- * that axis. Compiled at first use by refine_cpu.py with -O3 -march=native.
+ * that axis. Compiled at first use by _cpu_build.py with -O3 -march=native.
  */
 #include <math.h>
 #include <stdint.h>
@@ -93,8 +93,9 @@ static void prefetch_item(const feature_map maps[6], const int64_t *tiles, int64
  *
  * For each group of up to LANES queries of a tile, pass 1 scores every key of the box that
  * their windows cover (softmax q.k / sqrt(d) and linear phi(qh).phi(kh), keys outside a
- * query's window masked), pass 2 weights the values and sums, and the residual is added to
- * the output. Keys and values are read from the maps where they lie.
+ * query's window masked), pass 2 turns the scores into softmax weights, pass 3 sums the
+ * weighted values of both terms, and the residual is added to the output. Keys and values are
+ * read from the maps where they lie.
  * Returns 0, or -1 when the scratch memory cannot be allocated. */
 int hsmla_refine_tiles(const feature_map maps[6], float *out, const int64_t out_stride[6], const int64_t *tiles,
                        const float *weights, int64_t begin, int64_t end, int64_t heads, const int64_t size[3],
