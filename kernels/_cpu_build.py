@@ -22,7 +22,9 @@ import subprocess
 import warnings
 from pathlib import Path
 
-__all__ = ["library", "int64s"]
+import torch
+
+__all__ = ["library", "int64s", "pointer"]
 
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-std=c11", "-fPIC", "-shared")
 
@@ -78,3 +80,8 @@ def library(name: str) -> ctypes.CDLL | None:
 def int64s(values) -> ctypes.Array:
     """A C ``int64_t`` array of ``values``."""
     return (ctypes.c_int64 * len(values))(*values)
+
+
+def pointer(t: torch.Tensor, ctype=ctypes.c_float):
+    """A C pointer to ``t``'s first element (the tensor must stay alive during the call)."""
+    return ctypes.cast(t.data_ptr(), ctypes.POINTER(ctype))

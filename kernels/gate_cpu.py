@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from ._cpu_build import int64s, library
+from ._cpu_build import int64s, library, pointer
 
 __all__ = ["block_gate"]
 
@@ -30,10 +30,6 @@ def _library() -> ctypes.CDLL | None:
         ]
         lib.hsmla_block_gate.restype = ctypes.c_int
     return lib
-
-
-def _floats(t: torch.Tensor):
-    return ctypes.cast(t.data_ptr(), ctypes.POINTER(ctypes.c_float))
 
 
 def block_gate(
@@ -73,10 +69,10 @@ def block_gate(
     gate = torch.empty(ms.shape[0], *tiles)
     params = [t.contiguous() for t in (taps, conv_bias, weight, gate_bias)]
     status = lib.hsmla_block_gate(
-        _floats(ms), int64s([ms.stride(0), *([0] * len(pad)), *ms.stride()[2:]]), ms.shape[0], ms.shape[1],
+        pointer(ms), int64s([ms.stride(0), *([0] * len(pad)), *ms.stride()[2:]]), ms.shape[0], ms.shape[1],
         int64s(pad + list(spatial)), int64s(pad + [block] * len(spatial)), int64s(pad + tiles),
-        _floats(params[0]), int64s(pad + [block + 2] * len(spatial)), _floats(params[1]), _floats(params[2]),
-        _floats(params[3]), weight.shape[1], _floats(gate),
+        pointer(params[0]), int64s(pad + [block + 2] * len(spatial)), pointer(params[1]), pointer(params[2]),
+        pointer(params[3]), weight.shape[1], pointer(gate),
     )
     if status:
         raise MemoryError("the CPU gate kernel could not allocate its scratch memory.")

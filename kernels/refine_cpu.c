@@ -85,7 +85,7 @@ static void prefetch_item(const feature_map maps[6], const int64_t *tiles, int64
                 }
 }
 
-/* Work items begin..end-1 of the (tile, head) pairs, item = tile * heads + head.
+/* All (tile, head) pairs of the listed tiles: items = tiles x heads, item = tile * heads + head.
  *
  * maps: q, k, v, qh, kh, vh.  out: (batch, heads, Z, Y, X, head_dim) with out_stride giving
  * all six strides.  tiles: (n, 4) rows (batch, tile z, tile y, tile x).  weights: (n,) factors
@@ -98,7 +98,7 @@ static void prefetch_item(const feature_map maps[6], const int64_t *tiles, int64
  * read from the maps where they lie.
  * Returns 0, or -1 when the scratch memory cannot be allocated. */
 int hsmla_refine_tiles(const feature_map maps[6], float *out, const int64_t out_stride[6], const int64_t *tiles,
-                       const float *weights, int64_t begin, int64_t end, int64_t heads, const int64_t size[3],
+                       const float *weights, int64_t items, int64_t heads, const int64_t size[3],
                        const int64_t block[3], const int64_t radius[3], int64_t head_dim, float eps) {
     const int64_t d = head_dim;
     int64_t max_keys = 1;
@@ -120,9 +120,9 @@ int hsmla_refine_tiles(const feature_map maps[6], float *out, const int64_t out_
         float *score = acc_lin + d * LANES, *linear = score + max_keys * LANES;
 
 #pragma omp for schedule(static)
-        for (int64_t item = begin; item < end; ++item) {
+        for (int64_t item = 0; item < items; ++item) {
             if (failed) continue;
-            if (item + 1 < end) prefetch_item(maps, tiles, item + 1, heads, size, block, radius, d);
+            if (item + 1 < items) prefetch_item(maps, tiles, item + 1, heads, size, block, radius, d);
             const int64_t *tile = tiles + 4 * (item / heads);
             const int64_t b = tile[0], h = item % heads;
             const float weight = weights[item / heads];

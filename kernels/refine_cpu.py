@@ -21,7 +21,7 @@ import torch
 from hsmla_med.nn.functional import _check_refine, tile_grid
 from hsmla_med.nn.functional import local_refine as reference
 
-from ._cpu_build import int64s, library
+from ._cpu_build import int64s, library, pointer
 
 __all__ = ["local_refine", "compiled"]
 
@@ -36,8 +36,8 @@ def _library() -> ctypes.CDLL | None:
     if lib is not None:
         i64p, fp = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_float)
         lib.hsmla_refine_tiles.argtypes = [
-            _FeatureMap * 6, fp, i64p, i64p, fp, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-            i64p, i64p, i64p, ctypes.c_int64, ctypes.c_float,
+            _FeatureMap * 6, fp, i64p, i64p, fp, ctypes.c_int64, ctypes.c_int64, i64p, i64p, i64p,
+            ctypes.c_int64, ctypes.c_float,
         ]
         lib.hsmla_refine_tiles.restype = ctypes.c_int
     return lib
@@ -110,14 +110,13 @@ def local_refine(
         s.data = m.data_ptr()
         s.stride[:] = [strides[0], strides[1], *_zyx(strides[2:-1], 0)]
     o = out.stride()
-    args = (
+    status = lib.hsmla_refine_tiles(  # the (tile, head) items run on torch's OpenMP threads
         structs,
-        ctypes.cast(out.data_ptr(), ctypes.POINTER(ctypes.c_float)),
+        pointer(out),
         int64s([o[0], o[1], *_zyx(o[2:-1], 0), o[-1]]),
-        ctypes.cast(tiles.data_ptr(), ctypes.POINTER(ctypes.c_int64)),
-        ctypes.cast(weights.data_ptr(), ctypes.POINTER(ctypes.c_float)),
-    )
-    geometry = (
+        pointer(tiles, ctypes.c_int64),
+        pointer(weights),
+        tiles.shape[0] * heads,
         heads,
         int64s(_zyx(tuple(spatial), 1)),
         int64s(_zyx((block,) * spatial_dims, 1)),
@@ -125,7 +124,6 @@ def local_refine(
         d,
         float(eps),
     )
-    # the (tile, head) items run on torch's OpenMP threads (see refine_cpu.c)
-    if lib.hsmla_refine_tiles(*args, 0, tiles.shape[0] * heads, *geometry):
+    if status:
         raise MemoryError("the CPU refinement kernel could not allocate its scratch memory.")
     return out
