@@ -164,7 +164,9 @@ class HSMLA(nn.Module):
         if self._backend_for(self.training, ms.device) == "cpu":
             from hsmla_med import kernels
 
-            taps = self._derived("gate_taps", self.gate_conv.weight, lambda: self._gate_pool_kernel().flatten(1).t())
+            taps = self._derived(
+                "gate_taps", self.gate_conv.weight, lambda: self._gate_pool_kernel().flatten(1).t().contiguous()
+            )
             gate = kernels.block_gate_cpu(ms, taps, self.gate_conv.bias, self.gate_weight, self.gate_bias, self.block)
             if gate is not None:
                 return gate

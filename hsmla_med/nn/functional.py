@@ -412,16 +412,14 @@ def local_refine(
         index = _all_tiles(q.shape, block, q.device)
     else:
         index = torch.nonzero(gate.flatten() > tau).squeeze(1)
-    if add_to is not None:
-        weight = gate.flatten()[index]
-        if index.shape[0] and _channel_first(add_to).is_contiguous():
-            _tiled((q, k, v), (qh, kh, vh), window, block, index, eps, weight, add_to)
-        elif index.shape[0]:
-            add_to.add_(_tiled((q, k, v), (qh, kh, vh), window, block, index, eps, weight))
-        return add_to
     if index.shape[0] == 0:
-        return torch.zeros_like(q)
-    return _tiled((q, k, v), (qh, kh, vh), window, block, index, eps).to(q.dtype)
+        return torch.zeros_like(q) if add_to is None else add_to
+    if add_to is None:
+        return _tiled((q, k, v), (qh, kh, vh), window, block, index, eps).to(q.dtype)
+    weight = gate.flatten()[index]
+    if _channel_first(add_to).is_contiguous():  # the layer's linear output: written tile by tile
+        return _tiled((q, k, v), (qh, kh, vh), window, block, index, eps, weight, add_to)
+    return add_to.add_(_tiled((q, k, v), (qh, kh, vh), window, block, index, eps, weight))
 
 
 def tile_broadcast(gate: torch.Tensor, block: int, spatial: tuple[int, ...]) -> torch.Tensor:
