@@ -30,3 +30,13 @@ def test_model_table_ratios_on_a_fake_clock(monkeypatch):
     assert rows["HSMLA-B2"]["b2_vs_refinement_off"] == pytest.approx(1.1)
     assert rows["HSMLA-B2 (alpha = 1)"]["b2_vs_refinement_off"] == pytest.approx(1.3)
     assert rows["SegFormer-B2"]["b2_vs_refinement_off"] == ""
+
+
+def test_bench_models_script_is_the_benchmark():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_models.py"
+    done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "--only" in done.stdout and "SegFormer" in done.stdout
