@@ -1,0 +1,271 @@
+"""Learning benchmark on real MRI: grey/white matter on the MNI152 template (hsmla_med.data.mni),
+every network trained and run through the command line a user runs.
+
+Each (network, seed) runs ``hsmla-med train --task btcv`` on the same data, crops, steps and seed
+(a YAML overlay differing only in ``model``), then ``hsmla-med infer`` with ``last.ckpt`` (the
+validation case also picks ``best.ckpt``, so choosing it would leak) on the held-out slab and on
+its perturbed copy (bias field, noise, other voxels and orientation). Dice and HD95 (mm) per
+class are computed against the labels in their original geometry with MONAI's metrics
+(:func:`hsmla_med.metrics.case_scores`). Times: the train command's wall time, ``fit_s`` (from the
+run's ``config.yaml`` to its final ``last.ckpt``, read from the files' clocks: data caching and
+training, without imports and the final validation) and inference per volume as ``infer``
+reports it (without imports and model loading).
+
+``NETWORKS`` run with the first seed; ``ROUTING_ABLATION`` (HSMLA-B0-UNet trained with routing
+gate, off and all) with ``--seeds`` seeds, summarised as mean and sd. Every run leaves
+``OUT/<network>/seed<S>/result.json``; runs whose JSON exists are skipped, so an interrupted
+benchmark resumes. Writes ``learning.csv`` (one row per run), ``learning_summary.csv`` (mean and
+sd per network), ``learning.png`` and ``learning_machine.json`` into ``--out``.
+
+    hsmla-med bench --only learning --out bench_out [--steps 400] [--seeds 3] [--networks unet,swinunetr]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import torch
+
+from hsmla_med.benchmark import markdown, write_csv
+from hsmla_med.data.mni import LABELS, write_mni_dataset
+from hsmla_med.io import atomic_path, write_json, write_yaml
+from hsmla_med.metrics import case_scores, summarize
+
+__all__ = ["NETWORKS", "ROUTING_ABLATION", "overlay", "scores", "summary_rows", "bench_learning", "add_arguments", "run"]
+
+_UNET = {"variant": "b0", "decoder": "unet"}
+# name -> the train config's `model` mapping (hsmla_med.config.build_network)
+NETWORKS = {
+    "hsmla-b0-unet": _UNET,
+    "hsmla-b1-unet": {"variant": "b1", "decoder": "unet"},
+    "hsmla-b0-head8": {"variant": "b0", "decoder": "fpn", "head_stride": 8},  # the paper's head
+    "unet": {"monai": "UNet", "args": {"channels": [16, 32, 64, 128, 256], "strides": [2, 2, 2, 2], "num_res_units": 2}},
+    "swinunetr": {"monai": "SwinUNETR", "args": {"feature_size": 24}},
+    "hsmla-b0-unet-routing-off": {**_UNET, "attention": {"routing": "off"}},
+    "hsmla-b0-unet-routing-all": {**_UNET, "attention": {"routing": "all"}},
+}
+# run with every seed (hsmla-b0-unet is the routing "gate" arm: gate is the default)
+ROUTING_ABLATION = ("hsmla-b0-unet", "hsmla-b0-unet-routing-off", "hsmla-b0-unet-routing-all")
+INTENSITY = "zscore"  # -> "zscore_foreground" once data.intensity has it
+CLASSES = [name for key, name in sorted(LABELS.items()) if key != "0"]
+SPLITS = {"": "validation", "perturbed_": "perturbed"}  # column prefix -> dataset.json list
+
+
+def overlay(model: dict, roi: int, crops: int) -> dict:
+    """The train config shared by all networks but for ``model``: 2D axial slices at 1 mm,
+    ``crops`` random ``roi`` x ``roi`` crops per step, validation only once at the end."""
+    return {
+        "mode": "2d",
+        "model": model,
+        "data": {"spacing": [1.0, 1.0, 1.0], "intensity": {"kind": INTENSITY}, "roi_size_2d": [roi, roi],
+                 "samples_per_case": crops, "batch_size": 1, "num_workers": 0},
+        "trainer": {"check_val_every_n_epoch": 1_000_000, "progress_bar": False},
+        "inference": {"target_alpha": 0.3},
+    }
+
+
+def _cli(args: list, log: Path) -> tuple[float, str]:
+    """Run ``hsmla-med ARGS`` in a fresh process; its wall time and output (also kept in
+    ``log``). A failure raises with the output's tail."""
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "hsmla_med.cli", *map(str, args)], capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    with atomic_path(log) as tmp:
+        tmp.write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise RuntimeError(f"hsmla-med {args[0]} failed ({log}):\n{(done.stdout + done.stderr)[-3000:]}")
+    return seconds, done.stdout
+
+
+def _eval_inputs(data: Path, meta: dict, folder: Path) -> Path:
+    """A folder linking the held-out and perturbed images, so one ``infer`` call segments both."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for split in SPLITS.values():
+        for entry in meta[split]:
+            link = folder / Path(entry["image"]).name
+            tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
+            tmp.unlink(missing_ok=True)
+            tmp.symlink_to((data / entry["image"]).resolve())
+            os.replace(tmp, link)
+    return folder
+
+
+def _label_map(img: nib.Nifti1Image) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(img.dataobj).round().astype(np.int64))[None, None]
+
+
+def scores(data: Path, entries: list[dict], predictions: Path) -> dict:
+    """Dice and HD95 of the predictions against the labels, each in the label's own geometry
+    (voxel sizes from its affine)."""
+    dice, hd95 = [], []
+    for entry in entries:
+        truth = nib.load(str(data / entry["label"]))
+        pred = nib.load(str(predictions / Path(entry["image"]).name))
+        spacing = nib.affines.voxel_sizes(truth.affine).tolist()
+        d, h = case_scores(_label_map(pred), _label_map(truth), len(LABELS), spacing=spacing)
+        dice.append(d)
+        hd95.append(h)
+    return summarize(torch.cat(dice), torch.cat(hd95), CLASSES)
+
+
+def _columns(prefix: str, summary: dict) -> dict:
+    row = {f"{prefix}dice": summary["dice"], f"{prefix}hd95": summary["hd95"]}
+    for metric in ("dice", "hd95"):
+        row.update({f"{prefix}{metric}_{name}": value for name, value in summary[f"{metric}_per_class"].items()})
+    return row
+
+
+def _params_m(checkpoint: Path) -> float:
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
+    return sum(v.numel() for k, v in state.items() if k.startswith("network.") and v.is_floating_point()) / 1e6
+
+
+@dataclass
+class Setup:
+    """What every run shares: the dataset, the folder of images to segment, the training size."""
+
+    data: Path
+    meta: dict
+    inputs: Path
+    steps: int
+    roi: int
+    crops: int
+
+
+def run_one(name: str, seed: int, setup: Setup, folder: Path) -> dict:
+    """Train, infer and score one network and seed in ``folder``; the row, also saved there as
+    ``result.json``."""
+    train, predictions = folder / "train", folder / "predictions"
+    write_yaml(folder / "overlay.yaml", overlay(NETWORKS[name], setup.roi, setup.crops))
+    train_s, _ = _cli(["train", "--task", "btcv", "--data-dir", setup.data, "--config", folder / "overlay.yaml", "--max-steps", setup.steps,
+                       "--seed", seed, "--output", train, "--accelerator", "cpu"], folder / "train.log")
+    _, printed = _cli(["infer", "--task", "btcv", "--checkpoint", train / "last.ckpt", "--input", setup.inputs,
+                       "--output", predictions, "--device", "cpu"], folder / "infer.log")
+    volumes = sum(len(setup.meta[split]) for split in SPLITS.values())
+    row = {
+        "network": name, "seed": seed, "steps": setup.steps, "params_m": _params_m(train / "last.ckpt"),
+        "train_s": train_s, "fit_s": (train / "last.ckpt").stat().st_mtime - (train / "config.yaml").stat().st_mtime,
+        "infer_s_per_volume": float(re.search(r" in ([\d.]+) s", printed).group(1)) / volumes,
+    }
+    for prefix, split in SPLITS.items():
+        row.update(_columns(prefix, scores(setup.data, setup.meta[split], predictions)))
+    write_json(folder / "result.json", row)
+    return row
+
+
+def summary_rows(rows: list[dict]) -> list[dict]:
+    """Mean and sd (over seeds; 0 with one seed) of every numeric column, per network."""
+    table = []
+    for name in dict.fromkeys(r["network"] for r in rows):
+        group = [r for r in rows if r["network"] == name]
+        entry = {"network": name, "seeds": len(group)}
+        for key in [k for k in group[0] if k not in ("network", "seed", "steps")]:
+            values = [r[key] for r in group if r[key] is not None]
+            entry[f"{key}_mean"] = statistics.fmean(values) if values else None
+            entry[f"{key}_sd"] = statistics.stdev(values) if len(values) > 1 else 0.0
+        table.append(entry)
+    return table
+
+
+def _readable(summary: list[dict]) -> list[dict]:
+    """The summary's headline columns as ``mean ± sd`` strings, for the printed table."""
+    keys = ["dice", *(f"dice_{c}" for c in CLASSES), "hd95", "perturbed_dice", "perturbed_hd95", "train_s", "infer_s_per_volume"]
+    fmt = lambda m, s: "n/a" if m is None else f"{m:.3g} ± {s:.2g}"  # noqa: E731
+    return [{"network": s["network"], "seeds": s["seeds"], **{k: fmt(s[f"{k}_mean"], s[f"{k}_sd"]) for k in keys}} for s in summary]
+
+
+def plot(path: Path, summary: list[dict]) -> None:
+    """Mean Dice on the clean and the perturbed held-out case (sd error bars), and train time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [s["network"] for s in summary]
+    x = np.arange(len(names))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(10, 1.6 * len(names)), 5))
+    for offset, (prefix, label) in zip((-0.2, 0.2), (("", "held-out"), ("perturbed_", "perturbed held-out"))):
+        means = [s[f"{prefix}dice_mean"] or 0.0 for s in summary]
+        ax1.bar(x + offset, means, 0.4, yerr=[s[f"{prefix}dice_sd"] for s in summary], capsize=3, label=label)
+    ax1.set(ylabel="mean Dice (grey, white matter)", ylim=(0, 1), title="MNI152 grey/white matter, last.ckpt")
+    ax1.legend()
+    ax2.bar(x, [s["train_s_mean"] for s in summary], yerr=[s["train_s_sd"] for s in summary], capsize=3, color="tab:gray")
+    ax2.set(ylabel="train command wall time (s)", title="Training, CPU")
+    for ax in (ax1, ax2):
+        ax.set_xticks(x, names, rotation=30, ha="right")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+
+
+def machine() -> dict:
+    """Where and at which commit the benchmark ran (rows resumed from earlier runs may predate it)."""
+    repo = Path(__file__).resolve().parent.parent
+    git = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "torch": torch.__version__, "commit": git.stdout.strip() or "unknown"}
+
+
+def bench_learning(out: Path, steps: int = 400, seeds: int = 3, networks: list[str] | None = None, data_dir: Path | None = None,
+                   slices: int = 24, roi: int = 96, crops: int = 8) -> list[dict]:
+    """Every requested network (default all of ``NETWORKS``) trained and scored; the rows."""
+    networks = networks or list(NETWORKS)
+    unknown = sorted(set(networks) - set(NETWORKS))
+    if unknown:
+        raise ValueError(f"unknown network(s) {unknown}; known: {', '.join(NETWORKS)}")
+    data = write_mni_dataset(data_dir, slices)
+    meta = json.loads((data / "dataset.json").read_text())
+    setup = Setup(data, meta, _eval_inputs(data, meta, out / "eval_inputs"), steps, roi, crops)
+    rows = []
+    for name in networks:
+        for seed in range(seeds if name in ROUTING_ABLATION else 1):
+            folder = out / name / f"seed{seed}"
+            if (folder / "result.json").is_file():
+                rows.append(json.loads((folder / "result.json").read_text()))
+                print(f"  {name} seed {seed}: done before ({folder / 'result.json'})", flush=True)
+                continue
+            rows.append(run_one(name, seed, setup, folder))
+            print(f"  {name} seed {seed}: Dice {rows[-1]['dice']:.3f} (perturbed {rows[-1]['perturbed_dice']:.3f}), "
+                  f"train {rows[-1]['train_s']:.0f} s", flush=True)
+    return rows
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("learning benchmark (--only learning)")
+    g.add_argument("--steps", type=int, default=400, help="training steps per network (default 400)")
+    g.add_argument("--seeds", type=int, default=3, help="seeds of the routing ablation (default 3); other networks run seed 0")
+    g.add_argument("--networks", help=f"comma-separated subset of: {', '.join(NETWORKS)}")
+    g.add_argument("--data-dir", type=Path, help="where the MNI dataset is written once (default ~/.cache/hsmla-med/mni-learning)")
+    g.add_argument("--slices", type=int, default=24, help="axial slab thickness of each case in 1 mm slices (default 24)")
+    g.add_argument("--roi", type=int, default=96, help="side of the 2D training crops and inference windows (default 96)")
+    g.add_argument("--crops", type=int, default=8, help="random crops per training step (default 8)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``hsmla-med bench --only learning``: the rows, their summary, the figure and tables."""
+    info = machine()
+    print(f"learning benchmark at commit {info['commit']} on {info['platform']}, {info['cpus']} CPUs; "
+          f"{args.steps} steps of {args.crops} {args.roi}x{args.roi} crops:", flush=True)
+    write_json(args.out / "learning_machine.json", info)
+    networks = args.networks.split(",") if args.networks else None
+    rows = bench_learning(args.out, args.steps, args.seeds, networks, args.data_dir, args.slices, args.roi, args.crops)
+    summary = summary_rows(rows)
+    write_csv(args.out / "learning.csv", rows)
+    write_csv(args.out / "learning_summary.csv", summary)
+    plot(args.out / "learning.png", summary)
+    print("\n" + markdown(_readable(summary)) + "\n")
+    print(f"wrote learning.csv, learning_summary.csv, learning.png into {args.out}")
+    return 0

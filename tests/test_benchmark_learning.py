@@ -1,0 +1,132 @@
+"""The MNI152 grey/white matter dataset (geometry, labels, perturbation, written once) and a
+smoke run of the learning benchmark (2 training steps, the CLI run in this process)."""
+
+import contextlib
+import csv
+import io
+import json
+import time
+
+import nibabel as nib
+import numpy as np
+import pytest
+from nibabel.processing import resample_from_to
+
+from hsmla_med import benchmark, benchmark_learning, cli
+from hsmla_med.data import mni
+from hsmla_med.data.datalist import load_datalist
+from hsmla_med.errors import DataError
+
+SLICES = 6  # thin slabs: a small, fast dataset
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return mni.write_mni_dataset(tmp_path_factory.mktemp("mni") / "mni-learning", slices=SLICES)
+
+
+def _load(root, name, kind="images", split="Tr"):
+    return nib.load(str(root / f"{kind}{split}" / f"{name}.nii.gz"))
+
+
+def _meta(root):
+    return json.loads((root / "dataset.json").read_text())
+
+
+def test_msd_dataset_with_both_tissues_in_every_case(dataset):
+    cases = load_datalist(dataset)
+    assert cases.label_names == ["background", "grey_matter", "white_matter"]
+    assert len(cases.training) == 5 and [c["image"] for c in cases.validation] == [str(dataset / "imagesTr" / "slab3.nii.gz")]
+    perturbed = _meta(dataset)["perturbed"]
+    assert perturbed and perturbed[0]["image"] not in json.dumps(_meta(dataset)["validation"])
+    for case in cases.training + cases.validation + [{k: str(dataset / v) for k, v in p.items()} for p in perturbed]:
+        assert set(np.unique(np.asarray(nib.load(case["label"]).dataobj))) == {0, 1, 2}, case["label"]
+
+
+def test_lps_case_keeps_the_world_coordinates_of_the_template(dataset):
+    image, label = _load(dataset, "slab1"), _load(dataset, "slab1", "labels")
+    assert nib.aff2axcodes(image.affine) == ("L", "P", "S")
+    t1, labels = mni.mni_template()
+    voxels = np.random.default_rng(0).integers(0, image.shape, size=(200, 3))
+    template = nib.affines.apply_affine(np.linalg.inv(t1.affine), nib.affines.apply_affine(image.affine, voxels))
+    assert np.allclose(template, template.round(), atol=1e-4)
+    i, j, k = template.round().astype(int).T
+    v = tuple(voxels.T)
+    assert np.array_equal(np.asarray(image.dataobj)[v], np.asarray(t1.dataobj)[i, j, k])
+    assert np.array_equal(np.asarray(label.dataobj)[v], labels[i, j, k])
+
+
+def test_anisotropic_case_has_3mm_slices(dataset):
+    image = _load(dataset, "slab2")
+    assert nib.aff2axcodes(image.affine) == ("R", "A", "S")
+    assert np.allclose(image.header.get_zooms()[:3], (1.0, 1.0, 3.0))
+    assert np.allclose(nib.affines.voxel_sizes(_load(dataset, "slab2", "labels").affine), (1.0, 1.0, 3.0))
+
+
+def test_perturbed_copy_differs_but_shows_the_same_anatomy(dataset):
+    """Clean image and label resampled onto the perturbed grid (which lies inside the clean one):
+    intensities differ (bias field, noise), tissue overlaps."""
+    image, label = _load(dataset, "slab3_perturbed", split="Perturbed"), _load(dataset, "slab3_perturbed", "labels", "Perturbed")
+    assert nib.aff2axcodes(image.affine) == ("L", "I", "A")
+    assert np.allclose(image.header.get_zooms()[:3], (1.2, 1.2, 1.5), atol=1e-5)
+    clean = resample_from_to(_load(dataset, "slab3"), image, order=1).get_fdata()
+    clean_label = resample_from_to(_load(dataset, "slab3", "labels"), label, order=0).get_fdata().round()
+    perturbed, perturbed_label = image.get_fdata(), np.asarray(label.dataobj)
+    brain = clean_label > 0
+    assert np.mean(np.abs(perturbed[brain] - clean[brain]) / clean[brain]) > 0.05
+    for tissue in (1, 2):
+        a, b = clean_label == tissue, perturbed_label == tissue
+        assert 2 * (a & b).sum() / (a.sum() + b.sum()) > 0.8
+
+
+def test_written_once_then_reused(dataset):
+    files = {p: p.stat().st_mtime_ns for p in dataset.rglob("*") if p.is_file()}
+    assert mni.write_mni_dataset(dataset, slices=SLICES) == dataset
+    assert {p: p.stat().st_mtime_ns for p in dataset.rglob("*") if p.is_file()} == files
+    assert not [p for p in dataset.parent.iterdir() if p.name.endswith(".tmp")]
+    with pytest.raises(DataError, match="choose another folder"):
+        mni.write_mni_dataset(dataset, slices=SLICES + 2)
+
+
+def test_missing_nilearn_is_one_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(mni, "find_spec", lambda name: None)
+    with pytest.raises(DataError, match=r"pip install hsmla-med\[bench\]"):
+        mni.write_mni_dataset(tmp_path / "mni")
+    assert not list(tmp_path.iterdir())
+
+
+def test_learning_benchmark_smoke(dataset, tmp_path, monkeypatch):
+    """Two training steps of HSMLA-B0 through the train and infer commands (run in this process
+    to spare two interpreter start-ups), then the CSVs, figure and a resumed second run."""
+    calls = []
+
+    def in_process(args, log):
+        calls.append([str(a) for a in args])
+        printed, started = io.StringIO(), time.perf_counter()
+        with contextlib.redirect_stdout(printed):
+            assert cli.main(calls[-1]) == 0
+        return time.perf_counter() - started, printed.getvalue()
+
+    monkeypatch.setitem(benchmark_learning.NETWORKS, "tiny", {"variant": "b0"})
+    monkeypatch.setattr(benchmark_learning, "_cli", in_process)
+    out = tmp_path / "out"
+    argv = ["--only", "learning", "--out", str(out), "--steps", "2", "--networks", "tiny", "--data-dir", str(dataset),
+            "--slices", str(SLICES), "--roi", "64", "--crops", "2"]
+    assert benchmark.main(argv) == 0
+    assert [c[:3] for c in calls] == [["train", "--task", "btcv"], ["infer", "--task", "btcv"]]
+    assert calls[0][-2:] == ["--accelerator", "cpu"] and calls[1][calls[1].index("--checkpoint") + 1].endswith("last.ckpt")
+
+    with (out / "learning.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 1 and rows[0]["network"] == "tiny"
+    dice = [k for k in rows[0] if "dice" in k]
+    assert set(dice) == {f"{p}dice{c}" for p in ("", "perturbed_") for c in ("", "_grey_matter", "_white_matter")}
+    assert {"hd95_grey_matter", "perturbed_hd95_white_matter", "train_s", "fit_s", "infer_s_per_volume", "params_m"} <= set(rows[0])
+    assert all(0.0 <= float(rows[0][k]) <= 1.0 for k in dice)
+    with (out / "learning_summary.csv").open() as f:
+        summary = next(csv.DictReader(f))
+    assert summary["seeds"] == "1" and float(summary["dice_sd"]) == 0.0
+    assert (out / "learning.png").stat().st_size > 0 and json.loads((out / "learning_machine.json").read_text())["cpus"]
+
+    monkeypatch.setattr(benchmark_learning, "run_one", lambda *a: pytest.fail("a finished run ran again"))
+    assert benchmark.main(argv) == 0
