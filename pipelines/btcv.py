@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
+from operator import lt, ne
 from pathlib import Path
 
 import nibabel as nib
@@ -34,6 +36,7 @@ from monai.transforms import (
 
 from hsmla_med.data.checks import CheckCased, LoadCased
 from hsmla_med.data.datalist import Datalist, case_name, load_datalist, read_header
+from hsmla_med.data.intensity import ForegroundPercentiled, ForegroundZScored, intensity_augmentations, otsu_foreground
 from hsmla_med.data.synthetic_btcv import generate_btcv
 from hsmla_med.engine.base import hparams
 from hsmla_med.engine.datamodule import CaseDataModule
@@ -47,6 +50,7 @@ __all__ = ["datalist", "preprocessing", "crop_and_augment", "transforms", "datam
 log = logging.getLogger("hsmla_med")
 MODULE = SegmentationModule
 MODES = {"2d": 2, "3d": 3}
+OTSU_MARGIN = 2  # voxels around the Otsu foreground that the crop keeps
 
 
 def spatial_dims(config: dict) -> int:
@@ -68,26 +72,41 @@ def datalist(config: dict) -> Datalist:
     return load_datalist(root, seed=config["seed"])
 
 
-def _intensity(config: dict) -> Callable:
+def _intensity(config: dict, keys: list[str]) -> tuple[CropForegroundd, Callable]:
+    """The foreground crop, on the raw (resampled) intensities, and the normalisation of
+    ``data.intensity``. The crop comes first because a normalised image has no fixed background
+    value: after a z-score, MONAI's default ``x > 0`` would keep only the above-mean voxels."""
     spec = config["data"]["intensity"]
-    if spec["kind"] == "ct_window":
-        return ScaleIntensityRanged("image", a_min=spec["a_min"], a_max=spec["a_max"], b_min=0.0, b_max=1.0, clip=True)
-    if spec["kind"] == "zscore":
-        return NormalizeIntensityd("image", nonzero=True, channel_wise=True)
-    raise ConfigError(f"data.intensity.kind must be 'ct_window' or 'zscore', got {spec['kind']!r}")
+    kind = spec["kind"]
+    crop = partial(CropForegroundd, keys, source_key="image", allow_smaller=True)
+    if kind == "ct_window":
+        # a_min < HU is exactly "windowed > 0": the CT crop is the one it always was
+        return crop(select_fn=partial(lt, spec["a_min"])), ScaleIntensityRanged("image", a_min=spec["a_min"], a_max=spec["a_max"], b_min=0.0, b_max=1.0, clip=True)
+    if kind == "zscore":
+        return crop(select_fn=partial(ne, 0)), NormalizeIntensityd("image", nonzero=True, channel_wise=True)
+    # Otsu kinds: a margin keeps the partial-volume rim, darker than the threshold, in the crop
+    if kind == "zscore_foreground":
+        return crop(select_fn=otsu_foreground, margin=OTSU_MARGIN), ForegroundZScored("image")
+    if kind == "percentile":
+        lower, upper = spec["lower"], spec["upper"]
+        if not 0 <= lower < upper <= 100:
+            raise ConfigError(f"data.intensity.lower and upper must be percentiles with 0 <= lower < upper <= 100, got {lower!r} and {upper!r}")
+        return crop(select_fn=otsu_foreground, margin=OTSU_MARGIN), ForegroundPercentiled("image", lower, upper)
+    raise ConfigError(f"data.intensity.kind must be one of ct_window, zscore, zscore_foreground, percentile, got {kind!r}")
 
 
 def preprocessing(config: dict, in_channels: int, num_classes: int, keys: Sequence[str] = ("image", "label")) -> list:
-    """Load, check, RAS orientation, resampling, intensity normalisation, foreground crop."""
+    """Load, check, RAS orientation, resampling, foreground crop, intensity normalisation."""
     keys = list(keys)
     interp = ["bilinear" if k == "image" else "nearest" for k in keys]
+    crop, normalise = _intensity(config, keys)
     return [
         LoadCased(keys, ensure_channel_first=True, image_only=True),
         CheckCased(in_channels, num_classes),
         Orientationd(keys, axcodes="RAS", labels=(("L", "R"), ("P", "A"), ("I", "S"))),  # NIfTI world: RAS+
         Spacingd(keys, pixdim=config["data"]["spacing"], mode=interp),
-        _intensity(config),
-        CropForegroundd(keys, source_key="image", allow_smaller=True),
+        crop,
+        normalise,
         EnsureTyped(keys, dtype=[torch.float32 if k == "image" else torch.int64 for k in keys], track_meta=True),
     ]
 
@@ -98,7 +117,9 @@ def roi_size(config: dict) -> list[int]:
 
 def crop_and_augment(config: dict) -> list:
     """Random training crops of a preprocessed ``image``/``label`` volume, centred on foreground
-    or background in the ratio ``data.pos_neg``, and augmentation. 2D mode crops single axial
+    or background in the ratio ``data.pos_neg``, and augmentation: flips, 90-degree rotations, an
+    intensity shift and nnU-Net's intensity and resolution augmentations
+    (:func:`~hsmla_med.data.intensity.intensity_augmentations`). 2D mode crops single axial
     slices (``(h, w, 1)`` crops, the slice axis squeezed); 3D crops patches."""
     keys = ["image", "label"]
     dims = spatial_dims(config)
@@ -119,7 +140,7 @@ def crop_and_augment(config: dict) -> list:
         RandRotate90d(keys, prob=aug["rot90_prob"], max_k=3, spatial_axes=(0, 1)),
         RandShiftIntensityd("image", offsets=aug["shift_offset"], prob=aug["shift_prob"]),
     ]
-    return train
+    return train + intensity_augmentations(aug, dims)
 
 
 def transforms(config: dict, in_channels: int, num_classes: int) -> tuple[Compose, Compose]:

@@ -26,6 +26,7 @@ from PIL import Image
 
 from hsmla_med.data.datalist import Datalist
 from hsmla_med.data.endovis import PROBLEMS, VIDEO_FOLDER, LoadFramed, find_frames, find_videos, load_frame
+from hsmla_med.data.intensity import intensity_augmentations
 from hsmla_med.data.synthetic_endovis import generate_endovis
 from hsmla_med.engine.base import hparams, plain
 from hsmla_med.engine.datamodule import CaseDataModule
@@ -85,7 +86,9 @@ def datalist(config: dict) -> Datalist:
 def transforms(config: dict) -> tuple[Compose, Compose]:
     """Training and validation transforms: read, crop and merge the labels
     (:class:`~hsmla_med.data.endovis.LoadFramed`), resize to ``data.size`` (area for the frame,
-    nearest for the labels); training adds flips, zoom and per-channel colour scale and shift."""
+    nearest for the labels); training adds flips, zoom, per-channel colour scale and shift, and
+    nnU-Net's intensity and resolution augmentations on the frame
+    (:func:`~hsmla_med.data.intensity.intensity_augmentations`)."""
     data, keys = config["data"], ["image", "label"]
     aug = data["augment"]
     load = [LoadFramed(_problem(config), data["crop"]), Resized(keys, spatial_size=data["size"], mode=["area", "nearest-exact"])]
@@ -95,6 +98,7 @@ def transforms(config: dict) -> tuple[Compose, Compose]:
         RandZoomd(keys, prob=aug["zoom_prob"], min_zoom=aug["zoom_range"][0], max_zoom=aug["zoom_range"][1], mode=["bilinear", "nearest-exact"], keep_size=True),
         RandScaleIntensityd("image", factors=aug["colour_scale"], prob=aug["colour_prob"], channel_wise=True),
         RandShiftIntensityd("image", offsets=aug["colour_shift"], prob=aug["colour_prob"], channel_wise=True),
+        *intensity_augmentations(aug, spatial_dims=2),
     ]
     return Compose(train), Compose(load)
 

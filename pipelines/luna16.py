@@ -104,7 +104,8 @@ def preprocessing(config: dict, label: bool = True) -> list:
 
 def transforms(config: dict) -> tuple[Compose, Compose]:
     """Training: preprocessing, then nodule-biased random crops and augmentation (the BTCV
-    pipeline's, :func:`~hsmla_med.pipelines.btcv.crop_and_augment`); validation: preprocessing."""
+    pipeline's, :func:`~hsmla_med.pipelines.btcv.crop_and_augment`, nnU-Net's intensity and
+    resolution augmentations included, set in ``data.augment``); validation: preprocessing."""
     pre = preprocessing(config)
     # the per-scan annotation arrays differ in length: the training batches need only the crops
     drop = DeleteItemsd(["nodules", "excluded", "seriesuid"])
