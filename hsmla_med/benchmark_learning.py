@@ -11,10 +11,11 @@ run's ``config.yaml`` to its final ``last.ckpt``, read from the files' clocks: d
 training, without imports and the final validation) and inference per volume as ``infer``
 reports it (without imports and model loading).
 
-``NETWORKS`` run with the first seed; ``ROUTING_ABLATION`` (HSMLA-B0-UNet trained with routing
+``NETWORKS`` run with seed 0; ``ROUTING_ABLATION`` (HSMLA-B0-UNet trained with routing
 gate, off and all) with ``--seeds`` seeds, summarised as mean and sd. Every run leaves
-``OUT/<network>/seed<S>/result.json``; runs whose JSON exists are skipped, so an interrupted
-benchmark resumes. Writes ``learning.csv`` (one row per run), ``learning_summary.csv`` (mean and
+``OUT/<network>/seed<S>/result.json``; a run whose JSON holds the same settings (config overlay,
+steps, slab thickness) is not run again, so an interrupted benchmark resumes; rows keep the
+commit they ran at. Writes ``learning.csv`` (one row per run), ``learning_summary.csv`` (mean and
 sd per network), ``learning.png`` and ``learning_machine.json`` into ``--out``.
 
     hsmla-med bench --only learning --out bench_out [--steps 400] [--seeds 3] [--networks unet,swinunetr]
@@ -134,7 +135,8 @@ def _params_m(checkpoint: Path) -> float:
 
 @dataclass
 class Setup:
-    """What every run shares: the dataset, the folder of images to segment, the training size."""
+    """What every run shares: the dataset, the folder of images to segment, the training size,
+    the code's commit."""
 
     data: Path
     meta: dict
@@ -142,36 +144,50 @@ class Setup:
     steps: int
     roi: int
     crops: int
+    commit: str
+
+    def settings(self, name: str) -> dict:
+        """What a run's result depends on besides its seed: a saved result with other settings
+        is not reused."""
+        return {"overlay": overlay(NETWORKS[name], self.roi, self.crops), "steps": self.steps, "slices": self.meta["slices"]}
 
 
 def run_one(name: str, seed: int, setup: Setup, folder: Path) -> dict:
     """Train, infer and score one network and seed in ``folder``; the row, also saved there as
     ``result.json``."""
     train, predictions = folder / "train", folder / "predictions"
-    write_yaml(folder / "overlay.yaml", overlay(NETWORKS[name], setup.roi, setup.crops))
+    settings = setup.settings(name)
+    write_yaml(folder / "overlay.yaml", settings["overlay"])
     train_s, _ = _cli(["train", "--task", "btcv", "--data-dir", setup.data, "--config", folder / "overlay.yaml", "--max-steps", setup.steps,
                        "--seed", seed, "--output", train, "--accelerator", "cpu"], folder / "train.log")
     _, printed = _cli(["infer", "--task", "btcv", "--checkpoint", train / "last.ckpt", "--input", setup.inputs,
                        "--output", predictions, "--device", "cpu"], folder / "infer.log")
     volumes = sum(len(setup.meta[split]) for split in SPLITS.values())
     row = {
-        "network": name, "seed": seed, "steps": setup.steps, "params_m": _params_m(train / "last.ckpt"),
+        "network": name, "seed": seed, "steps": setup.steps, "commit": setup.commit, "params_m": _params_m(train / "last.ckpt"),
         "train_s": train_s, "fit_s": (train / "last.ckpt").stat().st_mtime - (train / "config.yaml").stat().st_mtime,
         "infer_s_per_volume": float(re.search(r" in ([\d.]+) s", printed).group(1)) / volumes,
     }
     for prefix, split in SPLITS.items():
         row.update(_columns(prefix, scores(setup.data, setup.meta[split], predictions)))
-    write_json(folder / "result.json", row)
+    write_json(folder / "result.json", {"settings": settings, "row": row})
     return row
 
 
+def _finished(folder: Path, settings: dict) -> dict | None:
+    """The row of a run finished before with the same settings, if any."""
+    result = folder / "result.json"
+    saved = json.loads(result.read_text()) if result.is_file() else {}
+    return saved["row"] if saved.get("settings") == settings else None
+
+
 def summary_rows(rows: list[dict]) -> list[dict]:
-    """Mean and sd (over seeds; 0 with one seed) of every numeric column, per network."""
+    """Mean and sd (over seeds; 0 with one seed) of every measured column, per network."""
     table = []
     for name in dict.fromkeys(r["network"] for r in rows):
         group = [r for r in rows if r["network"] == name]
         entry = {"network": name, "seeds": len(group)}
-        for key in [k for k in group[0] if k not in ("network", "seed", "steps")]:
+        for key in [k for k in group[0] if k not in ("network", "seed", "steps", "commit")]:
             values = [r[key] for r in group if r[key] is not None]
             entry[f"{key}_mean"] = statistics.fmean(values) if values else None
             entry[f"{key}_sd"] = statistics.stdev(values) if len(values) > 1 else 0.0
@@ -228,14 +244,15 @@ def bench_learning(out: Path, steps: int = 400, seeds: int = 3, networks: list[s
         raise ValueError(f"unknown network(s) {unknown}; known: {', '.join(NETWORKS)}")
     data = write_mni_dataset(data_dir, slices)
     meta = json.loads((data / "dataset.json").read_text())
-    setup = Setup(data, meta, _eval_inputs(data, meta, out / "eval_inputs"), steps, roi, crops)
+    setup = Setup(data, meta, _eval_inputs(data, meta, out / "eval_inputs"), steps, roi, crops, machine()["commit"])
     rows = []
     for name in networks:
         for seed in range(seeds if name in ROUTING_ABLATION else 1):
             folder = out / name / f"seed{seed}"
-            if (folder / "result.json").is_file():
-                rows.append(json.loads((folder / "result.json").read_text()))
-                print(f"  {name} seed {seed}: done before ({folder / 'result.json'})", flush=True)
+            row = _finished(folder, setup.settings(name))
+            if row is not None:
+                rows.append(row)
+                print(f"  {name} seed {seed}: done before ({folder / 'result.json'}, commit {row['commit']})", flush=True)
                 continue
             rows.append(run_one(name, seed, setup, folder))
             print(f"  {name} seed {seed}: Dice {rows[-1]['dice']:.3f} (perturbed {rows[-1]['perturbed_dice']:.3f}), "

@@ -130,3 +130,13 @@ def test_learning_benchmark_smoke(dataset, tmp_path, monkeypatch):
 
     monkeypatch.setattr(benchmark_learning, "run_one", lambda *a: pytest.fail("a finished run ran again"))
     assert benchmark.main(argv) == 0
+
+
+def test_a_result_is_reused_only_with_the_same_settings(tmp_path):
+    write = lambda settings: (tmp_path / "result.json").write_text(json.dumps({"settings": settings, "row": {"dice": 0.5}}))  # noqa: E731
+    settings = {"overlay": benchmark_learning.overlay({"variant": "b0"}, 96, 8), "steps": 400, "slices": 24}
+    assert benchmark_learning._finished(tmp_path, settings) is None
+    write(settings)
+    assert benchmark_learning._finished(tmp_path, settings) == {"dice": 0.5}
+    write({**settings, "steps": 200})
+    assert benchmark_learning._finished(tmp_path, settings) is None
