@@ -7,6 +7,7 @@ from importlib import resources
 from pathlib import Path
 
 import yaml
+from torch import nn
 
 from hsmla_med.errors import ConfigError
 from hsmla_med.nn import HSMLA, VARIANTS, HSMLAClassifier, HSMLASegNet
@@ -47,29 +48,78 @@ def model_config(name_or_path: str | Path | dict) -> dict:
 
 
 _ATTENTION_KEYS = set(inspect.signature(HSMLA).parameters) - {"spatial_dims", "in_channels"}
+_MODEL_KEYS = {
+    "segmentation": {"variant", "attention", "decoder", "head_stride", "attention_strides"},
+    "classification": {"variant", "attention", "attention_strides"},
+}
+_INJECTED = ("spatial_dims", "in_channels", "out_channels")
 
 
-def build_network(
-    config: dict, spatial_dims: int, in_channels: int, out_channels: int, kind: str = "segmentation"
-) -> HSMLASegNet | HSMLAClassifier:
-    """Build :class:`HSMLASegNet` (``kind="segmentation"``) or :class:`HSMLAClassifier` from a
-    model config ``{variant: b0|b1|b2, head_stride: 8|4 (segmentation), attention: {...HSMLA
-    keyword arguments}}``."""
-    classes = {"segmentation": HSMLASegNet, "classification": HSMLAClassifier}
-    if kind not in classes:
-        raise ConfigError(f"kind must be one of {sorted(classes)}, got {kind!r}")
+def build_network(config: dict, spatial_dims: int, in_channels: int, out_channels: int, kind: str = "segmentation") -> nn.Module:
+    """The network of a model config.
+
+    - HSMLA: ``{variant: b0|b1|b2, decoder: unet|fpn, head_stride: 8|4, attention_strides: [16, 32],
+      attention: {...HSMLA keyword arguments}}`` builds :class:`HSMLASegNet`
+      (``kind="segmentation"``) or :class:`HSMLAClassifier` (``kind="classification"``; no
+      decoder options).
+    - Any MONAI network: ``{monai: NAME, args: {...}}`` builds ``monai.networks.nets.NAME``
+      with ``spatial_dims``, ``in_channels`` and ``out_channels`` filled in by the task where
+      its constructor takes them (e.g. ``{monai: SwinUNETR, args: {feature_size: 24}}``), so
+      baselines run through the same pipelines. Such networks have no gates: no gate
+      regularisers, no tau calibration.
+    """
+    if kind not in _MODEL_KEYS:
+        raise ConfigError(f"kind must be one of {sorted(_MODEL_KEYS)}, got {kind!r}")
+    if not isinstance(config, dict):
+        raise ConfigError(f"model config must be a mapping, got {type(config).__name__}")
+    if "monai" in config:
+        return _monai_network(config, spatial_dims, in_channels, out_channels)
     attention = dict(config.get("attention") or {})
     unknown = sorted(set(attention) - _ATTENTION_KEYS)
     if unknown:
         raise ConfigError(f"unknown attention option(s) {unknown}; known: {sorted(_ATTENTION_KEYS)}")
     if "scales" in attention:
         attention["scales"] = tuple(attention["scales"])
-    unknown = sorted(set(config) - {"variant", "attention", "head_stride"})
+    unknown = sorted(set(config) - _MODEL_KEYS[kind])
     if unknown:
-        raise ConfigError(f"unknown model option(s) {unknown}; known: attention, head_stride, variant")
-    if "head_stride" in config and kind == "segmentation":
-        attention["head_stride"] = int(config["head_stride"])
-    return classes[kind](spatial_dims, in_channels, out_channels, variant=config.get("variant", "b0"), **attention)
+        raise ConfigError(f"unknown model option(s) {unknown} for a {kind} network; known: {', '.join(sorted(_MODEL_KEYS[kind]))}, or monai")
+    options = {k: config[k] for k in _MODEL_KEYS[kind] - {"variant", "attention"} if k in config}
+    if "attention_strides" in options:
+        options["attention_strides"] = tuple(options["attention_strides"])
+    cls = HSMLASegNet if kind == "segmentation" else HSMLAClassifier
+    try:
+        return cls(spatial_dims, in_channels, out_channels, variant=config.get("variant", "b0"), **options, **attention)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"model config: {err}") from None
+
+
+def _monai_network(config: dict, spatial_dims: int, in_channels: int, out_channels: int) -> nn.Module:
+    """``monai.networks.nets.<config["monai"]>(**args)`` with the task's dims and channels."""
+    from monai.networks import nets
+
+    name, args = config["monai"], config.get("args") or {}
+    unknown = sorted(set(config) - {"monai", "args"})
+    if unknown:
+        raise ConfigError(f"unknown model option(s) {unknown} beside 'monai'; known: monai, args")
+    network = getattr(nets, str(name), None)
+    if not (isinstance(network, type) and issubclass(network, nn.Module)):
+        raise ConfigError(f"model.monai: {name!r} is not a network in monai.networks.nets")
+    if not isinstance(args, dict):
+        raise ConfigError(f"model.args must be a mapping of {name} arguments, got {type(args).__name__}")
+    parameters = inspect.signature(network).parameters
+    taken = [k for k in _INJECTED if k in args]
+    if taken:
+        raise ConfigError(f"model.args: {taken} come from the task (its data and labels); remove them")
+    if not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        unknown = sorted(set(args) - set(parameters))
+        if unknown:
+            raise ConfigError(f"model.args: {name} takes no argument(s) {unknown}")
+    given = dict(zip(_INJECTED, (spatial_dims, in_channels, out_channels)))
+    kwargs = {**{k: v for k, v in given.items() if k in parameters}, **args}
+    try:
+        return network(**kwargs)
+    except (TypeError, ValueError, AssertionError) as err:
+        raise ConfigError(f"model: cannot build monai {name} with {args}: {err}") from None
 
 
 def task_config(task: str) -> dict:

@@ -243,3 +243,32 @@ def test_cpu_backends():
     assert layer._ops(False, cpu) == (HF.linear_attention, HF.local_refine)
     layer.backend = "cpu"
     assert layer._ops(True, cpu) == (HF.linear_attention, kernels.local_refine_cpu)
+
+
+@pytest.mark.parametrize("routing", ["gate", "all"])
+def test_training_forward_and_gradients_equal_the_tile_schedule(routing, monkeypatch):
+    """Training takes the neighbourhood form of R while it fits; forcing the tile schedule
+    (by making nothing fit) gives the same output and parameter gradients."""
+    from hsmla_med.nn import functional as HF
+
+    torch.manual_seed(0)
+    layer = HSMLA(2, 32, head_dim=8, block=2, window=5, routing=routing).train()
+    x = torch.randn(2, 32, 9, 7)
+
+    def run():
+        layer.zero_grad()
+        out = layer(x)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return out.detach(), [p.grad.clone() for p in layer.parameters() if p.grad is not None]
+
+    calls = []
+    real = HF.neighbourhood_refine
+    monkeypatch.setattr(HF, "neighbourhood_refine", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out, grads = run()
+    assert calls, "training did not take the neighbourhood form"
+    monkeypatch.setattr(HF, "NEIGHBOURHOOD_ELEMENTS", 0)
+    out_tiled, grads_tiled = run()
+    assert len(calls) == 1
+    torch.testing.assert_close(out, out_tiled, rtol=1e-4, atol=1e-5)
+    for a, b in zip(grads, grads_tiled):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)

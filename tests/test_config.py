@@ -43,3 +43,49 @@ def test_unknown_attention_option_and_kind():
         build_network({"variant": "b0"}, 2, 1, 2, kind="detection")
     with pytest.raises(ValueError, match="variant"):
         build_network({"variant": "b7"}, 2, 1, 2)
+
+
+def test_decoder_options_build_the_named_network():
+    unet = build_network({"variant": "b0", "decoder": "unet", "attention_strides": [8, 16, 32]}, 2, 1, 3)
+    assert unet.decoder_kind == "unet" and unet.backbone.attention_strides == (8, 16, 32)
+    fpn = build_network({"variant": "b0", "decoder": "fpn", "head_stride": 4}, 2, 1, 3)
+    assert fpn.decoder_kind == "fpn" and fpn._first == 1
+    with pytest.raises(ConfigError, match="decoder"):
+        build_network({"variant": "b0", "decoder": "unet"}, 2, 3, 2, kind="classification")
+    with pytest.raises(ConfigError, match="attention_strides"):
+        build_network({"variant": "b0", "attention_strides": [2]}, 2, 1, 3)
+
+
+@pytest.mark.parametrize(
+    "config, kind, cls",
+    [
+        ({"monai": "UNet", "args": {"channels": [8, 16, 32], "strides": [2, 2], "num_res_units": 1}}, "segmentation", "UNet"),
+        ({"monai": "SwinUNETR", "args": {"feature_size": 12, "depths": [1, 1, 1, 1]}}, "segmentation", "SwinUNETR"),
+        ({"monai": "SegResNet", "args": {"init_filters": 8}}, "segmentation", "SegResNet"),
+        ({"monai": "DenseNet121"}, "classification", "DenseNet121"),
+    ],
+)
+def test_monai_networks_get_the_task_dims_and_channels(config, kind, cls):
+    import torch
+    from monai.networks import nets
+
+    net = build_network(config, 2, 3, 5, kind=kind)
+    assert type(net) is getattr(nets, cls)
+    out = net(torch.randn(2, 3, 64, 64))
+    assert out.shape == ((2, 5, 64, 64) if kind == "segmentation" else (2, 5))
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"monai": "NoSuchNet"}, "NoSuchNet.*not a network"),
+        ({"monai": "UNet", "args": {"channels": [8, 16], "strides": [2], "bogus": 1}}, "takes no argument.*bogus"),
+        ({"monai": "UNet", "args": {"channels": [8, 16], "strides": [2], "out_channels": 3}}, "come from the task"),
+        ({"monai": "UNet", "args": [1, 2]}, "model.args must be a mapping"),
+        ({"monai": "UNet", "args": {"channels": [8, 16], "strides": [2]}, "variant": "b0"}, "beside 'monai'"),
+        ({"monai": "UNet", "args": {"channels": [8], "strides": []}}, "cannot build monai UNet"),
+    ],
+)
+def test_bad_monai_configs_name_the_problem(config, message):
+    with pytest.raises(ConfigError, match=message):
+        build_network(config, 2, 1, 3)

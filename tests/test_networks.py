@@ -19,14 +19,65 @@ def test_segnet_2d_any_size(variant):
 
 @pytest.mark.parametrize("spatial_dims, size", [(2, (37, 21)), (3, (9, 20, 13))])
 def test_segnet_stride4_head_fuses_one_more_stage(spatial_dims, size):
-    coarse = HSMLASegNet(spatial_dims, 1, 3, head_stride=8)
-    fine = HSMLASegNet(spatial_dims, 1, 3, head_stride=4)
+    coarse = HSMLASegNet(spatial_dims, 1, 3, decoder="fpn", head_stride=8)
+    fine = HSMLASegNet(spatial_dims, 1, 3, decoder="fpn", head_stride=4)
     assert len(fine.lateral) == len(coarse.lateral) + 1
     assert fine.lateral[0][0].in_channels == VARIANTS["b0"].widths[1]
     with torch.no_grad():
         assert fine.eval()(torch.randn(1, 1, *size)).shape == (1, 3, *size)
     with pytest.raises(ValueError, match="head_stride"):
-        HSMLASegNet(2, 1, 3, head_stride=2)
+        HSMLASegNet(2, 1, 3, decoder="fpn", head_stride=2)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("spatial_dims, size", [(2, (37, 53)), (2, (5, 9)), (3, (9, 20, 13))])
+def test_unet_decoder_reaches_full_resolution(variant, spatial_dims, size):
+    net = HSMLASegNet(spatial_dims, 2, 4, variant=variant, decoder="unet", block=2).eval()
+    x = torch.randn(1, 2, *size)
+    with torch.no_grad():
+        assert net(x).shape == (1, 4, *size)
+    # every level of the decoder receives a skip: the full-resolution one at the input's size
+    seen = []
+    hooks = [m.register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape[2:]))) for m in net.decoder.skip]
+    with torch.no_grad():
+        net(x)
+    for h in hooks:
+        h.remove()
+    expected = [size]
+    for _ in range(4):
+        expected.append(tuple(-(-n // 2) for n in expected[-1]))
+    assert sorted(seen, reverse=True) == sorted(expected, reverse=True)
+    assert [m[0].out_channels for m in net.decoder.skip] == list(VARIANTS[variant].decoder_widths)
+
+
+def test_unet_decoder_is_sensitive_to_every_pixel():
+    """One changed input pixel changes the logits at that pixel (a full-resolution path), and the
+    prediction of a 1-pixel-wide line is not smeared like a stride-8 head's bilinear upsampling."""
+    torch.manual_seed(0)
+    net = HSMLASegNet(2, 1, 2, decoder="unet").eval()
+    x = torch.randn(1, 1, 32, 32)
+    y = x.clone()
+    y[0, 0, 17, 9] += 5.0
+    with torch.no_grad():
+        delta = (net(y) - net(x)).abs().sum(1)[0]
+    assert delta[17, 9] > 0
+    assert delta[17, 9] >= delta.max() * 0.2
+
+
+def test_attention_strides_place_hsmla_layers():
+    cfg = VARIANTS["b0"]
+    net = HSMLASegNet(2, 1, 3, attention_strides=(8, 16, 32))
+    layers = net.hsmla_layers()
+    assert len(layers) == cfg.depths[2] + cfg.depths[3] + cfg.depths[4]
+    assert {m.in_channels for m in layers.values()} == {cfg.widths[2], cfg.widths[3], cfg.widths[4]}
+    assert len(HSMLASegNet(2, 1, 3, attention_strides=(32,)).hsmla_layers()) == cfg.depths[4]
+    with torch.no_grad():
+        assert net.eval()(torch.randn(1, 1, 33, 47)).shape == (1, 3, 33, 47)
+    for bad in [(2, 16), (64,)]:
+        with pytest.raises(ValueError, match="attention_strides"):
+            HSMLASegNet(2, 1, 3, attention_strides=bad)
+    with pytest.raises(ValueError, match="decoder"):
+        HSMLASegNet(2, 1, 3, decoder="deeplab")
 
 
 def test_segnet_3d_any_size():

@@ -244,6 +244,15 @@ class HSMLA(nn.Module):
             return HF.linear_attention, kernels.local_refine_cpu
         return kernels.linear_attention, kernels.local_refine
 
+    def _refine_everywhere(self, local_refine, q, k, v, qh, kh, vh) -> torch.Tensor:
+        """``R`` for every token. With gradients (training) on the reference backend it is
+        :func:`~hsmla_med.nn.functional.neighbourhood_refine` while the unfolded windows fit its
+        memory bound: the same values, a fraction of the tile schedule's time forward and
+        backward (docs/benchmarks.md); otherwise ``local_refine`` over every tile."""
+        if torch.is_grad_enabled() and self.backend in ("auto", "reference") and HF.neighbourhood_fits(q.shape, self.window):
+            return HF.neighbourhood_refine(q, k, v, qh, kh, vh, self.window, self.eps)
+        return local_refine(q, k, v, qh, kh, vh, None, 0.0, self.block, self.window, self.eps)
+
     # -- forward ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(batch, in_channels, *spatial)`` -> same shape."""
@@ -266,7 +275,7 @@ class HSMLA(nn.Module):
 
         self.last_gate, self._alpha = None, 0.0
         if self.routing == "all":
-            out = out + local_refine(q, k, v, qh, kh, vh, None, 0.0, self.block, self.window, self.eps)
+            out = out + self._refine_everywhere(local_refine, q, k, v, qh, kh, vh)
             self._alpha = 1.0
         elif self.routing == "gate":
             if self._calibrate_to is not None:
@@ -277,7 +286,7 @@ class HSMLA(nn.Module):
             # weight 1): the budget keeps M near rho, so a network trained on M * R saw R at about
             # 0.3, and full-weight R at inference cost 7 Dice points on BTCV (docs/benchmarks.md).
             if self.training:
-                r = local_refine(q, k, v, qh, kh, vh, None, 0.0, self.block, self.window, self.eps)
+                r = self._refine_everywhere(local_refine, q, k, v, qh, kh, vh)
                 weight = HF.tile_broadcast(gate, self.block, tuple(spatial)).unsqueeze(1).unsqueeze(-1)
                 out = torch.addcmul(out, weight.to(r.dtype), r)
             else:

@@ -25,6 +25,9 @@ __all__ = [
     "local_attention",
     "local_linear_attention",
     "local_refine",
+    "neighbourhood_refine",
+    "neighbourhood_fits",
+    "NEIGHBOURHOOD_ELEMENTS",
     "tile_grid",
     "tile_broadcast",
     "tile_average",
@@ -420,6 +423,93 @@ def local_refine(
     if _channel_first(add_to).is_contiguous():  # the layer's linear output: written tile by tile
         return _tiled((q, k, v), (qh, kh, vh), window, block, index, eps, weight, add_to)
     return add_to.add_(_tiled((q, k, v), (qh, kh, vh), window, block, index, eps, weight))
+
+
+@lru_cache(maxsize=32)
+def _window_bias(spatial: tuple[int, ...], window: int, device: torch.device) -> torch.Tensor:
+    """``(*spatial, window**s)`` float32 score bias: 0 where the neighbour lies inside the map,
+    ``_HIDDEN`` where it falls outside (keys outside the map are excluded, not zero-padded)."""
+    inside = _neighbours(torch.ones((1, 1, *spatial, 1), device=device), window)[0, 0, ..., 0]
+    return torch.where(inside > 0, 0.0, _HIDDEN)
+
+
+@lru_cache(maxsize=32)
+def _neighbour_index(spatial: tuple[int, ...], window: int, device: torch.device) -> torch.Tensor:
+    """``(N * window**s,)`` flat positions, in the map padded by ``window // 2`` on every side,
+    of each token's window (row-major over tokens, then over the window)."""
+    r = window // 2
+    padded = tuple(n + 2 * r for n in spatial)
+    flat = torch.arange(math.prod(padded)).view(padded)
+    for axis in range(len(spatial)):
+        flat = flat.unfold(axis, window, 1)  # (*S, w, ..., w)
+    return flat.reshape(-1).to(device)
+
+
+def _neighbours(x: torch.Tensor, window: int) -> torch.Tensor:
+    """``(b, h, *S, d)`` -> ``(b, h, *S, window**s, d)``: each token's window of tokens, row-major
+    over the window, zeros outside the map (hidden by :func:`_window_bias`).
+
+    One ``index_select`` on the zero-padded map: its backward is one ``index_add``, several
+    times faster than the backward of ``Tensor.unfold`` on the CPU."""
+    s, r = x.dim() - 3, window // 2
+    spatial = tuple(x.shape[2:-1])
+    padded = F.pad(x, [0, 0] + [r, r] * s).flatten(2, -2)  # (b, h, P, d)
+    out = padded.index_select(2, _neighbour_index(spatial, window, x.device))
+    return out.view(*x.shape[:-1], window**s, x.shape[-1])
+
+
+def neighbourhood_refine(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qh: torch.Tensor,
+    kh: torch.Tensor,
+    vh: torch.Tensor,
+    window: int,
+    eps: float = DEFAULT_EPS,
+) -> torch.Tensor:
+    """``R = O_loc - O_linloc`` for every token, from each token's own window of keys.
+
+    The same function as ``local_refine(..., gate=None)``, arranged for training: the keys of
+    each query's window are laid out next to it (an unfold, ``window**s`` copies of every key
+    map), so both terms are a handful of batched products and reductions whose backward autograd
+    derives, instead of the tile schedule's gathers, scatters and per-chunk loops (which the
+    sparse inference path needs, and dense training does not). It computes the ``window**s``
+    keys a query sees rather than a tile's ``(block + window - 1)**s`` halo. Memory grows with
+    ``window**s`` times the key maps: :func:`neighbourhood_fits` says when to use it.
+
+    Args:
+        q, k, v, qh, kh, vh: ``(batch, heads, *spatial, head_dim)``.
+        window: odd window size per axis.
+        eps: linear-attention denominator term.
+
+    Returns:
+        ``R`` in the shape and dtype of ``q`` (computed in float32, or float64 for float64).
+    """
+    _check_refine((q, k, v, qh, kh, vh), None, 1, window, None)
+    dtype = q.dtype
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        # float32 at least (float64 stays, for gradient checks)
+        q, k, v, qh, kh, vh = (t.to(torch.promote_types(dtype, torch.float32)) for t in (q, k, v, qh, kh, vh))
+        bias = _window_bias(tuple(q.shape[2:-1]), window, q.device).to(q.dtype)
+        scores = torch.einsum("...d,...kd->...k", q * q.shape[-1] ** -0.5, _neighbours(k, window)) + bias
+        local = torch.einsum("...k,...kd->...d", scores.softmax(dim=-1), _neighbours(v, window))
+        # phi(qh_i) . phi(kh_j) is >= 0 inside the map and 0 for the zero padding outside it
+        weights = torch.einsum("...d,...kd->...k", qh.relu(), _neighbours(kh.relu(), window))
+        linear = torch.einsum("...k,...kd->...d", weights, _neighbours(vh, window))
+        linear = linear / (weights.sum(dim=-1, keepdim=True) + eps)
+    return (local - linear).to(dtype)
+
+
+#: Largest unfolded key map (elements) :func:`neighbourhood_fits` accepts: four such maps and their
+#: gradients stay within a few hundred MiB in float32.
+NEIGHBOURHOOD_ELEMENTS = 1 << 24
+
+
+def neighbourhood_fits(shape: torch.Size, window: int) -> bool:
+    """Whether :func:`neighbourhood_refine` of features ``shape`` ``(b, h, *S, d)`` stays within
+    :data:`NEIGHBOURHOOD_ELEMENTS` per unfolded map."""
+    return math.prod(shape) * window ** (len(shape) - 3) <= NEIGHBOURHOOD_ELEMENTS
 
 
 def tile_broadcast(gate: torch.Tensor, block: int, spatial: tuple[int, ...]) -> torch.Tensor:

@@ -15,26 +15,35 @@ from monai.networks.layers.factories import Conv
 from hsmla_med.nn.attention import HSMLA
 from hsmla_med.nn.blocks import ChannelLayerNorm, ConvNormAct, DSConv, HSMLABlock, MBConv
 
-__all__ = ["VARIANTS", "Variant", "HSMLABackbone", "HSMLASegNet", "HSMLAClassifier"]
+__all__ = ["VARIANTS", "DECODERS", "Variant", "HSMLABackbone", "UNetDecoder", "HSMLASegNet", "HSMLAClassifier"]
+
+STRIDES = (2, 4, 8, 16, 32)  # of the backbone's stages (the stem is the first)
 
 
 @dataclass(frozen=True)
 class Variant:
-    """Widths/depths per stage (stem at stride 2, then strides 4, 8, 16, 32) and head sizes."""
+    """Widths/depths per stage (stem at stride 2, then strides 4, 8, 16, 32), the stride-8 head's
+    sizes, and the U-shaped decoder's widths at strides 1, 2, 4, 8, 16."""
 
     widths: tuple[int, int, int, int, int]
     depths: tuple[int, int, int, int, int]
     head_dim: int
     head_width: int
     head_depth: int
+    decoder_widths: tuple[int, int, int, int, int]
 
 
-# EfficientViT's B-series (DESIGN.md §3); HSMLA sandwich blocks fill the last two stages.
+# EfficientViT's B-series (DESIGN.md §3); HSMLA sandwich blocks fill the last two stages unless
+# ``attention_strides`` says otherwise. Decoder widths follow the encoder's, at least 16 (the
+# width of MONAI UNet's full-resolution level).
 VARIANTS: dict[str, Variant] = {
-    "b0": Variant((8, 16, 32, 64, 128), (1, 2, 2, 2, 2), head_dim=16, head_width=32, head_depth=1),
-    "b1": Variant((16, 32, 64, 128, 256), (1, 2, 3, 3, 4), head_dim=16, head_width=64, head_depth=3),
-    "b2": Variant((24, 48, 96, 192, 384), (1, 3, 4, 4, 6), head_dim=32, head_width=96, head_depth=3),
+    "b0": Variant((8, 16, 32, 64, 128), (1, 2, 2, 2, 2), 16, 32, 1, decoder_widths=(16, 16, 16, 32, 64)),
+    "b1": Variant((16, 32, 64, 128, 256), (1, 2, 3, 3, 4), 16, 64, 3, decoder_widths=(16, 16, 32, 64, 128)),
+    "b2": Variant((24, 48, 96, 192, 384), (1, 3, 4, 4, 6), 32, 96, 3, decoder_widths=(24, 24, 48, 96, 192)),
 }
+#: ``unet``: skip connections from every stage and a full-resolution level; ``fpn``: the paper's
+#: head, stage outputs fused at stride 8 (or 4) and the logits upsampled.
+DECODERS = ("unet", "fpn")
 
 
 def _variant(name: str) -> Variant:
@@ -111,28 +120,39 @@ class GatedNetwork(nn.Module):
         return x.contiguous(memory_format=self._memory_format)
 
 
+def _attention_strides(strides: Sequence[int]) -> tuple[int, ...]:
+    strides = tuple(sorted(set(strides)))
+    if any(s not in STRIDES[1:] for s in strides):
+        raise ValueError(f"attention_strides must be a subset of {STRIDES[1:]}, got {strides!r}.")
+    return strides
+
+
 class HSMLABackbone(nn.Module):
-    """EfficientViT-style backbone: conv stem and MBConv stages at strides 2-8, HSMLA sandwich
-    blocks after a stride-2 MBConv at strides 16 and 32.
+    """EfficientViT-style backbone: a conv stem at stride 2, then one stage per stride 4, 8, 16,
+    32. A stage at one of ``attention_strides`` (default 16 and 32, EfficientViT's layout) is a
+    stride-2 MBConv followed by ``depth`` HSMLA sandwich blocks; the others are ``depth`` MBConvs,
+    the first strided.
 
     ``forward`` maps ``(batch, in_channels, *spatial)`` to the five stage outputs, the i-th of
     shape ``(batch, widths[i], *ceil(spatial / 2**(i+1)))``.
     """
 
-    def __init__(self, spatial_dims: int, in_channels: int, variant: Variant, **attention) -> None:
+    def __init__(
+        self, spatial_dims: int, in_channels: int, variant: Variant, attention_strides: Sequence[int] = (16, 32), **attention
+    ) -> None:
         super().__init__()
         w, d = variant.widths, variant.depths
+        self.attention_strides = _attention_strides(attention_strides)
         attention.setdefault("head_dim", variant.head_dim)
         stem = [ConvNormAct(spatial_dims, in_channels, w[0], 3, stride=2)]
         stem += [DSConv(spatial_dims, w[0]) for _ in range(d[0])]
         stages = [nn.Sequential(*stem)]
-        for i in (1, 2):
-            stages.append(
-                nn.Sequential(*(MBConv(spatial_dims, w[i - 1] if j == 0 else w[i], w[i], 2 if j == 0 else 1) for j in range(d[i])))
-            )
-        for i in (3, 4):
-            blocks = [MBConv(spatial_dims, w[i - 1], w[i], stride=2)]
-            blocks += [HSMLABlock(spatial_dims, w[i], **attention) for _ in range(d[i])]
+        for i in range(1, 5):
+            if STRIDES[i] in self.attention_strides:
+                blocks = [MBConv(spatial_dims, w[i - 1], w[i], stride=2)]
+                blocks += [HSMLABlock(spatial_dims, w[i], **attention) for _ in range(d[i])]
+            else:
+                blocks = [MBConv(spatial_dims, w[i - 1] if j == 0 else w[i], w[i], 2 if j == 0 else 1) for j in range(d[i])]
             stages.append(nn.Sequential(*blocks))
         self.stages = nn.ModuleList(stages)
 
@@ -144,24 +164,71 @@ class HSMLABackbone(nn.Module):
         return features
 
 
-_HEAD_STAGES = {4: 1, 8: 2}  # head stride -> first backbone stage fused by the head
+class UNetDecoder(nn.Module):
+    """U-shaped decoder from the stride-32 map up to full resolution.
+
+    At each level, from stride 16 down to stride 1, the coarser map is projected (1x1, at its own
+    resolution, which is cheaper than after upsampling) to the level's width, upsampled to the
+    skip's size (so odd sizes work) and added to the skip's own 1x1 projection; a 3x3
+    :class:`ConvNormAct` and a residual :class:`DSConv` then refine the sum. Adding two
+    projections is a concatenation followed by a 1x1 convolution, without the copy.
+
+    Args:
+        spatial_dims: 2 or 3.
+        skip_widths: channels of the skips at strides 1, 2, 4, 8, 16.
+        deep_width: channels of the stride-32 map.
+        widths: decoder channels at strides 1, 2, 4, 8, 16.
+
+    ``forward(skips, deep)``: the five skips (finest first) and the stride-32 map -> the
+    full-resolution map ``(batch, widths[0], *skips[0].shape[2:])``.
+    """
+
+    def __init__(self, spatial_dims: int, skip_widths: Sequence[int], deep_width: int, widths: Sequence[int]) -> None:
+        super().__init__()
+        if len(skip_widths) != len(widths):
+            raise ValueError(f"skip_widths and widths must have the same length, got {len(skip_widths)} and {len(widths)}.")
+        coarser = [*widths[1:], deep_width]
+        self.up = nn.ModuleList(ConvNormAct(spatial_dims, c, w, 1, act=False) for c, w in zip(coarser, widths))
+        self.skip = nn.ModuleList(ConvNormAct(spatial_dims, c, w, 1, act=False) for c, w in zip(skip_widths, widths))
+        self.refine = nn.ModuleList(
+            nn.Sequential(ConvNormAct(spatial_dims, w, w, 3), DSConv(spatial_dims, w)) for w in widths
+        )
+        self._mode = "bilinear" if spatial_dims == 2 else "trilinear"
+
+    def forward(self, skips: Sequence[torch.Tensor], deep: torch.Tensor) -> torch.Tensor:
+        x = deep
+        for level in reversed(range(len(skips))):
+            skip = skips[level]
+            up = F.interpolate(self.up[level](x), size=skip.shape[2:], mode=self._mode, align_corners=False)
+            x = self.refine[level](up + self.skip[level](skip))
+        return x
+
+
+_HEAD_STAGES = {4: 1, 8: 2}  # head stride of the fpn decoder -> first backbone stage it fuses
 
 
 class HSMLASegNet(GatedNetwork):
     """HSMLA segmentation network (MONAI-style, 2D or 3D).
 
-    The head projects the stride-8/16/32 stage outputs to a common width, upsamples them to the
-    stride-8 map, sums them, refines with MBConv blocks and upsamples the class logits to the
-    input size. Any input size works. ``head_stride=4`` also fuses the stride-4 stage and runs
-    the head at stride 4 (an extension of the paper's head: small organs, a few voxels across
-    at CT resolution, lose their boundaries in a stride-8 map).
+    ``decoder="unet"`` (default): a U-shaped decoder (:class:`UNetDecoder`) with skips from a
+    full-resolution 3x3 convolution of the input, the stem and every stage (strides 1 to 16),
+    so thin structures (cortex, vessels, adrenal glands) keep their boundaries.
+
+    ``decoder="fpn"``: the paper's head, kept for its ablation: the stride-8/16/32 stage outputs
+    are projected to a common width, upsampled to the stride-8 map, summed, refined with MBConv
+    blocks, and the class logits upsampled to the input size. ``head_stride=4`` also fuses the
+    stride-4 stage (an extension of the paper's head).
+
+    Any input size works.
 
     Args:
         spatial_dims: 2 or 3.
         in_channels: input channels.
         out_channels: output channels (classes, including background).
         variant: ``"b0"``, ``"b1"`` or ``"b2"`` (see :data:`VARIANTS`).
-        head_stride: stride of the fused head map, 8 (the paper) or 4.
+        decoder: one of :data:`DECODERS`.
+        head_stride: stride of the fused map of the ``fpn`` decoder, 8 (the paper) or 4.
+        attention_strides: backbone strides whose stages hold HSMLA blocks (default 16 and 32).
         **attention: keyword arguments for every :class:`~hsmla_med.nn.HSMLA` layer
             (``window``, ``block``, ``tau``, ``rho``, ``scales``, ``routing``, ``backend``...).
 
@@ -169,27 +236,48 @@ class HSMLASegNet(GatedNetwork):
     """
 
     def __init__(
-        self, spatial_dims: int, in_channels: int, out_channels: int, variant: str = "b0", head_stride: int = 8, **attention
+        self,
+        spatial_dims: int,
+        in_channels: int,
+        out_channels: int,
+        variant: str = "b0",
+        decoder: str = "unet",
+        head_stride: int = 8,
+        attention_strides: Sequence[int] = (16, 32),
+        **attention,
     ) -> None:
         super().__init__()
         _check_dims_channels(spatial_dims, in_channels=in_channels, out_channels=out_channels)
+        if decoder not in DECODERS:
+            raise ValueError(f"decoder must be one of {DECODERS}, got {decoder!r}.")
         if head_stride not in _HEAD_STAGES:
             raise ValueError(f"head_stride must be one of {sorted(_HEAD_STAGES)}, got {head_stride}")
         cfg = _variant(variant)
         self.spatial_dims, self.in_channels, self.out_channels, self.variant = spatial_dims, in_channels, out_channels, variant
-        self.backbone = HSMLABackbone(spatial_dims, in_channels, cfg, **attention)
-        self._first = _HEAD_STAGES[head_stride]
-        self.lateral = nn.ModuleList(
-            ConvNormAct(spatial_dims, width, cfg.head_width, 1, act=False) for width in cfg.widths[self._first :]
-        )
-        self.fuse = nn.Sequential(*(MBConv(spatial_dims, cfg.head_width, cfg.head_width) for _ in range(cfg.head_depth)))
-        self.classify = Conv[Conv.CONV, spatial_dims](cfg.head_width, out_channels, 1)
+        self.decoder_kind = decoder
+        self.backbone = HSMLABackbone(spatial_dims, in_channels, cfg, attention_strides, **attention)
+        conv = Conv[Conv.CONV, spatial_dims]
         self._mode = "bilinear" if spatial_dims == 2 else "trilinear"
+        if decoder == "unet":
+            width = cfg.decoder_widths[0]
+            self.full_res = ConvNormAct(spatial_dims, in_channels, width, 3)
+            self.decoder = UNetDecoder(spatial_dims, (width, *cfg.widths[:4]), cfg.widths[4], cfg.decoder_widths)
+            self.classify = conv(width, out_channels, 1)
+        else:
+            self._first = _HEAD_STAGES[head_stride]
+            self.lateral = nn.ModuleList(
+                ConvNormAct(spatial_dims, width, cfg.head_width, 1, act=False) for width in cfg.widths[self._first :]
+            )
+            self.fuse = nn.Sequential(*(MBConv(spatial_dims, cfg.head_width, cfg.head_width) for _ in range(cfg.head_depth)))
+            self.classify = conv(cfg.head_width, out_channels, 1)
         self._channels_last()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self._check_input(x)
-        features = self.backbone(x)[self._first :]
+        features = self.backbone(x)
+        if self.decoder_kind == "unet":
+            return self.classify(self.decoder([self.full_res(x), *features[:4]], features[4]))
+        features = features[self._first :]
         size = features[0].shape[2:]
         fused = self.lateral[0](features[0])
         for lateral, feature in zip(self.lateral[1:], features[1:]):
