@@ -59,7 +59,7 @@ NETWORKS = {
 }
 # run with every seed (hsmla-b0-unet is the routing "gate" arm: gate is the default)
 ROUTING_ABLATION = ("hsmla-b0-unet", "hsmla-b0-unet-routing-off", "hsmla-b0-unet-routing-all")
-INTENSITY = "zscore"  # -> "zscore_foreground" once data.intensity has it
+INTENSITY = "zscore_foreground"  # Otsu foreground: the perturbed copy has Rician noise, no zero background
 CLASSES = [name for key, name in sorted(LABELS.items()) if key != "0"]
 SPLITS = {"": "validation", "perturbed_": "perturbed"}  # column prefix -> dataset.json list
 
