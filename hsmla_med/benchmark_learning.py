@@ -41,6 +41,7 @@ import torch
 
 from hsmla_med.benchmark import markdown, write_csv
 from hsmla_med.data.mni import LABELS, write_mni_dataset
+from hsmla_med.errors import ConfigError
 from hsmla_med.io import atomic_path, write_json, write_yaml
 from hsmla_med.metrics import case_scores, summarize
 
@@ -241,7 +242,7 @@ def bench_learning(out: Path, steps: int = 400, seeds: int = 3, networks: list[s
     networks = networks or list(NETWORKS)
     unknown = sorted(set(networks) - set(NETWORKS))
     if unknown:
-        raise ValueError(f"unknown network(s) {unknown}; known: {', '.join(NETWORKS)}")
+        raise ConfigError(f"--networks: unknown network(s) {unknown}; known: {', '.join(NETWORKS)}")
     data = write_mni_dataset(data_dir, slices)
     meta = json.loads((data / "dataset.json").read_text())
     setup = Setup(data, meta, _eval_inputs(data, meta, out / "eval_inputs"), steps, roi, crops, machine()["commit"])
