@@ -1,10 +1,11 @@
 """CPU benchmark of HSMLA networks against their peers, and of one HSMLA layer against full
 softmax attention, side by side in one run.
 
-Models (batch 1, 1 -> 14 channels, default 512x512): HSMLA-B0/B1/B2 with tau calibrated to
-alpha = 0.3, HSMLA-B2 with the refinement off and with alpha forced to 1, SegFormer-B0/B2
-(Hugging Face ``transformers``, random weights from a config, no downloads) and MONAI's
-SwinUNETR in 2D (feature_size 48). Reports parameters, median latency after warm-up and the
+Models (batch 1, 1 -> 14 channels, default 512x512): HSMLA-B0/B1/B2 (full-resolution U-shaped
+decoder) with tau calibrated to alpha = 0.3, HSMLA-B2 with the refinement off, with alpha forced
+to 1 and with the paper's stride-8 head, SegFormer-B0/B2 (Hugging Face ``transformers``, random
+weights from a config, no downloads), MONAI's SwinUNETR in 2D (feature_size 48) and MONAI's
+UNet (16..256 channels, 2 residual units). Reports parameters, median latency after warm-up and the
 ratio to SegFormer-B2.
 
 Layer scaling: one HSMLA layer (inference, alpha = 0.3) vs
@@ -81,8 +82,8 @@ class _SegFormer(torch.nn.Module):
         return torch.nn.functional.interpolate(logits, size=x.shape[2:], mode="bilinear", align_corners=False)
 
 
-def _hsmla(variant: str, routing: str, sample: torch.Tensor, out_channels: int = OUT_CHANNELS) -> torch.nn.Module:
-    net = build_network(model_config(variant), 2, sample.shape[1], out_channels).eval()
+def _hsmla(variant: str, routing: str, sample: torch.Tensor, out_channels: int = OUT_CHANNELS, **model) -> torch.nn.Module:
+    net = build_network({**model_config(variant), **model}, 2, sample.shape[1], out_channels).eval()
     net.set_routing(routing)
     if routing == "gate":
         calibrate_tau(net, sample, 0.3)
@@ -90,7 +91,9 @@ def _hsmla(variant: str, routing: str, sample: torch.Tensor, out_channels: int =
 
 
 def build_models(sample: torch.Tensor) -> dict[str, callable]:
-    from monai.networks.nets import SwinUNETR
+    """HSMLA networks with the full-resolution U-shaped decoder (the default) and the paper's
+    stride-8 head, and their peers."""
+    from monai.networks.nets import SwinUNETR, UNet
 
     return {
         "HSMLA-B0": lambda: _hsmla("b0", "gate", sample),
@@ -98,10 +101,15 @@ def build_models(sample: torch.Tensor) -> dict[str, callable]:
         "HSMLA-B2": lambda: _hsmla("b2", "gate", sample),
         "HSMLA-B2 (refinement off)": lambda: _hsmla("b2", "off", sample),
         "HSMLA-B2 (alpha = 1)": lambda: _hsmla("b2", "all", sample),
+        "HSMLA-B2 (paper head, stride 8)": lambda: _hsmla("b2", "gate", sample, decoder="fpn", head_stride=8),
         "SegFormer-B0": lambda: _SegFormer([32, 64, 160, 256], [2, 2, 2, 2], 256),
         "SegFormer-B2": lambda: _SegFormer([64, 128, 320, 512], [3, 4, 6, 3], 768),
         "SwinUNETR-2D": lambda: SwinUNETR(in_channels=1, out_channels=OUT_CHANNELS, feature_size=48, spatial_dims=2),
+        "MONAI UNet": lambda: UNet(2, 1, OUT_CHANNELS, channels=(16, 32, 64, 128, 256), strides=(2, 2, 2, 2), num_res_units=2),
     }
+
+
+_B2_ROUTINGS = ("HSMLA-B2", "HSMLA-B2 (refinement off)", "HSMLA-B2 (alpha = 1)")
 
 
 def bench_models(size: int, runs: int) -> list[dict]:
@@ -115,7 +123,7 @@ def bench_models(size: int, runs: int) -> list[dict]:
     off = times["HSMLA-B2 (refinement off)"]
     for r in rows:
         r["speedup_vs_segformer_b2"] = reference / r["latency_ms"]
-        paired = [t / o for t, o in zip(times[r["model"]], off)] if r["model"].startswith("HSMLA-B2") else None
+        paired = [t / o for t, o in zip(times[r["model"]], off)] if r["model"] in _B2_ROUTINGS else None
         r["b2_vs_refinement_off"] = statistics.median(paired) if paired else ""
     return rows
 

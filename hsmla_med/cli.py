@@ -205,6 +205,7 @@ def _wsi_heatmap(args) -> list[Path]:
 
 def _evaluate(args) -> dict:
     from hsmla_med.engine.run import evaluate, load_module
+    from hsmla_med.errors import InputError
     from hsmla_med.io import write_json
     from hsmla_med.pipelines import get_task
 
@@ -213,6 +214,8 @@ def _evaluate(args) -> dict:
     module, meta = load_module(args.checkpoint, task.MODULE)
     module.config["inference"]["tta"] = args.tta
     if args.routing:
+        if not hasattr(module.network, "set_routing"):
+            raise InputError(f"--routing: {args.checkpoint} holds a {type(module.network).__name__}, which has no HSMLA layers")
         module.network.set_routing(args.routing)
     # the data must be prepared exactly as for this checkpoint's training
     config["data"].update(module.config["data"])

@@ -130,7 +130,10 @@ def crop_and_augment(config: dict) -> list:
     train = [
         SpatialPadd(keys, spatial_size=crop),
         RandCropByPosNegLabeld(
-            keys, "label", spatial_size=crop, pos=pos, neg=neg, num_samples=config["data"]["samples_per_case"], image_key="image", image_threshold=0
+            keys, "label", spatial_size=crop, pos=pos, neg=neg, num_samples=config["data"]["samples_per_case"],
+            # a CT window maps air to 0: background crops centre on body voxels. A z-scored MRI
+            # has negative tissue voxels, so there any background voxel may be a centre.
+            image_key="image" if config["data"]["intensity"]["kind"] == "ct_window" else None, image_threshold=0
         ),
     ]
     if dims == 2:

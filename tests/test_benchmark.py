@@ -21,7 +21,7 @@ def test_model_table_ratios_on_a_fake_clock(monkeypatch):
             clock[0] += self.seconds
             return x
 
-    costs = {"HSMLA-B2": 0.011, "HSMLA-B2 (refinement off)": 0.010, "HSMLA-B2 (alpha = 1)": 0.013, "SegFormer-B2": 0.1}
+    costs = {"HSMLA-B2": 0.011, "HSMLA-B2 (refinement off)": 0.010, "HSMLA-B2 (alpha = 1)": 0.013, "HSMLA-B2 (paper head, stride 8)": 0.012, "SegFormer-B2": 0.1}
     monkeypatch.setattr(benchmark, "build_models", lambda x: {n: (lambda c=c: Fake(c)) for n, c in costs.items()})
     monkeypatch.setattr(benchmark.time, "perf_counter", lambda: clock[0])
     rows = {r["model"]: r for r in benchmark.bench_models(size=8, runs=3)}
@@ -30,6 +30,7 @@ def test_model_table_ratios_on_a_fake_clock(monkeypatch):
     assert rows["HSMLA-B2"]["b2_vs_refinement_off"] == pytest.approx(1.1)
     assert rows["HSMLA-B2 (alpha = 1)"]["b2_vs_refinement_off"] == pytest.approx(1.3)
     assert rows["SegFormer-B2"]["b2_vs_refinement_off"] == ""
+    assert rows["HSMLA-B2 (paper head, stride 8)"]["b2_vs_refinement_off"] == ""
 
 
 def test_bench_models_script_is_the_benchmark():

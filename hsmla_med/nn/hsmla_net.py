@@ -227,7 +227,8 @@ class HSMLASegNet(GatedNetwork):
         out_channels: output channels (classes, including background).
         variant: ``"b0"``, ``"b1"`` or ``"b2"`` (see :data:`VARIANTS`).
         decoder: one of :data:`DECODERS`.
-        head_stride: stride of the fused map of the ``fpn`` decoder, 8 (the paper) or 4.
+        head_stride: stride of the fused map of the ``fpn`` decoder, 8 (the paper, the default)
+            or 4; refused with the ``unet`` decoder.
         attention_strides: backbone strides whose stages hold HSMLA blocks (default 16 and 32).
         **attention: keyword arguments for every :class:`~hsmla_med.nn.HSMLA` layer
             (``window``, ``block``, ``tau``, ``rho``, ``scales``, ``routing``, ``backend``...).
@@ -242,7 +243,7 @@ class HSMLASegNet(GatedNetwork):
         out_channels: int,
         variant: str = "b0",
         decoder: str = "unet",
-        head_stride: int = 8,
+        head_stride: int | None = None,
         attention_strides: Sequence[int] = (16, 32),
         **attention,
     ) -> None:
@@ -250,6 +251,9 @@ class HSMLASegNet(GatedNetwork):
         _check_dims_channels(spatial_dims, in_channels=in_channels, out_channels=out_channels)
         if decoder not in DECODERS:
             raise ValueError(f"decoder must be one of {DECODERS}, got {decoder!r}.")
+        if decoder == "unet" and head_stride is not None:
+            raise ValueError("head_stride belongs to the fpn decoder; the unet decoder reaches full resolution.")
+        head_stride = 8 if head_stride is None else head_stride
         if head_stride not in _HEAD_STAGES:
             raise ValueError(f"head_stride must be one of {sorted(_HEAD_STAGES)}, got {head_stride}")
         cfg = _variant(variant)
