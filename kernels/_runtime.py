@@ -16,7 +16,9 @@ zeros, and ``tl.reduce`` with triton's standard combine functions (``_sum_combin
 
 from __future__ import annotations
 
+import functools
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -26,10 +28,24 @@ try:
 except ImportError:  # no triton: triton_available() says so and the kernels refuse to run
     triton = tl = None
 
-__all__ = ["triton", "tl", "lazy_jit", "triton_available", "interpreting", "check_features", "dot_precision"]
+__all__ = [
+    "triton",
+    "tl",
+    "lazy_jit",
+    "triton_available",
+    "interpreting",
+    "check_features",
+    "dot_precision",
+    "LaunchConfig",
+    "KernelSpec",
+    "shared_memory_limit",
+    "signature",
+]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 128  # the kernels keep d x d (linear) or tile x d (refine) float32 blocks in registers
+TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+DEFAULT_NUM_STAGES = 3  # Triton's own default on CUDA: loads of a loop prefetched two steps ahead
 
 
 def interpreting() -> bool:
@@ -65,6 +81,86 @@ class lazy_jit:
         if mode not in self._by_mode:
             self._by_mode[mode] = triton.jit(self.fn)
         return self._by_mode[mode][grid]
+
+    @property
+    def name(self) -> str:
+        return self.fn.__name__
+
+    def jit_function(self):
+        """The kernel as the compiler sees it (a ``triton.JITFunction``) whatever ``TRITON_INTERPRET``
+        says: what :func:`triton.compile` takes to build it for a target without a GPU."""
+        if self._by_mode.get(False) is None:
+            self._by_mode[False] = triton.runtime.jit.JITFunction(self.fn)
+        return self._by_mode[False]
+
+
+class LaunchConfig(NamedTuple):
+    """The compile-time part of one kernel launch: constexpr arguments, ``num_warps``, ``num_stages``.
+
+    Each kernel module computes it in one function, used by its launch and by
+    ``tests/test_triton_compile.py``, which compiles exactly these for sm_75/80/90 and checks the
+    shared memory against each target's limit and against ``shared_estimate``, the upper bound
+    the module chose the block sizes by.
+    """
+
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+    shared_estimate: int  # bytes; an upper bound of what Triton allocates (checked by the test)
+
+    @property
+    def options(self) -> dict:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+    @property
+    def launch_kwargs(self) -> dict:
+        return {**self.constexprs, **self.options}
+
+
+class KernelSpec(NamedTuple):
+    """One kernel with the argument types and launch configuration it is compiled for."""
+
+    kernel: lazy_jit
+    signature: dict  # argument name -> Triton type ("*fp32", "i32", "fp32", "constexpr")
+    config: LaunchConfig
+
+
+def signature(kernel: lazy_jit, dtype: torch.dtype, **types: str) -> dict:
+    """Triton argument types of ``kernel`` launched on ``dtype`` tensors: ``*_ptr`` arguments point
+    to ``dtype``, constexprs are ``"constexpr"``, every other argument is ``i32`` unless
+    ``types`` names it (``z_ptr="*fp32"``, ``eps="fp32"``)."""
+    fn = kernel.jit_function()
+    sig = {}
+    for param in fn.params:
+        if param.is_constexpr:
+            sig[param.name] = "constexpr"
+        elif param.name in types:
+            sig[param.name] = types[param.name]
+        elif param.name.endswith("_ptr"):
+            sig[param.name] = "*" + TRITON_TYPES[dtype]
+        else:
+            sig[param.name] = "i32"
+    unknown = set(types) - set(sig)
+    if unknown:
+        raise ValueError(f"{kernel.name} has no arguments {sorted(unknown)}")
+    return sig
+
+
+def shared_memory_limit(device: torch.device | str) -> int | None:
+    """Bytes of shared memory one program may use on ``device``: the per-block opt-in maximum,
+    which Triton requests for kernels above the 48 KiB default and checks at launch (64 KiB on
+    sm_75, 163 KiB on sm_80, 99 KiB on sm_86/89, 227 KiB on sm_90). ``None`` off CUDA: the
+    interpreter has no limit."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return _cuda_shared_memory(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_shared_memory(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -14,11 +14,23 @@ import torch
 
 from hsmla_med.nn.functional import linear_attention as reference
 
-from ._runtime import check_features, dot_precision, lazy_jit, tl, triton
+from ._runtime import (
+    DEFAULT_NUM_STAGES,
+    KernelSpec,
+    LaunchConfig,
+    check_features,
+    dot_precision,
+    lazy_jit,
+    shared_memory_limit,
+    signature,
+    tl,
+    triton,
+)
 
-__all__ = ["linear_attention", "reference"]
+__all__ = ["linear_attention", "reference", "launch_configs", "compile_specs"]
 
-BLOCK_N = 64  # tokens per loop step / per apply program
+BLOCK_N = 64  # tokens per loop step / per apply program (fewer where shared memory is short)
+SCRATCH = 2048  # bytes of shared memory allowed beyond the tiles (reductions, layout conversions)
 MIN_BLOCKS_PER_CHUNK = 4  # a partial Z is d*d floats: keep it small next to the tokens it sums
 TARGET_PROGRAMS = 1024  # aggregate programs to aim for: several waves on a 132-SM GPU
 
@@ -66,34 +78,91 @@ def _apply_kernel(
     n_tokens, heads, head_dim, eps,
     sq_b, sq_h, sq_n, sq_d,
     so_b, so_h, so_n, so_d,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """``phi(qh) Z / (phi(qh) . Dn + eps)`` for one token block of one (batch, head)."""
+    """``phi(qh) Z / (phi(qh) . Dn + eps)`` for one token block of one (batch, head), output
+    channels ``BLOCK_E * program_id(2)`` on (all of them unless the shared memory is short)."""
     block_id = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // heads).to(tl.int64)
     h = (bh % heads).to(tl.int64)
     offs_n = (block_id * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_e = tl.program_id(2) * BLOCK_E + tl.arange(0, BLOCK_E)
     d_ok = offs_d < head_dim
+    e_ok = offs_e < head_dim
     agg = bh.to(tl.int64) * head_dim
     z = tl.load(
-        z_ptr + (agg + offs_d[:, None]) * head_dim + offs_d[None, :], mask=d_ok[:, None] & d_ok[None, :], other=0.0
+        z_ptr + (agg + offs_d[:, None]) * head_dim + offs_e[None, :], mask=d_ok[:, None] & e_ok[None, :], other=0.0
     )
     dn = tl.load(dn_ptr + agg + offs_d, mask=d_ok, other=0.0)
-    mask = (offs_n < n_tokens)[:, None] & d_ok[None, :]
-    q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_n[:, None] * sq_n + offs_d[None, :] * sq_d, mask=mask, other=0.0)
+    n_ok = offs_n < n_tokens
+    q = tl.load(
+        q_ptr + b * sq_b + h * sq_h + offs_n[:, None] * sq_n + offs_d[None, :] * sq_d,
+        mask=n_ok[:, None] & d_ok[None, :], other=0.0,
+    )
     q = tl.maximum(q.to(tl.float32), 0.0)
     num = tl.dot(q, z, input_precision=PRECISION)
     den = tl.reduce(q * dn[None, :], 1, tl.standard._sum_combine) + eps
     out = num / den[:, None]
-    o_ptrs = o_ptr + b * so_b + h * so_h + offs_n[:, None] * so_n + offs_d[None, :] * so_d
-    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mask)
+    o_ptrs = o_ptr + b * so_b + h * so_h + offs_n[:, None] * so_n + offs_e[None, :] * so_d
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=n_ok[:, None] & e_ok[None, :])
 
 
 def _block_d(head_dim: int) -> int:
     # tl.dot needs every block dimension >= 16 and a power of two.
     return max(16, triton.next_power_of_2(head_dim))
+
+
+def launch_configs(
+    dtype: torch.dtype, head_dim: int, max_shared: int | None = None
+) -> tuple[LaunchConfig, LaunchConfig]:
+    """Constexprs, warps and stages of ``(_aggregate_kernel, _apply_kernel)`` for ``dtype`` inputs
+    with ``head_dim`` channels, within ``max_shared`` bytes of shared memory per program (``None``:
+    no limit, the interpreter).
+
+    The largest configuration whose estimate fits is taken. The estimates bound what Triton
+    3.x allocates (``tests/test_triton_compile.py`` checks them): the aggregate loop stages its
+    ``BLOCK_N x BLOCK_D`` k and v tiles, once more per pipeline stage, ``2 * num_stages`` tiles
+    in all; the apply kernel passes its float32 ``BLOCK_N x BLOCK_D`` query block and
+    ``BLOCK_D x BLOCK_E`` block of ``Z`` through shared memory for the dot. Where even the
+    smallest does not fit, the smallest is returned (Triton then refuses the launch).
+    """
+    block_d = _block_d(head_dim)
+    precision = dot_precision(dtype)
+    num_warps = 4 if block_d <= 64 else 8
+    size = dtype.itemsize
+    fits = (lambda need: True) if max_shared is None else (lambda need: need <= max_shared)
+
+    aggregate = None
+    for block_n, stages in ((BLOCK_N, DEFAULT_NUM_STAGES), (BLOCK_N, 2), (BLOCK_N, 1), (BLOCK_N // 2, 1), (16, 1)):
+        need = 2 * stages * block_n * block_d * size + SCRATCH
+        aggregate = LaunchConfig(
+            dict(BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision), num_warps, stages, need
+        )
+        if fits(need):
+            break
+
+    apply = None
+    for block_n in (BLOCK_N, BLOCK_N // 2, 16):  # Z's columns are split first: Z is d x d floats
+        for block_e in sorted({block_d, *(e for e in (64, 32, 16) if e < block_d)}, reverse=True):
+            need = (block_n * block_d + block_d * block_e) * 4 + SCRATCH
+            apply = LaunchConfig(
+                dict(BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_E=block_e, PRECISION=precision), num_warps, 1, need
+            )
+            if fits(need):
+                return aggregate, apply
+    return aggregate, apply
+
+
+def compile_specs(dtype: torch.dtype, head_dim: int, max_shared: int | None) -> list[KernelSpec]:
+    """The two kernels as :func:`linear_attention` launches them on ``dtype`` inputs, with their
+    argument types, for compiling them ahead of a launch (``tests/test_triton_compile.py``)."""
+    aggregate, apply = launch_configs(dtype, head_dim, max_shared)
+    return [
+        KernelSpec(_aggregate_kernel, signature(_aggregate_kernel, dtype, z_ptr="*fp32", dn_ptr="*fp32"), aggregate),
+        KernelSpec(_apply_kernel, signature(_apply_kernel, dtype, z_ptr="*fp32", dn_ptr="*fp32", eps="fp32"), apply),
+    ]
 
 
 def linear_attention(
@@ -131,21 +200,16 @@ def linear_attention(
     o = out.view(b, h, -1, d)
     n = q.shape[2]
 
-    blocks = triton.cdiv(n, BLOCK_N)
-    chunk = BLOCK_N * max(MIN_BLOCKS_PER_CHUNK, triton.cdiv(blocks * b * h, TARGET_PROGRAMS))
+    aggregate, apply = launch_configs(qh.dtype, d, shared_memory_limit(qh.device))
+    block_n = aggregate.constexprs["BLOCK_N"]
+    chunk = block_n * max(MIN_BLOCKS_PER_CHUNK, triton.cdiv(triton.cdiv(n, block_n) * b * h, TARGET_PROGRAMS))
     chunks = triton.cdiv(n, chunk)
     z_part = torch.empty((b * h, chunks, d, d), dtype=torch.float32, device=qh.device)
     dn_part = torch.empty((b * h, chunks, d), dtype=torch.float32, device=qh.device)
-    block_d = _block_d(d)
-    precision = dot_precision(qh.dtype)
-    num_warps = 4 if block_d <= 64 else 8
     _aggregate_kernel[(chunks, b * h)](
-        k, v, z_part, dn_part, n, h, d, chunk, *k.stride(), *v.stride(),
-        BLOCK_N=BLOCK_N, BLOCK_D=block_d, PRECISION=precision, num_warps=num_warps,
+        k, v, z_part, dn_part, n, h, d, chunk, *k.stride(), *v.stride(), **aggregate.launch_kwargs
     )
     z, dn = z_part.sum(dim=1), dn_part.sum(dim=1)  # (b*h, d, d), (b*h, d): contiguous
-    _apply_kernel[(blocks, b * h)](
-        q, z, dn, o, n, h, d, float(eps), *q.stride(), *o.stride(),
-        BLOCK_N=BLOCK_N, BLOCK_D=block_d, PRECISION=precision, num_warps=num_warps,
-    )
+    grid = (triton.cdiv(n, apply.constexprs["BLOCK_N"]), b * h, triton.cdiv(d, apply.constexprs["BLOCK_E"]))
+    _apply_kernel[grid](q, z, dn, o, n, h, d, float(eps), *q.stride(), *o.stride(), **apply.launch_kwargs)
     return out

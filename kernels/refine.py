@@ -18,11 +18,23 @@ import torch
 from hsmla_med.nn.functional import _check_refine, tile_broadcast
 from hsmla_med.nn.functional import local_refine as reference
 
-from ._runtime import check_features, dot_precision, lazy_jit, tl, triton
+from ._runtime import (
+    DEFAULT_NUM_STAGES,
+    KernelSpec,
+    LaunchConfig,
+    check_features,
+    dot_precision,
+    lazy_jit,
+    shared_memory_limit,
+    signature,
+    tl,
+    triton,
+)
 
-__all__ = ["local_refine", "refine_tiles", "reference"]
+__all__ = ["local_refine", "refine_tiles", "reference", "launch_config", "compile_specs"]
 
-MAX_BLOCK_K = 64  # halo keys per loop step
+MAX_BLOCK_K = 64  # halo keys per loop step (fewer for big tiles or where shared memory is short)
+SCRATCH = 2048  # bytes of shared memory allowed beyond the tiles (reductions, layout conversions)
 
 
 @lazy_jit
@@ -120,6 +132,56 @@ def _refine_kernel(
     tl.store(o_ptrs, r.to(o_ptr.dtype.element_ty), mask=q_mask)
 
 
+def launch_config(
+    dtype: torch.dtype, head_dim: int, block: int, window: int, max_shared: int | None = None
+) -> LaunchConfig:
+    """Constexprs, warps and stages of ``_refine_kernel`` for ``dtype`` inputs with ``head_dim``
+    channels, ``block`` x ``block`` tiles and a ``window`` x ``window`` window, within
+    ``max_shared`` bytes of shared memory per program (``None``: no limit, the interpreter).
+
+    Keys per step (``BLOCK_K``) are the whole halo up to :data:`MAX_BLOCK_K`, fewer for big
+    tiles so that the (queries x keys) float32 score block stays at 4096 elements; then the
+    pipeline stages, and after them ``BLOCK_K``, are cut until the estimate fits. The estimate
+    bounds what Triton 3.x allocates (``tests/test_triton_compile.py`` checks it): float32 copies
+    of three ``BLOCK_K x BLOCK_D`` key-side tiles, two ``BLOCK_Q x BLOCK_D`` query-side ones and
+    the ``BLOCK_Q x BLOCK_K`` scores pass through shared memory for the dots, and each extra
+    stage prefetches the four key-side loads (k, v, kh, vh) once more in the input dtype.
+    Where even ``BLOCK_K = 16`` and one stage do not fit, that is returned (Triton then
+    refuses the launch).
+    """
+    halo = block + window - 1
+    block_q = max(16, triton.next_power_of_2(block * block))
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_k = max(16, min(MAX_BLOCK_K, triton.next_power_of_2(halo * halo), 4096 // block_q))
+    num_warps = 4 if block_q * block_d <= 64 * 64 else 8
+    constexprs = dict(BLOCK=block, RADIUS=window // 2, HALO=halo, BLOCK_Q=block_q, BLOCK_D=block_d)
+    config = None
+    while True:
+        for stages in (DEFAULT_NUM_STAGES, 2, 1):
+            need = (
+                (3 * block_k * block_d + 2 * block_q * block_d + block_q * block_k) * 4
+                + 4 * (stages - 1) * block_k * block_d * dtype.itemsize
+                + SCRATCH
+            )
+            config = LaunchConfig(
+                dict(constexprs, BLOCK_K=block_k, PRECISION=dot_precision(dtype)), num_warps, stages, need
+            )
+            if max_shared is None or need <= max_shared:
+                return config
+        if block_k == 16:
+            return config
+        block_k //= 2
+
+
+def compile_specs(
+    dtype: torch.dtype, head_dim: int, block: int, window: int, max_shared: int | None
+) -> list[KernelSpec]:
+    """The kernel as :func:`refine_tiles` launches it on ``dtype`` inputs, with its argument
+    types, for compiling it ahead of a launch (``tests/test_triton_compile.py``)."""
+    sig = signature(_refine_kernel, dtype, tiles_ptr="*i64", scale_log2="fp32", eps="fp32")
+    return [KernelSpec(_refine_kernel, sig, launch_config(dtype, head_dim, block, window, max_shared))]
+
+
 def refine_tiles(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -153,18 +215,12 @@ def refine_tiles(
     if tiles.shape[0] == 0:
         return out
     heads, height, width, d = q.shape[1:]
-    halo = block + window - 1
-    block_q = max(16, triton.next_power_of_2(block * block))
-    # Keys per step: the whole halo up to MAX_BLOCK_K, fewer for big tiles so that the
-    # (queries x keys) float32 score block stays at 4096 elements.
-    block_k = max(16, min(MAX_BLOCK_K, triton.next_power_of_2(halo * halo), 4096 // block_q))
-    block_d = max(16, triton.next_power_of_2(d))
+    config = launch_config(q.dtype, d, block, window, shared_memory_limit(q.device))
     _refine_kernel[(tiles.shape[0], heads)](
         q, k, v, qh, kh, vh, out, tiles.to(device=q.device, dtype=torch.int64).contiguous(),
         heads, height, width, d, math.log2(math.e) / math.sqrt(d), float(eps),
         *q.stride(), *k.stride(), *v.stride(), *qh.stride(), *kh.stride(), *vh.stride(), *out.stride(),
-        BLOCK=block, RADIUS=window // 2, HALO=halo, BLOCK_Q=block_q, BLOCK_K=block_k, BLOCK_D=block_d,
-        PRECISION=dot_precision(q.dtype), num_warps=4 if block_q * block_d <= 64 * 64 else 8,
+        **config.launch_kwargs,
     )
     return out
 
