@@ -247,8 +247,8 @@ def test_cpu_backends():
 
 @pytest.mark.parametrize("routing", ["gate", "all"])
 def test_training_forward_and_gradients_equal_the_tile_schedule(routing, monkeypatch):
-    """Training takes the neighbourhood form of R while it fits; forcing the tile schedule
-    (by making nothing fit) gives the same output and parameter gradients."""
+    """Training takes the dense form of R on small maps; forcing the tile schedule (by making
+    nothing fit) gives the same output and parameter gradients."""
     from hsmla_med.nn import functional as HF
 
     torch.manual_seed(0)
@@ -262,11 +262,11 @@ def test_training_forward_and_gradients_equal_the_tile_schedule(routing, monkeyp
         return out.detach(), [p.grad.clone() for p in layer.parameters() if p.grad is not None]
 
     calls = []
-    real = HF.neighbourhood_refine
-    monkeypatch.setattr(HF, "neighbourhood_refine", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = HF.dense_refine
+    monkeypatch.setattr(HF, "dense_refine", lambda *a, **k: calls.append(1) or real(*a, **k))
     out, grads = run()
-    assert calls, "training did not take the neighbourhood form"
-    monkeypatch.setattr(HF, "NEIGHBOURHOOD_ELEMENTS", 0)
+    assert calls, "training did not take the dense form"
+    monkeypatch.setattr(HF, "DENSE_TOKENS", 0)
     out_tiled, grads_tiled = run()
     assert len(calls) == 1
     torch.testing.assert_close(out, out_tiled, rtol=1e-4, atol=1e-5)

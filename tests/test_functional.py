@@ -247,14 +247,14 @@ def test_local_refine_adds_gate_weighted_residual_in_place(spatial, layout):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("window", [1, 3, 7])
-def test_neighbourhood_refine_values_and_gradients_match_brute_force(shape, window):
-    """The training form of R (each query's own window laid out beside it) against the float64
-    brute force, values and gradients with respect to all six maps, fresh random inputs; the
-    float32 path against the tile schedule too."""
+def test_dense_refine_values_and_gradients_match_brute_force(shape, window):
+    """The training form of R (all N x N scores, each query's window as a mask) against the
+    float64 brute force, values and gradients with respect to all six maps, fresh random inputs;
+    the float32 path against the tile schedule too."""
     eps = 1e-2
     maps = [torch.randn(shape, dtype=torch.float64, requires_grad=True) for _ in range(6)]
     weight = torch.randn(shape, dtype=torch.float64)
-    r = HF.neighbourhood_refine(*maps, window, eps)
+    r = HF.dense_refine(*maps, window, eps)
     q, k, v, qh, kh, vh = (m.detach().clone().requires_grad_() for m in maps)
     expected = brute_softmax(q, k, v, window) - brute_linear(qh, kh, vh, eps, window)
     torch.testing.assert_close(r, expected, rtol=1e-9, atol=1e-9)
@@ -264,15 +264,16 @@ def test_neighbourhood_refine_values_and_gradients_match_brute_force(shape, wind
         torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-8)
     single = [m.detach().float() for m in maps]
     torch.testing.assert_close(
-        HF.neighbourhood_refine(*single, window, eps), HF.local_refine(*single, None, 0.0, 3, window, eps), rtol=1e-4, atol=1e-5
+        HF.dense_refine(*single, window, eps), HF.local_refine(*single, None, 0.0, 3, window, eps), rtol=1e-4, atol=1e-5
     )
 
 
-def test_neighbourhood_refine_keeps_half_precision_dtype_and_checks_arguments():
+def test_dense_refine_keeps_half_precision_dtype_and_checks_arguments():
     maps = [torch.randn(1, 2, 6, 5, 8).bfloat16() for _ in range(6)]
-    r = HF.neighbourhood_refine(*maps, 3)
+    r = HF.dense_refine(*maps, 3)
     assert r.dtype == torch.bfloat16 and torch.isfinite(r).all()
     with pytest.raises(ValueError, match="window"):
-        HF.neighbourhood_refine(*maps, 4)
-    assert HF.neighbourhood_fits(torch.Size((8, 4, 24, 24, 16)), 7)
-    assert not HF.neighbourhood_fits(torch.Size((8, 12, 128, 128, 32)), 7)
+        HF.dense_refine(*maps, 4)
+    assert HF.dense_fits(torch.Size((8, 4, 6, 6, 16)))
+    assert not HF.dense_fits(torch.Size((8, 4, 24, 24, 16)))  # more tokens than the crossover
+    assert not HF.dense_fits(torch.Size((512, 8, 16, 16, 16)))  # too large a score matrix

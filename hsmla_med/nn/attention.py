@@ -245,12 +245,13 @@ class HSMLA(nn.Module):
         return kernels.linear_attention, kernels.local_refine
 
     def _refine_everywhere(self, local_refine, q, k, v, qh, kh, vh) -> torch.Tensor:
-        """``R`` for every token. With gradients (training) on the reference backend it is
-        :func:`~hsmla_med.nn.functional.neighbourhood_refine` while the unfolded windows fit its
-        memory bound: the same values, a fraction of the tile schedule's time forward and
-        backward (docs/benchmarks.md); otherwise ``local_refine`` over every tile."""
-        if torch.is_grad_enabled() and self.backend in ("auto", "reference") and HF.neighbourhood_fits(q.shape, self.window):
-            return HF.neighbourhood_refine(q, k, v, qh, kh, vh, self.window, self.eps)
+        """``R`` for every token. With gradients (training) on the reference backend, maps small
+        enough for :func:`~hsmla_med.nn.functional.dense_fits` take
+        :func:`~hsmla_med.nn.functional.dense_refine`: the same values, a fraction of the tile
+        schedule's time forward and backward (docs/benchmarks.md); otherwise ``local_refine``
+        over every tile."""
+        if torch.is_grad_enabled() and self.backend in ("auto", "reference") and HF.dense_fits(q.shape):
+            return HF.dense_refine(q, k, v, qh, kh, vh, self.window, self.eps)
         return local_refine(q, k, v, qh, kh, vh, None, 0.0, self.block, self.window, self.eps)
 
     # -- forward ------------------------------------------------------------------------------

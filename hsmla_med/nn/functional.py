@@ -25,9 +25,8 @@ __all__ = [
     "local_attention",
     "local_linear_attention",
     "local_refine",
-    "neighbourhood_refine",
-    "neighbourhood_fits",
-    "NEIGHBOURHOOD_ELEMENTS",
+    "dense_refine",
+    "dense_fits",
     "tile_grid",
     "tile_broadcast",
     "tile_average",
@@ -426,39 +425,16 @@ def local_refine(
 
 
 @lru_cache(maxsize=32)
-def _window_bias(spatial: tuple[int, ...], window: int, device: torch.device) -> torch.Tensor:
-    """``(*spatial, window**s)`` float32 score bias: 0 where the neighbour lies inside the map,
-    ``_HIDDEN`` where it falls outside (keys outside the map are excluded, not zero-padded)."""
-    inside = _neighbours(torch.ones((1, 1, *spatial, 1), device=device), window)[0, 0, ..., 0]
-    return torch.where(inside > 0, 0.0, _HIDDEN)
+def _window_masks(spatial: tuple[int, ...], window: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(N, N)`` float32 score bias (0 where key ``j`` lies in query ``i``'s window, else
+    ``_HIDDEN``) and the matching 0/1 mask. Only keys inside the map exist, so keys outside it
+    are excluded, not zero-padded."""
+    coords = torch.cartesian_prod(*(torch.arange(n) for n in spatial)).view(-1, len(spatial))
+    inside = (coords[:, None] - coords[None]).abs().amax(dim=-1) <= window // 2
+    return torch.where(inside, 0.0, _HIDDEN).to(device), inside.float().to(device)
 
 
-@lru_cache(maxsize=32)
-def _neighbour_index(spatial: tuple[int, ...], window: int, device: torch.device) -> torch.Tensor:
-    """``(N * window**s,)`` flat positions, in the map padded by ``window // 2`` on every side,
-    of each token's window (row-major over tokens, then over the window)."""
-    r = window // 2
-    padded = tuple(n + 2 * r for n in spatial)
-    flat = torch.arange(math.prod(padded)).view(padded)
-    for axis in range(len(spatial)):
-        flat = flat.unfold(axis, window, 1)  # (*S, w, ..., w)
-    return flat.reshape(-1).to(device)
-
-
-def _neighbours(x: torch.Tensor, window: int) -> torch.Tensor:
-    """``(b, h, *S, d)`` -> ``(b, h, *S, window**s, d)``: each token's window of tokens, row-major
-    over the window, zeros outside the map (hidden by :func:`_window_bias`).
-
-    One ``index_select`` on the zero-padded map: its backward is one ``index_add``, several
-    times faster than the backward of ``Tensor.unfold`` on the CPU."""
-    s, r = x.dim() - 3, window // 2
-    spatial = tuple(x.shape[2:-1])
-    padded = F.pad(x, [0, 0] + [r, r] * s).flatten(2, -2)  # (b, h, P, d)
-    out = padded.index_select(2, _neighbour_index(spatial, window, x.device))
-    return out.view(*x.shape[:-1], window**s, x.shape[-1])
-
-
-def neighbourhood_refine(
+def dense_refine(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -468,15 +444,15 @@ def neighbourhood_refine(
     window: int,
     eps: float = DEFAULT_EPS,
 ) -> torch.Tensor:
-    """``R = O_loc - O_linloc`` for every token, from each token's own window of keys.
+    """``R = O_loc - O_linloc`` for every token of a small map, from all ``N x N`` scores with
+    each query's window as a mask.
 
-    The same function as ``local_refine(..., gate=None)``, arranged for training: the keys of
-    each query's window are laid out next to it (an unfold, ``window**s`` copies of every key
-    map), so both terms are a handful of batched products and reductions whose backward autograd
-    derives, instead of the tile schedule's gathers, scatters and per-chunk loops (which the
-    sparse inference path needs, and dense training does not). It computes the ``window**s``
-    keys a query sees rather than a tile's ``(block + window - 1)**s`` halo. Memory grows with
-    ``window**s`` times the key maps: :func:`neighbourhood_fits` says when to use it.
+    The same function as ``local_refine(..., gate=None)``, arranged for training on the small
+    maps where HSMLA layers sit (6 x 6 tokens at stride 16 of a 96-pixel crop): four batched
+    matrix products, a softmax and a mask, whose backward autograd derives. The tile schedule
+    needs gathers, scatters and per-chunk loops (which sparse inference needs and dense training
+    does not), and on such maps it took 10x longer forward and backward (docs/benchmarks.md).
+    Work and memory grow with ``N**2``: :func:`dense_fits` says when to use it.
 
     Args:
         q, k, v, qh, kh, vh: ``(batch, heads, *spatial, head_dim)``.
@@ -487,29 +463,29 @@ def neighbourhood_refine(
         ``R`` in the shape and dtype of ``q`` (computed in float32, or float64 for float64).
     """
     _check_refine((q, k, v, qh, kh, vh), None, 1, window, None)
-    dtype = q.dtype
+    dtype, shape = q.dtype, q.shape
     with torch.autocast(device_type=q.device.type, enabled=False):
-        # float32 at least (float64 stays, for gradient checks)
-        q, k, v, qh, kh, vh = (t.to(torch.promote_types(dtype, torch.float32)) for t in (q, k, v, qh, kh, vh))
-        bias = _window_bias(tuple(q.shape[2:-1]), window, q.device).to(q.dtype)
-        scores = torch.einsum("...d,...kd->...k", q * q.shape[-1] ** -0.5, _neighbours(k, window)) + bias
-        local = torch.einsum("...k,...kd->...d", scores.softmax(dim=-1), _neighbours(v, window))
-        # phi(qh_i) . phi(kh_j) is >= 0 inside the map and 0 for the zero padding outside it
-        weights = torch.einsum("...d,...kd->...k", qh.relu(), _neighbours(kh.relu(), window))
-        linear = torch.einsum("...k,...kd->...d", weights, _neighbours(vh, window))
-        linear = linear / (weights.sum(dim=-1, keepdim=True) + eps)
-    return (local - linear).to(dtype)
+        # float32 at least (float64 stays, for gradient checks); (b, h, N, d)
+        q, k, v, qh, kh, vh = (t.to(torch.promote_types(dtype, torch.float32)).flatten(2, -2) for t in (q, k, v, qh, kh, vh))
+        bias, inside = (m.to(q.dtype) for m in _window_masks(tuple(shape[2:-1]), window, q.device))
+        scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2) + bias
+        local = scores.softmax(dim=-1) @ v
+        weights = (qh.relu() @ kh.relu().transpose(-1, -2)) * inside
+        linear = (weights @ vh) / (weights.sum(dim=-1, keepdim=True) + eps)
+    return (local - linear).view(shape).to(dtype)
 
 
-#: Largest unfolded key map (elements) :func:`neighbourhood_fits` accepts: four such maps and their
-#: gradients stay within a few hundred MiB in float32.
-NEIGHBOURHOOD_ELEMENTS = 1 << 24
+#: Crossover of :func:`dense_fits`: tokens per map up to which the ``N x N`` form beat the tile
+#: schedule, forward and backward (at 24 x 24 tokens they were even, docs/benchmarks.md), and
+#: the largest score matrix (elements, all batch elements and heads) it accepts.
+DENSE_TOKENS = 400
+DENSE_ELEMENTS = 1 << 24
 
 
-def neighbourhood_fits(shape: torch.Size, window: int) -> bool:
-    """Whether :func:`neighbourhood_refine` of features ``shape`` ``(b, h, *S, d)`` stays within
-    :data:`NEIGHBOURHOOD_ELEMENTS` per unfolded map."""
-    return math.prod(shape) * window ** (len(shape) - 3) <= NEIGHBOURHOOD_ELEMENTS
+def dense_fits(shape: torch.Size) -> bool:
+    """Whether :func:`dense_refine` suits features ``shape`` ``(b, h, *S, d)``."""
+    tokens = math.prod(shape[2:-1])
+    return tokens <= DENSE_TOKENS and shape[0] * shape[1] * tokens**2 <= DENSE_ELEMENTS
 
 
 def tile_broadcast(gate: torch.Tensor, block: int, spatial: tuple[int, ...]) -> torch.Tensor:
