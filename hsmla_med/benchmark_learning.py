@@ -57,9 +57,16 @@ NETWORKS = {
     "swinunetr": {"monai": "SwinUNETR", "args": {"feature_size": 24}},
     "hsmla-b0-unet-routing-off": {**_UNET, "attention": {"routing": "off"}},
     "hsmla-b0-unet-routing-all": {**_UNET, "attention": {"routing": "all"}},
+    # HSMLA also at stride 8, where a 3-mm cortex is still a token or two wide
+    "hsmla-b0-unet-s8": {**_UNET, "attention_strides": [8, 16, 32]},
+    "hsmla-b0-unet-s8-routing-off": {**_UNET, "attention_strides": [8, 16, 32], "attention": {"routing": "off"}},
+    "hsmla-b0-unet-s8-routing-all": {**_UNET, "attention_strides": [8, 16, 32], "attention": {"routing": "all"}},
 }
-# run with every seed (hsmla-b0-unet is the routing "gate" arm: gate is the default)
-ROUTING_ABLATION = ("hsmla-b0-unet", "hsmla-b0-unet-routing-off", "hsmla-b0-unet-routing-all")
+# run with every seed (the arms without a routing suffix are the "gate" arms: gate is the default)
+ROUTING_ABLATION = (
+    "hsmla-b0-unet", "hsmla-b0-unet-routing-off", "hsmla-b0-unet-routing-all",
+    "hsmla-b0-unet-s8", "hsmla-b0-unet-s8-routing-off", "hsmla-b0-unet-s8-routing-all",
+)
 INTENSITY = "zscore_foreground"  # Otsu foreground: the perturbed copy has Rician noise, no zero background
 CLASSES = [name for key, name in sorted(LABELS.items()) if key != "0"]
 SPLITS = {"": "validation", "perturbed_": "perturbed"}  # column prefix -> dataset.json list
