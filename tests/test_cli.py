@@ -112,3 +112,31 @@ def test_train_3d_then_infer_through_the_cli(tmp_path, capsys):
     assert pred.shape == ref.shape and np.allclose(pred.affine, ref.affine)
     assert "no NIfTI files" in _error(capsys, ["infer", "--task", "btcv", "--checkpoint", str(run / "best.ckpt"),
                                               "--input", str(tmp_path / "run" / "logs"), "--output", str(tmp_path / "p2")])
+
+
+def test_monai_network_trains_evaluates_and_infers_through_the_pipeline(capsys, tmp_path, dataset):
+    """A baseline named in the model config runs the same train -> evaluate -> infer path; it has
+    no gates, so no regularisers, no tau calibration, and --routing is refused in one line."""
+    import yaml
+
+    from hsmla_med.engine.run import load_module
+    from hsmla_med.pipelines import btcv
+
+    overlay = tmp_path / "unet.yaml"
+    config = yaml.safe_load(tiny_yaml(tmp_path / "tiny.yaml").read_text())
+    config["model"] = {"monai": "UNet", "args": {"channels": [4, 8, 16], "strides": [2, 2], "num_res_units": 1}}
+    overlay.write_text(yaml.safe_dump(config))
+    run = tmp_path / "run"
+    argv = ["train", "--task", "btcv", "--data-dir", str(dataset), "--config", str(overlay), "--max-steps", "2", "--output", str(run)]
+    assert main(argv) == 0
+    module, _ = load_module(run / "last.ckpt", btcv.MODULE)
+    assert type(module.network).__name__ == "UNet"
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert 0.0 <= metrics["dice"] <= 1.0
+    assert main(["infer", "--task", "btcv", "--checkpoint", str(run / "last.ckpt"), "--input", str(dataset / "imagesTr"),
+                 "--output", str(tmp_path / "pred"), "--device", "cpu"]) == 0
+    preds = sorted((tmp_path / "pred").glob("*.nii.gz"))
+    assert len(preds) == 4 and nib.load(str(preds[0])).shape == nib.load(str(dataset / "imagesTr" / preds[0].name)).shape
+    line = _error(capsys, ["evaluate", "--task", "btcv", "--checkpoint", str(run / "last.ckpt"), "--data-dir", str(dataset),
+                           "--config", str(overlay), "--routing", "off", "--output", str(tmp_path / "ev")])
+    assert "--routing" in line and "UNet" in line
