@@ -57,6 +57,8 @@ NETWORKS = {
     "swinunetr": {"monai": "SwinUNETR", "args": {"feature_size": 24}},
     "hsmla-b0-unet-routing-off": {**_UNET, "attention": {"routing": "off"}},
     "hsmla-b0-unet-routing-all": {**_UNET, "attention": {"routing": "all"}},
+    # instance normalisation, as MONAI's UNet and SwinUNETR normalise
+    "hsmla-b0-unet-in": {**_UNET, "norm": "instance"},
     # HSMLA also at stride 8, where a 3-mm cortex is still a token or two wide
     "hsmla-b0-unet-s8": {**_UNET, "attention_strides": [8, 16, 32]},
     "hsmla-b0-unet-s8-routing-off": {**_UNET, "attention_strides": [8, 16, 32], "attention": {"routing": "off"}},

@@ -233,3 +233,19 @@ def test_channels_last_layout_gives_the_channel_first_result(spatial_dims, size)
         x = torch.randn(2, 2, *size)
         with torch.no_grad():
             torch.testing.assert_close(net(x), plain(x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("spatial_dims, size", [(2, (40, 36)), (3, (16, 20, 12))])
+def test_instance_norm_network_ignores_the_intensity_scale(spatial_dims, size):
+    """With ``norm="instance"`` every convolution path starts with a bias-free convolution followed
+    by instance normalisation, so scaling an image's intensities by a > 0 (a scanner's gain)
+    leaves the logits unchanged; the batch-normalised network is not invariant."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 1, *size)
+    inst = HSMLASegNet(spatial_dims, 1, 3, norm="instance", block=2).eval()
+    batch = HSMLASegNet(spatial_dims, 1, 3, norm="batch", block=2).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(inst(3.7 * x), inst(x), rtol=1e-3, atol=1e-3)
+        assert not torch.allclose(batch(3.7 * x), batch(x), rtol=1e-3, atol=1e-3)
+    with pytest.raises(ValueError, match="norm"):
+        HSMLASegNet(2, 1, 3, norm="group")

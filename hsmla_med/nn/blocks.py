@@ -9,7 +9,11 @@ from monai.networks.layers.factories import Conv, Norm
 
 from hsmla_med.nn.attention import HSMLA
 
-__all__ = ["ChannelLayerNorm", "ConvNormAct", "MBConv", "DSConv", "HSMLABlock"]
+__all__ = ["NORMS", "ChannelLayerNorm", "ConvNormAct", "MBConv", "DSConv", "HSMLABlock"]
+
+#: ``batch`` (EfficientViT's; folded into the convolution at inference) or ``instance`` (per image
+#: and channel, as MONAI's UNet and SwinUNETR normalise: insensitive to an image's intensity scale).
+NORMS = ("batch", "instance")
 
 
 class ChannelLayerNorm(nn.LayerNorm):
@@ -36,18 +40,21 @@ class ConvNormAct(nn.Sequential):
         stride: int = 1,
         groups: int = 1,
         act: bool = True,
+        norm: str = "batch",
     ) -> None:
+        if norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {norm!r}.")
         super().__init__(
             Conv[Conv.CONV, spatial_dims](
                 in_channels, out_channels, kernel_size, stride=stride, padding=kernel_size // 2, groups=groups, bias=False
             ),
-            Norm[Norm.BATCH, spatial_dims](out_channels),
+            Norm[Norm.BATCH, spatial_dims](out_channels) if norm == "batch" else Norm[Norm.INSTANCE, spatial_dims](out_channels, affine=True),
             nn.Hardswish(inplace=True) if act else nn.Identity(),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         conv, norm, act = self
-        if self.training:
+        if self.training or not isinstance(norm, nn.modules.batchnorm._BatchNorm):
             return act(norm(conv(x)))
         scale = norm.weight * torch.rsqrt(norm.running_var + norm.eps)
         weight = conv.weight * scale.view(-1, *[1] * (conv.weight.dim() - 1))
@@ -69,13 +76,15 @@ class _Residual(nn.Module):
 class MBConv(_Residual):
     """Inverted residual block: 1x1 expand, depthwise 3x3 (carries the stride), 1x1 project."""
 
-    def __init__(self, spatial_dims: int, in_channels: int, out_channels: int, stride: int = 1, expand_ratio: int = 4):
+    def __init__(
+        self, spatial_dims: int, in_channels: int, out_channels: int, stride: int = 1, expand_ratio: int = 4, norm: str = "batch"
+    ):
         mid = in_channels * expand_ratio
         super().__init__(
             nn.Sequential(
-                ConvNormAct(spatial_dims, in_channels, mid, 1),
-                ConvNormAct(spatial_dims, mid, mid, 3, stride=stride, groups=mid),
-                ConvNormAct(spatial_dims, mid, out_channels, 1, act=False),
+                ConvNormAct(spatial_dims, in_channels, mid, 1, norm=norm),
+                ConvNormAct(spatial_dims, mid, mid, 3, stride=stride, groups=mid, norm=norm),
+                ConvNormAct(spatial_dims, mid, out_channels, 1, act=False, norm=norm),
             ),
             residual=stride == 1 and in_channels == out_channels,
         )
@@ -84,11 +93,11 @@ class MBConv(_Residual):
 class DSConv(_Residual):
     """Depthwise-separable block of the stem: depthwise 3x3 then 1x1."""
 
-    def __init__(self, spatial_dims: int, channels: int):
+    def __init__(self, spatial_dims: int, channels: int, norm: str = "batch"):
         super().__init__(
             nn.Sequential(
-                ConvNormAct(spatial_dims, channels, channels, 3, groups=channels),
-                ConvNormAct(spatial_dims, channels, channels, 1, act=False),
+                ConvNormAct(spatial_dims, channels, channels, 3, groups=channels, norm=norm),
+                ConvNormAct(spatial_dims, channels, channels, 1, act=False, norm=norm),
             ),
             residual=True,
         )

@@ -138,21 +138,29 @@ class HSMLABackbone(nn.Module):
     """
 
     def __init__(
-        self, spatial_dims: int, in_channels: int, variant: Variant, attention_strides: Sequence[int] = (16, 32), **attention
+        self,
+        spatial_dims: int,
+        in_channels: int,
+        variant: Variant,
+        attention_strides: Sequence[int] = (16, 32),
+        norm: str = "batch",
+        **attention,
     ) -> None:
         super().__init__()
         w, d = variant.widths, variant.depths
         self.attention_strides = _attention_strides(attention_strides)
         attention.setdefault("head_dim", variant.head_dim)
-        stem = [ConvNormAct(spatial_dims, in_channels, w[0], 3, stride=2)]
-        stem += [DSConv(spatial_dims, w[0]) for _ in range(d[0])]
+        stem = [ConvNormAct(spatial_dims, in_channels, w[0], 3, stride=2, norm=norm)]
+        stem += [DSConv(spatial_dims, w[0], norm) for _ in range(d[0])]
         stages = [nn.Sequential(*stem)]
         for i in range(1, 5):
             if STRIDES[i] in self.attention_strides:
-                blocks = [MBConv(spatial_dims, w[i - 1], w[i], stride=2)]
+                blocks = [MBConv(spatial_dims, w[i - 1], w[i], stride=2, norm=norm)]
                 blocks += [HSMLABlock(spatial_dims, w[i], **attention) for _ in range(d[i])]
             else:
-                blocks = [MBConv(spatial_dims, w[i - 1] if j == 0 else w[i], w[i], 2 if j == 0 else 1) for j in range(d[i])]
+                blocks = [
+                    MBConv(spatial_dims, w[i - 1] if j == 0 else w[i], w[i], 2 if j == 0 else 1, norm=norm) for j in range(d[i])
+                ]
             stages.append(nn.Sequential(*blocks))
         self.stages = nn.ModuleList(stages)
 
@@ -178,20 +186,23 @@ class UNetDecoder(nn.Module):
         skip_widths: channels of the skips at strides 1, 2, 4, 8, 16.
         deep_width: channels of the stride-32 map.
         widths: decoder channels at strides 1, 2, 4, 8, 16.
+        norm: one of :data:`~hsmla_med.nn.blocks.NORMS`.
 
     ``forward(skips, deep)``: the five skips (finest first) and the stride-32 map -> the
     full-resolution map ``(batch, widths[0], *skips[0].shape[2:])``.
     """
 
-    def __init__(self, spatial_dims: int, skip_widths: Sequence[int], deep_width: int, widths: Sequence[int]) -> None:
+    def __init__(
+        self, spatial_dims: int, skip_widths: Sequence[int], deep_width: int, widths: Sequence[int], norm: str = "batch"
+    ) -> None:
         super().__init__()
         if len(skip_widths) != len(widths):
             raise ValueError(f"skip_widths and widths must have the same length, got {len(skip_widths)} and {len(widths)}.")
         coarser = [*widths[1:], deep_width]
-        self.up = nn.ModuleList(ConvNormAct(spatial_dims, c, w, 1, act=False) for c, w in zip(coarser, widths))
-        self.skip = nn.ModuleList(ConvNormAct(spatial_dims, c, w, 1, act=False) for c, w in zip(skip_widths, widths))
+        self.up = nn.ModuleList(ConvNormAct(spatial_dims, c, w, 1, act=False, norm=norm) for c, w in zip(coarser, widths))
+        self.skip = nn.ModuleList(ConvNormAct(spatial_dims, c, w, 1, act=False, norm=norm) for c, w in zip(skip_widths, widths))
         self.refine = nn.ModuleList(
-            nn.Sequential(ConvNormAct(spatial_dims, w, w, 3), DSConv(spatial_dims, w)) for w in widths
+            nn.Sequential(ConvNormAct(spatial_dims, w, w, 3, norm=norm), DSConv(spatial_dims, w, norm)) for w in widths
         )
         self._mode = "bilinear" if spatial_dims == 2 else "trilinear"
 
@@ -230,6 +241,8 @@ class HSMLASegNet(GatedNetwork):
         head_stride: stride of the fused map of the ``fpn`` decoder, 8 (the paper, the default)
             or 4; refused with the ``unet`` decoder.
         attention_strides: backbone strides whose stages hold HSMLA blocks (default 16 and 32).
+        norm: normalisation of the convolutions, ``"batch"`` (default, folded into the
+            convolutions at inference) or ``"instance"`` (see :data:`~hsmla_med.nn.blocks.NORMS`).
         **attention: keyword arguments for every :class:`~hsmla_med.nn.HSMLA` layer
             (``window``, ``block``, ``tau``, ``rho``, ``scales``, ``routing``, ``backend``...).
 
@@ -245,6 +258,7 @@ class HSMLASegNet(GatedNetwork):
         decoder: str = "unet",
         head_stride: int | None = None,
         attention_strides: Sequence[int] = (16, 32),
+        norm: str = "batch",
         **attention,
     ) -> None:
         super().__init__()
@@ -259,20 +273,22 @@ class HSMLASegNet(GatedNetwork):
         cfg = _variant(variant)
         self.spatial_dims, self.in_channels, self.out_channels, self.variant = spatial_dims, in_channels, out_channels, variant
         self.decoder_kind = decoder
-        self.backbone = HSMLABackbone(spatial_dims, in_channels, cfg, attention_strides, **attention)
+        self.backbone = HSMLABackbone(spatial_dims, in_channels, cfg, attention_strides, norm, **attention)
         conv = Conv[Conv.CONV, spatial_dims]
         self._mode = "bilinear" if spatial_dims == 2 else "trilinear"
         if decoder == "unet":
             width = cfg.decoder_widths[0]
-            self.full_res = ConvNormAct(spatial_dims, in_channels, width, 3)
-            self.decoder = UNetDecoder(spatial_dims, (width, *cfg.widths[:4]), cfg.widths[4], cfg.decoder_widths)
+            self.full_res = ConvNormAct(spatial_dims, in_channels, width, 3, norm=norm)
+            self.decoder = UNetDecoder(spatial_dims, (width, *cfg.widths[:4]), cfg.widths[4], cfg.decoder_widths, norm)
             self.classify = conv(width, out_channels, 1)
         else:
             self._first = _HEAD_STAGES[head_stride]
             self.lateral = nn.ModuleList(
-                ConvNormAct(spatial_dims, width, cfg.head_width, 1, act=False) for width in cfg.widths[self._first :]
+                ConvNormAct(spatial_dims, width, cfg.head_width, 1, act=False, norm=norm) for width in cfg.widths[self._first :]
             )
-            self.fuse = nn.Sequential(*(MBConv(spatial_dims, cfg.head_width, cfg.head_width) for _ in range(cfg.head_depth)))
+            self.fuse = nn.Sequential(
+                *(MBConv(spatial_dims, cfg.head_width, cfg.head_width, norm=norm) for _ in range(cfg.head_depth))
+            )
             self.classify = conv(cfg.head_width, out_channels, 1)
         self._channels_last()
 
