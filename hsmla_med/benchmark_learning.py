@@ -11,8 +11,9 @@ run's ``config.yaml`` to its final ``last.ckpt``, read from the files' clocks: d
 training, without imports and the final validation) and inference per volume as ``infer``
 reports it (without imports and model loading).
 
-``NETWORKS`` run with seed 0; ``ROUTING_ABLATION`` (HSMLA-B0-UNet trained with routing
-gate, off and all) with ``--seeds`` seeds, summarised as mean and sd. Every run leaves
+``NETWORKS`` run with seed 0; those in ``SEEDED`` (``ROUTING_ABLATION``, HSMLA-B0-UNet trained
+with routing gate, off and all; the best HSMLA network; UNet) with ``--seeds`` seeds, summarised
+as mean and sd. Every run leaves
 ``OUT/<network>/seed<S>/result.json``; a run whose JSON holds the same settings (config overlay,
 steps, slab thickness) is not run again, so an interrupted benchmark resumes; rows keep the
 commit they ran at. Writes ``learning.csv`` (one row per run), ``learning_summary.csv`` (mean and
@@ -45,7 +46,7 @@ from hsmla_med.errors import ConfigError
 from hsmla_med.io import atomic_path, write_json, write_yaml
 from hsmla_med.metrics import case_scores, summarize
 
-__all__ = ["NETWORKS", "ROUTING_ABLATION", "overlay", "scores", "summary_rows", "bench_learning", "add_arguments", "run"]
+__all__ = ["NETWORKS", "ROUTING_ABLATION", "SEEDED", "overlay", "scores", "summary_rows", "bench_learning", "add_arguments", "run"]
 
 _UNET = {"variant": "b0", "decoder": "unet"}
 # name -> the train config's `model` mapping (hsmla_med.config.build_network)
@@ -69,6 +70,8 @@ ROUTING_ABLATION = (
     "hsmla-b0-unet", "hsmla-b0-unet-routing-off", "hsmla-b0-unet-routing-all",
     "hsmla-b0-unet-s8", "hsmla-b0-unet-s8-routing-off", "hsmla-b0-unet-s8-routing-all",
 )
+# the comparison the issue's targets name, seed to seed: the best HSMLA network against UNet
+SEEDED = (*ROUTING_ABLATION, "hsmla-b0-unet-in", "unet")
 INTENSITY = "zscore_foreground"  # Otsu foreground: the perturbed copy has Rician noise, no zero background
 CLASSES = [name for key, name in sorted(LABELS.items()) if key != "0"]
 SPLITS = {"": "validation", "perturbed_": "perturbed"}  # column prefix -> dataset.json list
@@ -257,7 +260,7 @@ def bench_learning(out: Path, steps: int = 400, seeds: int = 3, networks: list[s
     setup = Setup(data, meta, _eval_inputs(data, meta, out / "eval_inputs"), steps, roi, crops, machine()["commit"])
     rows = []
     for name in networks:
-        for seed in range(seeds if name in ROUTING_ABLATION else 1):
+        for seed in range(seeds if name in SEEDED else 1):
             folder = out / name / f"seed{seed}"
             row = _finished(folder, setup.settings(name))
             if row is not None:
