@@ -3,7 +3,7 @@ softmax attention, side by side in one run.
 
 Models (batch 1, 1 -> 14 channels, default 512x512): HSMLA-B0/B1/B2 (full-resolution U-shaped
 decoder) with tau calibrated to alpha = 0.3, HSMLA-B2 with the refinement off, with alpha forced
-to 1 and with the paper's stride-8 head, SegFormer-B0/B2 (Hugging Face ``transformers``, random
+to 1, with the paper's stride-8 head and with instance normalisation, SegFormer-B0/B2 (Hugging Face ``transformers``, random
 weights from a config, no downloads), MONAI's SwinUNETR in 2D (feature_size 48) and MONAI's
 UNet (16..256 channels, 2 residual units). Reports parameters, median latency after warm-up and the
 ratio to SegFormer-B2.
@@ -102,6 +102,7 @@ def build_models(sample: torch.Tensor) -> dict[str, callable]:
         "HSMLA-B2 (refinement off)": lambda: _hsmla("b2", "off", sample),
         "HSMLA-B2 (alpha = 1)": lambda: _hsmla("b2", "all", sample),
         "HSMLA-B2 (paper head, stride 8)": lambda: _hsmla("b2", "gate", sample, decoder="fpn", head_stride=8),
+        "HSMLA-B2 (instance norm)": lambda: _hsmla("b2", "gate", sample, norm="instance"),
         "SegFormer-B0": lambda: _SegFormer([32, 64, 160, 256], [2, 2, 2, 2], 256),
         "SegFormer-B2": lambda: _SegFormer([64, 128, 320, 512], [3, 4, 6, 3], 768),
         "SwinUNETR-2D": lambda: SwinUNETR(in_channels=1, out_channels=OUT_CHANNELS, feature_size=48, spatial_dims=2),
