@@ -50,6 +50,7 @@ __all__ = ["datalist", "preprocessing", "crop_and_augment", "transforms", "datam
 log = logging.getLogger("hsmla_med")
 MODULE = SegmentationModule
 MODES = {"2d": 2, "3d": 3}
+MRI_KINDS = ("zscore", "zscore_foreground")  # data.intensity kinds that give tissue negative values
 OTSU_MARGIN = 2  # voxels around the Otsu foreground that the crop keeps
 
 
@@ -133,7 +134,7 @@ def crop_and_augment(config: dict) -> list:
             keys, "label", spatial_size=crop, pos=pos, neg=neg, num_samples=config["data"]["samples_per_case"],
             # a CT window maps air to 0: background crops centre on body voxels. A z-scored MRI
             # has negative tissue voxels, so there any background voxel may be a centre.
-            image_key="image" if config["data"]["intensity"]["kind"] == "ct_window" else None, image_threshold=0
+            image_key=None if config["data"].get("intensity", {}).get("kind") in MRI_KINDS else "image", image_threshold=0
         ),
     ]
     if dims == 2:

@@ -242,7 +242,8 @@ class HSMLASegNet(GatedNetwork):
             or 4; refused with the ``unet`` decoder.
         attention_strides: backbone strides whose stages hold HSMLA blocks (default 16 and 32).
         norm: normalisation of the convolutions, ``"batch"`` (default, folded into the
-            convolutions at inference) or ``"instance"`` (see :data:`~hsmla_med.nn.blocks.NORMS`).
+            convolutions at inference) or ``"instance"`` (see :data:`~hsmla_med.nn.blocks.NORMS`;
+            the stride-32 map must then hold more than one element: inputs over 32 along an axis).
         **attention: keyword arguments for every :class:`~hsmla_med.nn.HSMLA` layer
             (``window``, ``block``, ``tau``, ``rho``, ``scales``, ``routing``, ``backend``...).
 
