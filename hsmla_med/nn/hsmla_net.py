@@ -39,7 +39,7 @@ class Variant:
 VARIANTS: dict[str, Variant] = {
     "b0": Variant((8, 16, 32, 64, 128), (1, 2, 2, 2, 2), 16, 32, 1, decoder_widths=(16, 16, 16, 32, 64)),
     "b1": Variant((16, 32, 64, 128, 256), (1, 2, 3, 3, 4), 16, 64, 3, decoder_widths=(16, 16, 32, 64, 128)),
-    "b2": Variant((24, 48, 96, 192, 384), (1, 3, 4, 4, 6), 32, 96, 3, decoder_widths=(24, 24, 48, 96, 192)),
+    "b2": Variant((24, 48, 96, 192, 384), (1, 3, 4, 4, 6), 32, 96, 3, decoder_widths=(16, 16, 48, 96, 192)),
 }
 #: ``unet``: skip connections from every stage and a full-resolution level; ``fpn``: the paper's
 #: head, stage outputs fused at stride 8 (or 4) and the logits upsampled.
