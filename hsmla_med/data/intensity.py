@@ -8,6 +8,8 @@ of an MRI volume independent of what its background holds (noise, a bias field, 
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import math
 from collections.abc import Hashable, Mapping, Sequence
 
@@ -57,9 +59,9 @@ class _ForegroundNormalised(MapTransform):
     to every voxel. MONAI's intensity transforms take their statistics from the whole image or
     from ``x != 0``; none finds the foreground mask itself, hence these transforms."""
 
+    @abstractmethod
     def statistics(self, values: np.ndarray) -> tuple[float, float, float, float]:
         """``low, high, offset, scale`` from a channel's foreground values."""
-        raise NotImplementedError
 
     def __call__(self, data: Mapping[Hashable, NdarrayOrTensor]) -> dict:
         d = dict(data)

@@ -451,7 +451,7 @@ def dense_refine(
     maps where HSMLA layers sit (6 x 6 tokens at stride 16 of a 96-pixel crop): four batched
     matrix products, a softmax and a mask, whose backward autograd derives. The tile schedule
     needs gathers, scatters and per-chunk loops (which sparse inference needs and dense training
-    does not), and on such maps it took 10x longer forward and backward (docs/benchmarks.md).
+    does not), and on such maps it took 4-6x longer forward and backward (docs/benchmarks.md).
     Work and memory grow with ``N**2``: :func:`dense_fits` says when to use it.
 
     Args:
