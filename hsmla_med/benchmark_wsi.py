@@ -83,7 +83,7 @@ def bench_wsi(patch: int = 256, batch: int = 32, rounds: int = 2) -> list[dict]:
             root = generate_camelyon16(tmp / f"{w}x{h}", num_normal=0, num_tumor=1, num_test=0, size=(w, h), seed=1)
             slide = next((root / "training" / "tumor").glob("*.tif"))
             # the patch grid (tissue mask) is computed once here, not inside the timed runs
-            camelyon16.slide_patches({"slide": str(slide), "annotation": None, "label": 0}, {"data": _data_config(tmp / "cache", patch)})
+            camelyon16.slide_patches({"slide": str(slide), "annotation": None, "label": 0}, _data_config(tmp / "cache", patch))
             slides.append((f"{w}x{h}", slide))
         best: dict[tuple[str, str], dict] = {}
         for _ in range(rounds):

@@ -15,7 +15,7 @@ import time
 import warnings
 from pathlib import Path
 
-from hsmla_med.pipelines import TASKS
+from hsmla_med.pipelines import TASKS, get_task
 
 __all__ = ["main", "build_parser"]
 
@@ -74,13 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="random seed (config: seed)")
     _add_trainer_options(p)
 
-    p = sub.add_parser("infer", help="run a checkpoint on new inputs", description="Sliding-window inference. btcv: OUTPUT/<case>.nii.gz with each input's shape and affine; endovis: one PNG mask per frame; luna16: OUTPUT/submission.csv (seriesuid,coordX,coordY,coordZ,probability). camelyon16: see wsi-heatmap.")
+    tasks = {name: get_task(name) for name in TASKS}
+    p = sub.add_parser("infer", help="run a checkpoint on new inputs", description="Run a checkpoint on new inputs. " + "; ".join(f"{n}: {t.outputs}" for n, t in tasks.items()) + ".")
     _add_task_options(p, data=False)
     p.add_argument("--checkpoint", required=True, help="a checkpoint written by train (best.ckpt or last.ckpt)")
-    p.add_argument("--input", required=True, help="a file or a folder: NIfTI volumes (btcv), PNG frames (endovis), MetaImage .mhd scans (luna16)")
-    p.add_argument("--output", required=True, help="folder for the predicted label maps")
+    p.add_argument("--input", required=True, help="a file or a folder: " + "; ".join(f"{t.inputs} ({n})" for n, t in tasks.items()))
+    p.add_argument("--output", required=True, help="folder for the predictions")
     p.add_argument("--tta", action="store_true", help="mirroring test-time augmentation")
-    p.add_argument("--overlap", type=float, help="sliding-window overlap (default: the checkpoint's, 0.5)")
+    p.add_argument("--overlap", type=float, help="sliding-window overlap in [0, 1) (default: the checkpoint's, 0.5)")
+    p.add_argument("--crop", choices=["auto", "none"], default="auto", help="endovis: auto crops frames of the challenge's raw size as in training and uses other sizes whole; none never crops")
     p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto")
 
     p = sub.add_parser("evaluate", help="metrics of a checkpoint on a dataset's validation cases", description="Dice and HD95 of a checkpoint on the validation cases; writes OUTPUT/metrics.json.")
@@ -111,13 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config(args) -> dict:
-    from hsmla_med.config import load_yaml, merge_config, task_config
-    from hsmla_med.pipelines import get_task
+    from hsmla_med.config import load_yaml, merge_config, task_config, validate_config
 
     get_task(args.task)  # unknown task: a clear error before anything else
     config = task_config(args.task)
     if getattr(args, "config", None):
-        config = merge_config(config, load_yaml(args.config), source=args.config)
+        config = validate_config(merge_config(config, load_yaml(args.config), source=args.config), args.config)
     if getattr(args, "data_dir", None):
         config["data"]["data_dir"] = args.data_dir
     for key in ("model", "mode", "seed", "output"):
@@ -132,7 +133,7 @@ def _config(args) -> dict:
         value = getattr(args, key, None)
         if value is not None:
             trainer[key] = int(value) if key == "devices" and str(value).isdigit() else value
-    return config
+    return validate_config(config, source="command-line options")
 
 
 def _train(config: dict, resume: bool = False) -> dict:
@@ -141,99 +142,119 @@ def _train(config: dict, resume: bool = False) -> dict:
     from hsmla_med.config import model_config
     from hsmla_med.engine.run import fit
     from hsmla_med.io import write_yaml
-    from hsmla_med.pipelines import get_task
 
     task = get_task(config["task"])
-    output = Path(config["output"])
+    output = _writable_folder(config["output"], "--output")
     L.seed_everything(config["seed"], workers=True, verbose=False)
     cases = task.datalist(config)
-    log.info("%s: %d training / %d validation cases, %d labels", config["task"], len(cases.training), len(cases.validation), cases.num_classes)
-    module = task.MODULE(task.module_config(config, model_config(config["model"]), cases.label_names))
+    log.info("%s: %d training / %d validation cases, %d labels", task.name, len(cases.training), len(cases.validation), cases.num_classes)
+    module = task.build_module(config, model_config(config["model"]), cases)
     write_yaml(output / "config.yaml", config)
     summary = fit(module, task.datamodule(config, cases), output, config["trainer"], resume=resume)
-    _print_summary(summary, output)
+    _print_summary(task, summary, output)
     return summary
 
 
-def _print_summary(summary: dict | None, output: Path) -> None:
+def _print_summary(task, summary: dict | None, output: Path) -> None:
     if summary is None:
         return
-    fmt = lambda v: "n/a" if v is None else f"{v:.4g}"  # noqa: E731
-    scalars = [f"{k} {fmt(v)}" for k, v in summary.items() if not isinstance(v, dict) and k != "cases"]
-    print(f"\n{'   '.join(scalars)}   ({summary.get('cases')} validation items)")
-    per_class = [k for k in ("dice", "hd95", "iou") if f"{k}_per_class" in summary]
-    titles = {"dice": "Dice", "hd95": "HD95", "iou": "IoU"}
-    for name in summary[f"{per_class[0]}_per_class"] if per_class else []:
-        print(f"  {name:<26} " + "   ".join(f"{titles[k]} {fmt(summary[f'{k}_per_class'][name])}" for k in per_class))
+    print("\n" + "\n".join(task.summary_lines(summary)))
     print(f"metrics: {output / 'metrics.json'}")
 
 
 def _device(name: str) -> str:
+    """The torch device of ``--device``: ``auto`` is CUDA when there is one."""
     import torch
+
+    from hsmla_med.errors import InputError
 
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise InputError(f"--device {name!r}: not a device; use cpu, cuda, cuda:N or auto") from None
+    if device.type not in ("cpu", "cuda"):
+        raise InputError(f"--device {name!r}: use cpu, cuda, cuda:N or auto")
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise InputError(f"--device {name}: no such CUDA device on this machine ({torch.cuda.device_count()} found); use --device cpu")
     return name
 
 
-def _infer(args) -> list[Path]:
-    from hsmla_med.engine.run import load_module
-    from hsmla_med.pipelines import get_task
+def _writable_folder(path: str | Path, option: str) -> Path:
+    """``path`` as a folder that exists and can be written, checked before any work is done."""
+    import os
 
+    from hsmla_med.errors import InputError
+
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise InputError(f"{option} {path}: exists and is not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise InputError(f"{option} {path}: cannot create the folder ({err.strerror})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise InputError(f"{option} {path}: folder is not writable")
+    return path
+
+
+def _options(args, **extra):
+    from hsmla_med.pipelines.task import InferenceOptions
+
+    return InferenceOptions(device=_device(args.device), tta=getattr(args, "tta", False), overlap=getattr(args, "overlap", None), **extra)
+
+
+def _infer(args) -> list[Path]:
     task = get_task(args.task)
-    module, _ = load_module(args.checkpoint, task.MODULE)
-    if args.overlap is not None:
-        module.config["inference"]["overlap"] = args.overlap
+    options = _options(args, crop=args.crop)
+    output = _writable_folder(args.output, "--output")
+    module, _ = task.load(args.checkpoint)
     started = time.perf_counter()
-    written = task.infer(module, args.input, args.output, tta=args.tta, device=_device(args.device))
-    print(f"wrote {len(written)} file(s) into {args.output} in {time.perf_counter() - started:.1f} s: "
+    written = task.predict(module, args.input, output, options)
+    print(f"wrote {len(written)} file(s) into {output} in {time.perf_counter() - started:.1f} s: "
           + ", ".join(p.name for p in written[:3]) + (", ..." if len(written) > 3 else ""))
     return written
 
 
 def _wsi_heatmap(args) -> list[Path]:
-    from hsmla_med.engine.run import load_module
-    from hsmla_med.pipelines import camelyon16
-
-    module, _ = load_module(args.checkpoint, camelyon16.MODULE)
-    if args.level is not None:
-        module.config["data"].update(level=args.level, mpp=None)
-    written = camelyon16.infer(module, args.slide, args.output, device=_device(args.device), batch_size=args.batch_size)
-    print(f"heatmaps of {len(written)} slide(s) in {args.output}")
+    task = get_task("camelyon16")
+    options = _options(args, batch_size=args.batch_size, level=args.level)
+    output = _writable_folder(args.output, "--output")
+    module, _ = task.load(args.checkpoint)
+    written = task.predict(module, args.slide, output, options)
+    print(f"heatmaps of {len(written)} slide(s) in {output}")
     return written
 
 
 def _evaluate(args) -> dict:
-    from hsmla_med.engine.run import evaluate, load_module
+    from hsmla_med.engine.run import evaluate
     from hsmla_med.errors import InputError
     from hsmla_med.io import write_json
-    from hsmla_med.pipelines import get_task
 
-    config = _config(args)
     task = get_task(args.task)
-    module, meta = load_module(args.checkpoint, task.MODULE)
-    module.config["inference"]["tta"] = args.tta
+    output = _writable_folder(args.output, "--output")
+    module, meta = task.load(args.checkpoint, tta=args.tta)
     if args.routing:
         if not hasattr(module.network, "set_routing"):
             raise InputError(f"--routing: {args.checkpoint} holds a {type(module.network).__name__}, which has no HSMLA layers")
         module.network.set_routing(args.routing)
-    # the data must be prepared exactly as for this checkpoint's training
-    config["data"].update(module.config["data"])
-    config["mode"] = {2: "2d", 3: "3d"}[module.config["spatial_dims"]]
+    config = task.evaluation_config(_config(args), module)
     cases = task.datalist(config)
-    summary = evaluate(module, task.datamodule(config, cases), config["trainer"], args.output)
-    output = Path(args.output)
+    if cases.label_names != module.label_names:
+        raise InputError(f"--checkpoint {args.checkpoint} predicts {len(module.label_names)} classes {module.label_names}, "
+                         f"the dataset has {len(cases.label_names)} {cases.label_names}")
+    summary = evaluate(module, task.datamodule(config, cases), config["trainer"], output)
     write_json(output / "metrics.json", {**summary, **meta, "checkpoint": str(args.checkpoint), "routing": args.routing or "gate"})
-    _print_summary(summary, output)
+    _print_summary(task, summary, output)
     return summary
 
 
 def _demo(args) -> int:
     from importlib import resources
 
-    from hsmla_med.config import load_yaml, merge_config, task_config
-    from hsmla_med.engine.run import load_module
-    from hsmla_med.pipelines import get_task
+    from hsmla_med.config import load_yaml, merge_config, task_config, validate_config
+    from hsmla_med.pipelines.task import InferenceOptions
 
     tasks = list(TASKS) if args.task == "all" else [args.task]
     report = []
@@ -247,11 +268,11 @@ def _demo(args) -> int:
         config["output"] = str(output)
         if args.max_steps:
             config["trainer"]["max_steps"] = args.max_steps
-        summary = _train(config)
+        summary = _train(validate_config(config, args.config or f"{name}_demo.yaml"))
         task = get_task(name)
         cases = task.datalist(config)
-        module, _ = load_module(output / "best.ckpt", task.MODULE)
-        written = [p for item in task.held_out(cases) for p in task.infer(module, item, output / "predictions")]
+        module, _ = task.load(output / "best.ckpt")
+        written = [p for item in task.held_out(cases) for p in task.predict(module, item, output / "predictions", InferenceOptions())]
         metric = module.monitor
         report.append(
             f"{name}: {metric} {summary[metric]:.4f} on {summary['cases']} held-out synthetic items, "

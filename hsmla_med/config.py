@@ -12,7 +12,7 @@ from torch import nn
 from hsmla_med.errors import ConfigError
 from hsmla_med.nn import HSMLA, VARIANTS, HSMLAClassifier, HSMLASegNet
 
-__all__ = ["ConfigError", "load_yaml", "model_config", "build_network", "task_config", "merge_config"]
+__all__ = ["ConfigError", "load_yaml", "model_config", "build_network", "task_config", "merge_config", "validate_config"]
 
 
 def load_yaml(path: str | Path) -> dict:
@@ -123,26 +123,177 @@ def _monai_network(config: dict, spatial_dims: int, in_channels: int, out_channe
 
 
 def task_config(task: str) -> dict:
-    """The packaged default config of a task (``configs/<task>.yaml``)."""
+    """The packaged default config of a task: ``configs/<task>.yaml`` merged over
+    ``configs/common.yaml`` (the sections every task shares, defined once there); the task's
+    file may add keys of its own."""
     path = resources.files("hsmla_med.configs") / f"{task}.yaml"
     if not path.is_file():
         raise ConfigError(f"no packaged config for task {task!r}")
-    return load_yaml(path)
+    common = load_yaml(resources.files("hsmla_med.configs") / "common.yaml")
+    return merge_config(common, load_yaml(path), f"{task}.yaml", allow_new=True)
 
 
-def merge_config(base: dict, override: dict, source: str = "override", _prefix: str = "") -> dict:
+def merge_config(base: dict, override: dict, source: str = "override", _prefix: str = "", allow_new: bool = False) -> dict:
     """``override`` merged over ``base`` (recursively, new dict). Keys that ``base`` lacks are
     refused with a :class:`ConfigError` naming ``source`` and the dotted key, so that a typo in a
-    user's YAML is an error rather than a silently ignored setting."""
+    user's YAML is an error rather than a silently ignored setting (``allow_new``: added, for
+    the packaged task files over the common one)."""
     merged = dict(base)
     for key, value in override.items():
         name = f"{_prefix}{key}"
         if key not in base:
+            if allow_new:
+                merged[key] = value
+                continue
             raise ConfigError(f"{source}: unknown config key {name!r}; known here: {sorted(base)}")
         if isinstance(base[key], dict) and base[key] and isinstance(value, dict):
-            merged[key] = merge_config(base[key], value, source, f"{name}.")
+            merged[key] = merge_config(base[key], value, source, f"{name}.", allow_new)
         elif isinstance(base[key], dict) and base[key] and value is not None:
             raise ConfigError(f"{source}: {name!r} must be a mapping, got {type(value).__name__}")
         else:
             merged[key] = value
     return merged
+
+
+# -- validation ------------------------------------------------------------------------------
+# Types come from the packaged defaults (a value must have its default's type: a number, a
+# flag, a string, a list of as many numbers); this table adds ranges and choices, and the
+# types of keys whose default is null.
+
+
+def _number(low=None, high=None, integer=False, low_open=False, high_open=False, nullable=False):
+    def check(value, key):
+        if value is None and nullable:
+            return
+        kinds = (int,) if integer else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise ConfigError(f"{key} must be {'an integer' if integer else 'a number'}{' or null' if nullable else ''}, got {value!r}")
+        if low is not None and (value < low or (low_open and value == low)):
+            raise ConfigError(f"{key} must be {'>' if low_open else '>='} {low}, got {value!r}")
+        if high is not None and (value > high or (high_open and value == high)):
+            raise ConfigError(f"{key} must be {'<' if high_open else '<='} {high}, got {value!r}")
+    return check
+
+
+def _choice(*options):
+    def check(value, key):
+        if value not in options:
+            raise ConfigError(f"{key} must be one of {', '.join(map(str, options))}, got {value!r}")
+    return check
+
+
+def _devices(value, key):
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return
+    if isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        return
+    if isinstance(value, str) and all(part.strip().isdigit() for part in value.split(",")):
+        return
+    raise ConfigError(f"{key} must be a positive number of devices, a list of device indices (0,1) or auto, got {value!r}")
+
+
+def _accelerator(value, key):
+    _choice("auto", "cpu", "gpu", "cuda")(value, key)
+    if value in ("gpu", "cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{key} {value}: this machine has no CUDA GPU; use cpu or auto")
+
+
+def _string(value, key):
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{key} must be a non-empty string, got {value!r}")
+
+
+_CHECKS = {
+    "task": _string,
+    "mode": _choice("2d", "3d"),
+    "seed": _number(0, integer=True),
+    "output": _string,
+    "optim.lr": _number(0, low_open=True),
+    "optim.weight_decay": _number(0),
+    "optim.warmup_steps": _number(0, integer=True),
+    "loss.lambda_budget": _number(0),
+    "loss.lambda_smoothness": _number(0),
+    "inference.target_alpha": _number(0, 1, nullable=True),
+    "inference.overlap": _number(0, 1, high_open=True),
+    "inference.sw_batch_size": _number(1, integer=True),
+    "inference.slab": _number(1, integer=True),
+    "inference.batch_size": _number(1, integer=True),
+    "trainer.max_steps": _number(1, integer=True, nullable=True),
+    "trainer.max_epochs": _number(1, integer=True, nullable=True),
+    "trainer.check_val_every_n_epoch": _number(1, integer=True),
+    "trainer.log_every_n_steps": _number(1, integer=True),
+    "trainer.gradient_clip_val": _number(0, low_open=True, nullable=True),
+    "trainer.accelerator": _accelerator,
+    "trainer.devices": _devices,
+    "trainer.num_nodes": _number(1, integer=True),
+    "trainer.strategy": _string,
+    "trainer.precision": _choice("auto", "32-true", "32", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true"),
+    "data.validation_fraction": _number(0, 1, low_open=True, high_open=True),
+    "data.batch_size": _number(1, integer=True),
+    "data.num_workers": _number(0, integer=True),
+    "data.cache_rate": _number(0, 1),
+    "data.samples_per_case": _number(1, integer=True),
+    "data.samples_per_epoch": _number(1, integer=True),
+    "data.patch_size": _number(1, integer=True),
+    "data.stride": _number(1, integer=True),
+    "data.level": _number(0, integer=True),
+    "data.mpp": _number(0, low_open=True, nullable=True),
+}
+
+
+def _same_type(value, default, key: str) -> None:
+    """``value`` has the type of the packaged ``default`` (numbers: int or float alike)."""
+    def kind(v):
+        if isinstance(v, bool):
+            return "true or false"
+        if isinstance(v, (int, float)):
+            return "a number"
+        if isinstance(v, str):
+            return "a string"
+        if isinstance(v, list):
+            return "a list"
+        return type(v).__name__
+
+    if default is None or value is None and not isinstance(default, (list, dict)):
+        return
+    if kind(value) != kind(default):
+        raise ConfigError(f"{key} must be {kind(default)} like its default {default!r}, got {value!r}")
+    if isinstance(default, list) and default and all(isinstance(d, (int, float)) and not isinstance(d, bool) for d in default):
+        if len(value) != len(default) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            raise ConfigError(f"{key} must be a list of {len(default)} numbers like its default {default}, got {value!r}")
+        if any(v <= 0 for v in value) and all(d > 0 for d in default):
+            raise ConfigError(f"{key} must hold positive numbers, got {value!r}")
+
+
+def validate_config(config: dict, source: str = "config") -> dict:
+    """Check every value of a merged task config against the task's packaged defaults (types)
+    and the range table above; one :class:`ConfigError` naming ``source`` and the dotted key.
+    Returns ``config``. The ``model`` section is checked when the network is built."""
+    defaults = task_config(config.get("task", ""))
+
+    def walk(values: dict, reference: dict, prefix: str) -> None:
+        for key, value in values.items():
+            name = f"{prefix}{key}"
+            if name == "model":
+                continue
+            default = reference.get(key)
+            if isinstance(default, dict) and default:
+                if not isinstance(value, dict):
+                    raise ConfigError(f"{source}: {name} must be a mapping, got {value!r}")
+                walk(value, default, f"{name}.")
+                continue
+            try:
+                _same_type(value, default, name)
+                if name in _CHECKS:
+                    _CHECKS[name](value, name)
+            except ConfigError as err:
+                raise ConfigError(f"{source}: {err}") from None
+
+    walk(config, defaults, "")
+    trainer = config["trainer"]
+    if trainer.get("max_steps") is None and trainer.get("max_epochs") is None:
+        raise ConfigError(f"{source}: trainer.max_steps or trainer.max_epochs must be set")
+    return config

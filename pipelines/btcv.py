@@ -24,40 +24,27 @@ from monai.transforms import (
     Invertd,
     NormalizeIntensityd,
     Orientationd,
-    RandCropByPosNegLabeld,
-    RandFlipd,
-    RandRotate90d,
-    RandShiftIntensityd,
     ScaleIntensityRanged,
     Spacingd,
-    SpatialPadd,
-    SqueezeDimd,
 )
 
 from hsmla_med.data.checks import CheckCased, LoadCased
 from hsmla_med.data.datalist import Datalist, case_name, load_datalist, read_header
-from hsmla_med.data.intensity import ForegroundPercentiled, ForegroundZScored, intensity_augmentations, otsu_foreground
+from hsmla_med.data.intensity import ForegroundPercentiled, ForegroundZScored, otsu_foreground
 from hsmla_med.data.synthetic_btcv import generate_btcv
+from hsmla_med.data.volume_crops import crop_and_augment, roi_size, spatial_dims
 from hsmla_med.engine.base import hparams
 from hsmla_med.engine.datamodule import CaseDataModule
 from hsmla_med.engine.segmentation import SegmentationModule
 from hsmla_med.errors import ConfigError, DataError
 from hsmla_med.inference.sliding import predict_volume
 from hsmla_med.io import atomic_path
+from hsmla_med.pipelines.task import InferenceOptions, Task
 
-__all__ = ["datalist", "preprocessing", "crop_and_augment", "transforms", "datamodule", "module_config", "held_out", "infer", "MODULE"]
+__all__ = ["TASK", "datalist", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer"]
 
 log = logging.getLogger("hsmla_med")
-MODULE = SegmentationModule
-MODES = {"2d": 2, "3d": 3}
-MRI_KINDS = ("zscore", "zscore_foreground")  # data.intensity kinds that give tissue negative values
 OTSU_MARGIN = 2  # voxels around the Otsu foreground that the crop keeps
-
-
-def spatial_dims(config: dict) -> int:
-    if config["mode"] not in MODES:
-        raise ConfigError(f"mode must be one of {sorted(MODES)}, got {config['mode']!r}")
-    return MODES[config["mode"]]
 
 
 def datalist(config: dict) -> Datalist:
@@ -73,11 +60,11 @@ def datalist(config: dict) -> Datalist:
     return load_datalist(root, seed=config["seed"])
 
 
-def _intensity(config: dict, keys: list[str]) -> tuple[CropForegroundd, Callable]:
+def _intensity(data: dict, keys: list[str]) -> tuple[CropForegroundd, Callable]:
     """The foreground crop, on the raw (resampled) intensities, and the normalisation of
     ``data.intensity``. The crop comes first because a normalised image has no fixed background
     value: after a z-score, MONAI's default ``x > 0`` would keep only the above-mean voxels."""
-    spec = config["data"]["intensity"]
+    spec = data["intensity"]
     kind = spec["kind"]
     crop = partial(CropForegroundd, keys, source_key="image", allow_smaller=True)
     if kind == "ct_window":
@@ -96,61 +83,27 @@ def _intensity(config: dict, keys: list[str]) -> tuple[CropForegroundd, Callable
     raise ConfigError(f"data.intensity.kind must be one of ct_window, zscore, zscore_foreground, percentile, got {kind!r}")
 
 
-def preprocessing(config: dict, in_channels: int, num_classes: int, keys: Sequence[str] = ("image", "label")) -> list:
-    """Load, check, RAS orientation, resampling, foreground crop, intensity normalisation."""
+def preprocessing(data: dict, in_channels: int, num_classes: int, keys: Sequence[str] = ("image", "label")) -> list:
+    """Load, check, RAS orientation, resampling, foreground crop, intensity normalisation, as
+    the ``data`` section (of a task config or a checkpoint: ``spacing``, ``intensity``) says."""
     keys = list(keys)
     interp = ["bilinear" if k == "image" else "nearest" for k in keys]
-    crop, normalise = _intensity(config, keys)
+    crop, normalise = _intensity(data, keys)
     return [
         LoadCased(keys, ensure_channel_first=True, image_only=True),
         CheckCased(in_channels, num_classes),
         Orientationd(keys, axcodes="RAS", labels=(("L", "R"), ("P", "A"), ("I", "S"))),  # NIfTI world: RAS+
-        Spacingd(keys, pixdim=config["data"]["spacing"], mode=interp),
+        Spacingd(keys, pixdim=data["spacing"], mode=interp),
         crop,
         normalise,
         EnsureTyped(keys, dtype=[torch.float32 if k == "image" else torch.int64 for k in keys], track_meta=True),
     ]
 
 
-def roi_size(config: dict) -> list[int]:
-    return list(config["data"]["roi_size_2d" if spatial_dims(config) == 2 else "roi_size_3d"])
-
-
-def crop_and_augment(config: dict) -> list:
-    """Random training crops of a preprocessed ``image``/``label`` volume, centred on foreground
-    or background in the ratio ``data.pos_neg``, and augmentation: flips, 90-degree rotations, an
-    intensity shift and nnU-Net's intensity and resolution augmentations
-    (:func:`~hsmla_med.data.intensity.intensity_augmentations`). 2D mode crops single axial
-    slices (``(h, w, 1)`` crops, the slice axis squeezed); 3D crops patches."""
-    keys = ["image", "label"]
-    dims = spatial_dims(config)
-    roi = roi_size(config)
-    crop = roi + [1] if dims == 2 else roi
-    aug = config["data"]["augment"]
-    pos, neg = config["data"]["pos_neg"]
-    train = [
-        SpatialPadd(keys, spatial_size=crop),
-        RandCropByPosNegLabeld(
-            keys, "label", spatial_size=crop, pos=pos, neg=neg, num_samples=config["data"]["samples_per_case"],
-            # a CT window maps air to 0: background crops centre on body voxels. A z-scored MRI
-            # has negative tissue voxels, so there any background voxel may be a centre.
-            image_key=None if config["data"].get("intensity", {}).get("kind") in MRI_KINDS else "image", image_threshold=0
-        ),
-    ]
-    if dims == 2:
-        train.append(SqueezeDimd(keys, dim=-1))
-    train += [RandFlipd(keys, prob=aug["flip_prob"], spatial_axis=axis) for axis in range(dims)]
-    train += [
-        RandRotate90d(keys, prob=aug["rot90_prob"], max_k=3, spatial_axes=(0, 1)),
-        RandShiftIntensityd("image", offsets=aug["shift_offset"], prob=aug["shift_prob"]),
-    ]
-    return train + intensity_augmentations(aug, dims)
-
-
 def transforms(config: dict, in_channels: int, num_classes: int) -> tuple[Compose, Compose]:
     """Training and validation transforms: :func:`preprocessing`, then for training
     :func:`crop_and_augment`."""
-    pre = preprocessing(config, in_channels, num_classes)
+    pre = preprocessing(config["data"], in_channels, num_classes)
     return Compose(pre + crop_and_augment(config)), Compose(pre)
 
 
@@ -185,12 +138,7 @@ def _inputs(path: str | Path) -> list[Path]:
 
 
 def infer(
-    module: SegmentationModule,
-    inputs: str | Path | Iterable[str | Path],
-    output: str | Path,
-    tta: bool = False,
-    device: str = "cpu",
-    progress: Callable[[str], None] = print,
+    module: SegmentationModule, inputs: str | Path | Iterable[str | Path], output: str | Path, options: InferenceOptions = InferenceOptions()
 ) -> list[Path]:
     """Segment NIfTI volumes and write ``output/<case>.nii.gz`` label maps (uint8) with exactly
     each input's shape and affine.
@@ -200,9 +148,9 @@ def infer(
     un-crop, resample to the original grid, original orientation) and only then turned into
     labels, so boundaries are interpolated as probabilities rather than as label values.
     """
-    cfg = module.config
-    config = {"data": {**cfg["data"]}, "mode": {2: "2d", 3: "3d"}[cfg["spatial_dims"]]}
-    pre = Compose(preprocessing(config, cfg["in_channels"], len(module.label_names), keys=("image",)))
+    cfg, device = module.config, options.device
+    inf = options.apply(cfg["inference"])
+    pre = Compose(preprocessing(cfg["data"], cfg["in_channels"], len(module.label_names), keys=("image",)))
     invert = Invertd("pred", transform=pre, orig_keys="image", nearest_interp=False, to_tensor=True)
     files = [Path(p) for p in ([inputs] if isinstance(inputs, (str, Path)) else inputs)]
     files = [f for p in files for f in _inputs(p)]
@@ -210,12 +158,11 @@ def infer(
     written = []
     for i, file in enumerate(files, 1):
         shape, affine = read_header(file)
-        progress(f"[{i}/{len(files)}] {file.name} {shape}")
+        options.progress(f"[{i}/{len(files)}] {file.name} {shape}")
         data = pre({"image": str(file)})
         with torch.inference_mode():
             image = data["image"].unsqueeze(0).to(device)
-            inf = cfg["inference"]
-            probs = predict_volume(module.network, image, inf["roi_size"], cfg["spatial_dims"], inf["overlap"], inf["sw_batch_size"], tta, inf["slab"])
+            probs = predict_volume(module.network, image, inf["roi_size"], cfg["spatial_dims"], inf["overlap"], inf["sw_batch_size"], inf["tta"], inf["slab"])
         data["pred"] = probs[0].cpu()
         labels = invert(data)["pred"].argmax(0).numpy().astype(np.uint8)
         if labels.shape != tuple(shape[:3]):
@@ -234,3 +181,21 @@ def write_labels(path: Path, labels: np.ndarray, reference: Path) -> Path:
     with atomic_path(path) as tmp:
         nib.save(img, str(tmp))
     return path
+
+
+class BTCV(Task):
+    """BTCV and any NIfTI segmentation dataset in MSD / nnU-Net layout (CT or MRI)."""
+
+    name = "btcv"
+    module_class = SegmentationModule
+    in_channels = 1
+    inputs = "NIfTI volumes (.nii, .nii.gz)"
+    outputs = "OUTPUT/<case>.nii.gz label maps with each input's shape and affine"
+    datalist = staticmethod(datalist)
+    datamodule = staticmethod(datamodule)
+    module_config = staticmethod(module_config)
+    held_out = staticmethod(held_out)
+    predict = staticmethod(infer)
+
+
+TASK = BTCV()

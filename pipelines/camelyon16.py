@@ -37,11 +37,11 @@ from hsmla_med.inference.overlays import gate_overlay, heatmap_overlay
 from hsmla_med.io import atomic_path, write_json
 from hsmla_med.metrics.pathology import lesion_labels, slide_score
 from hsmla_med.nn import GatedNetwork
+from hsmla_med.pipelines.task import InferenceOptions, Task
 
-__all__ = ["MODULE", "LABELS", "find_slides", "datalist", "slide_patches", "datamodule", "module_config", "heatmap", "held_out", "infer"]
+__all__ = ["TASK", "LABELS", "find_slides", "datalist", "slide_patches", "datamodule", "module_config", "heatmap", "held_out", "infer"]
 
 log = logging.getLogger("hsmla_med")
-MODULE = ClassificationModule
 LABELS = ["normal", "tumour"]
 SLIDE_SUFFIXES = (".tif", ".tiff", ".svs", ".ndpi", ".mrxs", ".scn", ".bif")
 
@@ -109,22 +109,22 @@ def datalist(config: dict) -> Datalist:
     return Datalist(LABELS, training, validation, test, Path(root), synthetic)
 
 
-def _grid_params(config: dict) -> dict:
-    data = config["data"]
+def _grid_params(data: dict) -> dict:
     return {k: data[k] for k in ("level", "mpp", "patch_size", "stride", "min_tissue", "tumour_coverage", "tissue_min_area_um2")}
 
 
-def slide_patches(case: dict, config: dict) -> dict:
+def slide_patches(case: dict, data: dict) -> dict:
     """The patch grid of one slide: level-0 ``coords`` (n, 2) of patches inside tissue, their
     grid ``rows``/``cols``, tumour ``labels`` (annotation coverage >= ``tumour_coverage``), the
     ``lesions`` id under each patch centre (0 = none), the pyramid ``level`` and the
-    tissue-mask downsample. Cached per slide file and parameters in ``cache_dir``."""
-    params = _grid_params(config)
+    tissue-mask downsample. Cached per slide file and parameters in ``cache_dir``. ``data``: the
+    data section of a task config or a checkpoint."""
+    params = _grid_params(data)
     slide_path = Path(case["slide"])
     stat = slide_path.stat()
     notes = Path(case["annotation"]).stat().st_mtime_ns if case["annotation"] else None
     key = json.dumps([str(slide_path.resolve()), stat.st_size, stat.st_mtime_ns, case["annotation"], notes, params], sort_keys=True)
-    cache = Path(config["data"]["cache_dir"]).expanduser() / "camelyon16-patches" / f"{slide_path.stem}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.npz"
+    cache = Path(data["cache_dir"]).expanduser() / "camelyon16-patches" / f"{slide_path.stem}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.npz"
     if cache.is_file():
         with np.load(cache) as f:
             return {k: f[k] for k in f.files}
@@ -133,7 +133,7 @@ def slide_patches(case: dict, config: dict) -> dict:
     level_ds = float(slide.level_downsamples[level])
     # debris and holes below a physical area: the same tissue at any scanner resolution
     mpp = slide_mpp(slide)
-    min_area = config["data"]["tissue_min_area_um2"] / mpp**2 if mpp else 2.0**18
+    min_area = data["tissue_min_area_um2"] / mpp**2 if mpp else 2.0**18
     tissue, tissue_ds = tissue_mask(slide, min_area=min_area)
     footprint = params["patch_size"] * level_ds
     coords = patch_grid(tissue, tissue_ds, slide.dimensions, params["patch_size"], params["stride"], level_ds, params["min_tissue"])
@@ -185,7 +185,7 @@ def _items(cases: list[dict], config: dict) -> list[dict]:
     """One dict per patch of every slide (the DataModule adds the index ``case``)."""
     items = []
     for s, case in enumerate(cases):
-        grid = slide_patches(case, config)
+        grid = slide_patches(case, config["data"])
         for (x, y), row, col, label, lesion in zip(grid["coords"], grid["rows"], grid["cols"], grid["labels"], grid["lesions"]):
             items.append({
                 "slide": case["slide"], "x": int(x), "y": int(y), "level": int(grid["level"]), "size": config["data"]["patch_size"],
@@ -242,7 +242,7 @@ def datamodule(config: dict, cases: Datalist) -> PatchDataModule:
 
 def module_config(config: dict, model: dict, label_names: list[str], in_channels: int = 3) -> dict:
     """The hyper-parameters of :class:`ClassificationModule` for this task config."""
-    data = _grid_params(config) | {"cache_dir": config["data"]["cache_dir"]}
+    data = _grid_params(config["data"]) | {"cache_dir": config["data"]["cache_dir"]}
     return hparams(config, model, label_names, 2, in_channels, dict(config["inference"]), data)
 
 
@@ -260,22 +260,23 @@ def _patch_alpha(network: torch.nn.Module) -> torch.Tensor | None:
 
 def heatmap(
     module: ClassificationModule, slide_path: str | Path, output: str | Path, batch_size: int | None = None, device: str = "cpu",
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None, level: int | None = None,
 ) -> dict:
     """Tumour-probability heatmap of one slide: patches in tissue are streamed in batches
     through the network; writes ``<slide>_heatmap.tif`` (pyramidal, 0..255, the slide's
     physical resolution), ``<slide>_overlay.png``, ``<slide>_gates.png`` and, last,
-    ``<slide>.json`` (slide score, patch count, tissue fraction, seconds). Returns the JSON."""
+    ``<slide>.json`` (slide score, patch count, tissue fraction, seconds). Returns the JSON.
+    ``level``: the pyramid level of the patches instead of the checkpoint's (level or mpp)."""
     started = time.perf_counter()
     slide_path, output = Path(slide_path), Path(output)
-    config = {"data": module.config["data"]}
-    grid = slide_patches({"slide": str(slide_path), "annotation": None, "label": 0}, config)
+    data = module.config["data"] if level is None else {**module.config["data"], "level": level, "mpp": None}
+    grid = slide_patches({"slide": str(slide_path), "annotation": None, "label": 0}, data)
     slide = open_slide(slide_path)
-    level, size = int(grid["level"]), int(config["data"]["patch_size"])
+    level, size = int(grid["level"]), int(data["patch_size"])
     tissue_ds = float(grid["tissue_downsample"])
     n = len(grid["coords"])
     # the grid covers the whole slide from its origin, so map cells line up with slide pixels
-    step_level0 = config["data"]["stride"] * float(slide.level_downsamples[level])
+    step_level0 = data["stride"] * float(slide.level_downsamples[level])
     width, height = slide.dimensions
     prob = np.full((int(np.ceil(height / step_level0)), int(np.ceil(width / step_level0))), np.nan)
     alpha = prob.copy()
@@ -328,32 +329,50 @@ def held_out(cases: Datalist) -> list[str]:
     return [c["slide"] for c in cases.test]
 
 
-def infer(
-    module: ClassificationModule, inputs: str | Path, output: str | Path, tta: bool = False, device: str = "cpu",
-    progress: Callable[[str], None] = print, batch_size: int | None = None,
-) -> list[Path]:
-    """Heatmaps for a slide or a folder of slides. A slide whose ``<slide>.json`` exists is
-    skipped, so an interrupted run resumes slide by slide (the JSON is written last)."""
+def infer(module: ClassificationModule, inputs: str | Path, output: str | Path, options: InferenceOptions = InferenceOptions()) -> list[Path]:
+    """Heatmaps for a slide or a folder of slides (``options``: ``device``, ``batch_size``,
+    ``level``). A slide whose ``<slide>.json`` exists is skipped, so an interrupted run resumes
+    slide by slide (the JSON is written last)."""
     from tqdm import tqdm
 
     inputs = Path(inputs)
+    if not inputs.exists():
+        raise DataError(f"{inputs}: slide or folder not found")
     slides = _slides(inputs) if inputs.is_dir() else [inputs]
     if not slides:
         raise DataError(f"{inputs}: no slides ({', '.join(SLIDE_SUFFIXES)}) found")
-    if tta:
+    if options.tta:
         log.warning("camelyon16: --tta is not used for heatmaps")
     written = []
     for i, slide in enumerate(slides, 1):
         record = Path(output) / f"{slide.stem}.json"
         if record.is_file():
-            progress(f"[{i}/{len(slides)}] {slide.name}: done before ({record}), skipped")
+            options.progress(f"[{i}/{len(slides)}] {slide.name}: done before ({record}), skipped")
         else:
             with tqdm(desc=f"[{i}/{len(slides)}] {slide.name}", unit="patch") as bar:
                 def advance(done: int, total: int) -> None:
                     bar.total = total
                     bar.update(done - bar.n)
 
-                summary = heatmap(module, slide, output, batch_size, device, advance)
-            progress(f"[{i}/{len(slides)}] {slide.name}: score {summary['score']:.3f}, {summary['patches']} patches, {summary['seconds']:.1f} s")
+                summary = heatmap(module, slide, output, options.batch_size, options.device, advance, options.level)
+            options.progress(f"[{i}/{len(slides)}] {slide.name}: score {summary['score']:.3f}, {summary['patches']} patches, {summary['seconds']:.1f} s")
         written.append(record)
     return written
+
+
+class CAMELYON16(Task):
+    """CAMELYON16 tumour/normal patch classification and whole-slide heatmaps."""
+
+    name = "camelyon16"
+    module_class = ClassificationModule
+    in_channels = 3
+    inputs = "whole slides (any format OpenSlide opens) or a folder of them"
+    outputs = "OUTPUT/<slide>_heatmap.tif (pyramidal), _overlay.png, _gates.png and <slide>.json"
+    datalist = staticmethod(datalist)
+    datamodule = staticmethod(datamodule)
+    module_config = staticmethod(module_config)
+    held_out = staticmethod(held_out)
+    predict = staticmethod(infer)
+
+
+TASK = CAMELYON16()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -25,19 +25,20 @@ from monai.transforms import Compose, RandFlipd, RandScaleIntensityd, RandShiftI
 from PIL import Image
 
 from hsmla_med.data.datalist import Datalist
-from hsmla_med.data.endovis import PROBLEMS, VIDEO_FOLDER, LoadFramed, find_frames, find_videos, load_frame
+from hsmla_med.data.endovis import PROBLEMS, VIDEO_FOLDER, LoadFramed, crop_box, find_frames, find_videos, load_frame
 from hsmla_med.data.intensity import intensity_augmentations
 from hsmla_med.data.synthetic_endovis import generate_endovis
 from hsmla_med.engine.base import hparams, plain
 from hsmla_med.engine.datamodule import CaseDataModule
 from hsmla_med.engine.segmentation import FrameSegmentationModule
 from hsmla_med.errors import ConfigError, DataError
+from hsmla_med.inference.sliding import predict_volume
 from hsmla_med.io import atomic_path
+from hsmla_med.pipelines.task import InferenceOptions, Task
 
-__all__ = ["MODULE", "datalist", "transforms", "datamodule", "module_config", "held_out", "infer"]
+__all__ = ["TASK", "datalist", "transforms", "datamodule", "module_config", "held_out", "infer", "inference_box"]
 
 log = logging.getLogger("hsmla_med")
-MODULE = FrameSegmentationModule
 
 
 def _problem(config: dict) -> str:
@@ -132,36 +133,48 @@ def output_path(frame: Path, output: Path) -> Path:
     return output / f"{frame.stem}.png"
 
 
+def inference_box(shape: tuple[int, int], crop, mode: str, path: Path) -> tuple[int, int, int, int]:
+    """The part ``(top, left, h, w)`` of a frame of ``shape`` that inference segments: with
+    ``mode="auto"`` the training ``crop`` for frames large enough for it (the challenge's raw
+    1080 x 1920 frames) or of exactly its size, the whole frame for any other size (another
+    endoscope's 1280 x 720, say); with ``"none"`` always the whole frame."""
+    if mode == "none" or crop is None:
+        return 0, 0, int(shape[0]), int(shape[1])
+    top, left, height, width = (int(v) for v in crop)
+    if shape[0] < top + height or shape[1] < left + width:
+        if tuple(shape) != (height, width):
+            return 0, 0, int(shape[0]), int(shape[1])
+    return crop_box(shape, crop, path)
+
+
 def infer(
-    module: FrameSegmentationModule,
-    inputs: str | Path | Iterable[str | Path],
-    output: str | Path,
-    tta: bool = False,
-    device: str = "cpu",
-    progress: Callable[[str], None] = print,
+    module: FrameSegmentationModule, inputs: str | Path | Iterable[str | Path], output: str | Path, options: InferenceOptions = InferenceOptions()
 ) -> list[Path]:
-    """Segment frames and write one PNG mask per frame (uint8 class index, :data:`PROBLEMS`
-    order) at the input frame's size, and report frames per second.
+    """Segment frames of any size and write one PNG mask per frame (uint8 class index,
+    :data:`PROBLEMS` order) at the input frame's size, and report frames per second.
 
     ``inputs``: frame PNGs, folders of them, video folders or a dataset root
-    (:func:`~hsmla_med.data.endovis.find_frames`). Each frame is cropped as in training
-    (``data.crop``; a 1080 x 1920 frame to its 1024 x 1280 window), resized to ``data.size``;
-    the class probabilities are resized back to the crop (bilinear) before the argmax, and the
-    crop is placed into the frame's geometry with background (0) outside it, so the mask
-    overlays the input frame pixel for pixel. ``tta`` averages over mirrored frames.
+    (:func:`~hsmla_med.data.endovis.find_frames`). Each frame is cropped as :func:`inference_box`
+    says (a raw 1080 x 1920 challenge frame to its 1024 x 1280 training window; ``options.crop``
+    ``none`` never crops), resized to ``data.size``; the class probabilities are resized back
+    to the crop (bilinear) before the argmax, and the crop is placed into the frame's geometry
+    with background (0) outside it, so the mask overlays the input frame pixel for pixel.
+    ``options.tta`` averages over mirrored frames.
     """
-    cfg = module.config
-    module.config["inference"]["tta"] = tta
+    cfg, device = module.config, options.device
+    inf = options.apply(cfg["inference"])
     frames = [f for p in ([inputs] if isinstance(inputs, (str, Path)) else inputs) for f in find_frames(p)]
     resize = Resized("image", spatial_size=cfg["data"]["size"], mode="area")
     module = module.to(device).eval()
     written, network_s, started = [], 0.0, time.perf_counter()
     for frame in frames:
-        image, (top, left, h, w), shape = load_frame(frame, cfg["data"]["crop"])
+        whole, _, shape = load_frame(frame, None)
+        top, left, h, w = inference_box(shape, cfg["data"]["crop"], options.crop, frame)
+        image = whole[:, top : top + h, left : left + w]
         with torch.inference_mode():
-            x = plain(resize({"image": image})["image"])[None].to(device)
+            x = plain(resize({"image": image})["image"])[None, ..., None].to(device)
             tic = time.perf_counter()
-            probs = module.predict_probabilities(x)
+            probs = predict_volume(module.network, x, inf["roi_size"], 2, inf["overlap"], inf["sw_batch_size"], inf["tta"], 1)[..., 0]
             labels = F.interpolate(probs, size=(h, w), mode="bilinear", align_corners=False).argmax(1)[0]
             network_s += time.perf_counter() - tic
         mask = np.zeros(shape, np.uint8)
@@ -171,8 +184,26 @@ def infer(
             Image.fromarray(mask).save(tmp)
         written.append(path)
     total = time.perf_counter() - started
-    progress(
+    options.progress(
         f"endovis: {len(frames)} frame(s), {len(frames) / total:.2f} frames/s "
         f"({len(frames) / max(network_s, 1e-9):.2f} frames/s network only, {device}, input {cfg['data']['size']})"
     )
     return written
+
+
+class EndoVis(Task):
+    """EndoVis 2017 instrument segmentation: PNG frames, PNG masks."""
+
+    name = "endovis"
+    module_class = FrameSegmentationModule
+    in_channels = 3
+    inputs = "PNG frames, video folders or an EndoVis 2017 root"
+    outputs = "one PNG mask per frame at the frame's size"
+    datalist = staticmethod(datalist)
+    datamodule = staticmethod(datamodule)
+    module_config = staticmethod(module_config)
+    held_out = staticmethod(held_out)
+    predict = staticmethod(infer)
+
+
+TASK = EndoVis()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import csv
 import logging
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -28,18 +28,18 @@ from monai.transforms import Compose, DeleteItemsd, EnsureTyped, Orientationd, S
 from hsmla_med.data.datalist import Datalist
 from hsmla_med.data.luna16 import COLUMNS, LoadScand, NoduleMaskd, find_scans, read_annotations
 from hsmla_med.data.synthetic_luna16 import generate_luna16
+from hsmla_med.data.volume_crops import crop_and_augment, roi_size, spatial_dims
 from hsmla_med.engine.base import hparams
 from hsmla_med.engine.datamodule import CaseDataModule
 from hsmla_med.engine.detection import DetectionModule, scan_candidates
 from hsmla_med.errors import DataError
 from hsmla_med.inference.sliding import predict_volume
 from hsmla_med.io import atomic_path
-from hsmla_med.pipelines.btcv import crop_and_augment, roi_size, spatial_dims
+from hsmla_med.pipelines.task import InferenceOptions, Task
 
-__all__ = ["MODULE", "LABELS", "datalist", "transforms", "datamodule", "module_config", "held_out", "infer"]
+__all__ = ["TASK", "LABELS", "datalist", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer"]
 
 log = logging.getLogger("hsmla_med")
-MODULE = DetectionModule
 LABELS = ["background", "nodule"]
 SUBMISSION = "submission.csv"
 
@@ -87,16 +87,17 @@ def datalist(config: dict) -> Datalist:
     return Datalist(LABELS, training, validation, [], root, synthetic)
 
 
-def preprocessing(config: dict, label: bool = True) -> list:
+def preprocessing(data: dict, label: bool = True) -> list:
     """Read the scan (and render its nodules), RAS orientation, resampling to ``data.spacing``,
-    HU window ``data.hu_window`` to 0..1."""
+    HU window ``data.hu_window`` to 0..1, as the ``data`` section (of a task config or a
+    checkpoint) says."""
     keys = ["image", "label"] if label else ["image"]
-    a_min, a_max = config["data"]["hu_window"]
+    a_min, a_max = data["hu_window"]
     return [
         LoadScand("image"),
         *([NoduleMaskd()] if label else []),
         Orientationd(keys, axcodes="RAS", labels=(("L", "R"), ("P", "A"), ("I", "S"))),
-        Spacingd(keys, pixdim=config["data"]["spacing"], mode=["bilinear", "nearest"][: len(keys)]),
+        Spacingd(keys, pixdim=data["spacing"], mode=["bilinear", "nearest"][: len(keys)]),
         ScaleIntensityRanged("image", a_min=a_min, a_max=a_max, b_min=0.0, b_max=1.0, clip=True),
         EnsureTyped(keys, dtype=[torch.float32, torch.int64][: len(keys)], track_meta=True),
     ]
@@ -104,9 +105,9 @@ def preprocessing(config: dict, label: bool = True) -> list:
 
 def transforms(config: dict) -> tuple[Compose, Compose]:
     """Training: preprocessing, then nodule-biased random crops and augmentation (the BTCV
-    pipeline's, :func:`~hsmla_med.pipelines.btcv.crop_and_augment`, nnU-Net's intensity and
+    pipeline's, :func:`~hsmla_med.data.volume_crops.crop_and_augment`, nnU-Net's intensity and
     resolution augmentations included, set in ``data.augment``); validation: preprocessing."""
-    pre = preprocessing(config)
+    pre = preprocessing(config["data"])
     # the per-scan annotation arrays differ in length: the training batches need only the crops
     drop = DeleteItemsd(["nodules", "excluded", "seriesuid"])
     return Compose(pre + [drop] + crop_and_augment(config)), Compose(pre)
@@ -141,30 +142,25 @@ def _inputs(path: str | Path) -> list[Path]:
 
 
 def infer(
-    module: DetectionModule,
-    inputs: str | Path | Iterable[str | Path],
-    output: str | Path,
-    tta: bool = False,
-    device: str = "cpu",
-    progress: Callable[[str], None] = print,
+    module: DetectionModule, inputs: str | Path | Iterable[str | Path], output: str | Path, options: InferenceOptions = InferenceOptions()
 ) -> list[Path]:
     """Detect nodules in MetaImage scans (a ``.mhd``, a folder searched recursively, or a list of
     either) and write ``output/submission.csv`` in LUNA16's format
     (``seriesuid,coordX,coordY,coordZ,probability``, world millimetres), at most
     ``inference.max_candidates`` rows per scan, most probable first."""
-    cfg = module.config
-    pre = Compose(preprocessing({"data": cfg["data"]}, label=False))
+    cfg, device = module.config, options.device
+    inf = options.apply(cfg["inference"])
+    pre = Compose(preprocessing(cfg["data"], label=False))
     files = [Path(p) for p in ([inputs] if isinstance(inputs, (str, Path)) else inputs)]
     files = [f for p in files for f in _inputs(p)]
     module = module.to(device).eval()
-    inf = cfg["inference"]
     rows = []
     for i, file in enumerate(files, 1):
         image = pre({"image": str(file)})["image"]
         with torch.inference_mode():
-            probs = predict_volume(module.network, image[None].to(device), inf["roi_size"], cfg["spatial_dims"], inf["overlap"], inf["sw_batch_size"], tta, inf["slab"])
+            probs = predict_volume(module.network, image[None].to(device), inf["roi_size"], cfg["spatial_dims"], inf["overlap"], inf["sw_batch_size"], inf["tta"], inf["slab"])
         found = scan_candidates(probs[0, 1].float().cpu().numpy(), image.affine, inf)
-        progress(f"[{i}/{len(files)}] {file.name}: {len(found)} candidate(s)")
+        options.progress(f"[{i}/{len(files)}] {file.name}: {len(found)} candidate(s)")
         rows += [[file.stem, *np.round(c[:3], 3).tolist(), round(float(c[3]), 5)] for c in found]
     path = Path(output) / SUBMISSION
     with atomic_path(path) as tmp, tmp.open("w", newline="") as f:
@@ -172,3 +168,21 @@ def infer(
         writer.writerow([*COLUMNS[:4], "probability"])
         writer.writerows(rows)
     return [path]
+
+
+class LUNA16(Task):
+    """LUNA16 nodule detection: MetaImage scans, the submission CSV."""
+
+    name = "luna16"
+    module_class = DetectionModule
+    in_channels = 1
+    inputs = "MetaImage scans (.mhd), a folder searched recursively"
+    outputs = "OUTPUT/submission.csv (seriesuid,coordX,coordY,coordZ,probability)"
+    datalist = staticmethod(datalist)
+    datamodule = staticmethod(datamodule)
+    module_config = staticmethod(module_config)
+    held_out = staticmethod(held_out)
+    predict = staticmethod(infer)
+
+
+TASK = LUNA16()

@@ -27,6 +27,7 @@ from hsmla_med.data.intensity import ForegroundPercentiled, ForegroundZScored, i
 from hsmla_med.engine import SegmentationModule
 from hsmla_med.errors import ConfigError
 from hsmla_med.pipelines import btcv, endovis, luna16
+from hsmla_med.pipelines.task import InferenceOptions
 from tests.conftest import phantom, tiny_config, write_nifti
 
 AUGMENTATIONS = ["noise", "blur", "brightness", "contrast", "lowres", "inverted_gamma", "gamma"]
@@ -178,10 +179,10 @@ def test_bad_intensity_config_is_refused(tmp_path):
     config = tiny_config(tmp_path, tmp_path / "out")
     config["data"]["intensity"].update(kind="percentile", lower=99.0, upper=1.0)
     with pytest.raises(ConfigError, match="data.intensity.lower"):
-        btcv.preprocessing(config, 1, 3)
+        btcv.preprocessing(config["data"], 1, 3)
     config["data"]["intensity"]["kind"] = "minmax"
     with pytest.raises(ConfigError, match="data.intensity.kind"):
-        btcv.preprocessing(config, 1, 3)
+        btcv.preprocessing(config["data"], 1, 3)
 
 
 def test_ct_path_unchanged(tmp_path):
@@ -207,7 +208,7 @@ def test_ct_path_unchanged(tmp_path):
         CropForegroundd(keys, source_key="image", allow_smaller=True),
         EnsureTyped(keys, dtype=[torch.float32, torch.int64], track_meta=True),
     ])(case)
-    now = Compose(btcv.preprocessing(config, 1, 3))(case)
+    now = Compose(btcv.preprocessing(config["data"], 1, 3))(case)
     full = Compose(resampled)(case)["image"].shape
     assert now["image"].shape[1:] == (full[1] - 12, full[2] - 8, full[3] - 12)  # the phantom and the -174 patch
     for key in keys:
@@ -238,7 +239,7 @@ def test_mri_kinds_crop_the_whole_head_and_invert(tmp_path, kind, background):
     src = write_nifti(tmp_path / "mri.nii.gz", image.astype(np.float32), affine)
     config = merge_config(tiny_config(tmp_path, tmp_path / "out"), {"data": {"intensity": {"kind": kind}}})
     module = SegmentationModule(btcv.module_config(config, {"variant": "b0"}, ["background", "head"]), network=Everywhere())
-    [out] = btcv.infer(module, src, tmp_path / "pred", progress=lambda _: None)
+    [out] = btcv.infer(module, src, tmp_path / "pred", InferenceOptions(progress=lambda _: None))
     crop = np.asanyarray(nib.load(str(out)).dataobj).astype(bool)
     assert crop.shape == shape
     assert (crop & head).sum() / head.sum() > 0.99 and crop.mean() < 0.5

@@ -18,6 +18,7 @@ from hsmla_med.engine.classification import ClassificationModule, slide_maps
 from hsmla_med.errors import DataError
 from hsmla_med.metrics.pathology import auc
 from hsmla_med.pipelines import camelyon16
+from hsmla_med.pipelines.task import InferenceOptions
 
 SMALL = {"num_normal": 2, "num_tumor": 3, "num_test": 2, "size": [1536, 1024], "seed": 0}
 
@@ -59,7 +60,7 @@ def test_patch_grid_labels_follow_the_annotation(slides):
     config = _config(slides)
     cases = camelyon16.datalist(config)
     tumour = next(c for c in cases.training + cases.validation if c["label"] == 1)
-    grid = camelyon16.slide_patches(tumour, config)
+    grid = camelyon16.slide_patches(tumour, config["data"])
     assert grid["labels"].sum() > 0 and (grid["labels"] == 0).sum() > 0
     assert (grid["lesions"][grid["labels"] == 0] == 0).all() and (grid["lesions"][grid["labels"] == 1] > 0).all()
     assert (grid["coords"] % 64 == 0).all()
@@ -70,7 +71,7 @@ def test_patch_grid_labels_follow_the_annotation(slides):
     dark_t = np.mean([mean(xy) for xy in grid["coords"][grid["labels"] == 1][:10]])
     dark_n = np.mean([mean(xy) for xy in grid["coords"][grid["labels"] == 0][:10]])
     assert dark_t < dark_n
-    again = camelyon16.slide_patches(tumour, config)  # from the cache
+    again = camelyon16.slide_patches(tumour, config["data"])  # from the cache
     np.testing.assert_array_equal(again["coords"], grid["coords"])
     assert len(list((slides / "cache" / "camelyon16-patches").glob("*.npz"))) >= 1
 
@@ -108,13 +109,13 @@ def test_heatmap_export_with_a_stub_classifier(slides, tmp_path):
     tumour = next(c for c in cases.training + cases.validation if c["label"] == 1)
     module = ClassificationModule(camelyon16.module_config(config, {"variant": "b0"}, camelyon16.LABELS), network=DarkIsTumour())
     out = tmp_path / "heat"
-    [record] = camelyon16.infer(module, tumour["slide"], out, progress=lambda _: None)
+    [record] = camelyon16.infer(module, tumour["slide"], out, InferenceOptions(progress=lambda _: None))
     stem = record.stem
     info = json.loads(record.read_text())
     assert info["patches"] > 0 and 0 < info["tissue_fraction"] < 1
     assert (out / f"{stem}_overlay.png").is_file() and (out / f"{stem}_gates.png").is_file()
     heat = openslide.OpenSlide(str(out / f"{stem}_heatmap.tif"))
-    grid = camelyon16.slide_patches(tumour, config)
+    grid = camelyon16.slide_patches(tumour, config["data"])
     k = info["heatmap_pixels_per_cell"]
     width, height = openslide.OpenSlide(tumour["slide"]).dimensions
     assert heat.dimensions == (-(-width // 64) * k, -(-height // 64) * k)  # the whole slide, cells from its origin
@@ -126,7 +127,7 @@ def test_heatmap_export_with_a_stub_classifier(slides, tmp_path):
     at_normal = values[grid["rows"][grid["labels"] == 0], grid["cols"][grid["labels"] == 0]].mean()
     assert at_tumour > at_normal + 50
     mtime = record.stat().st_mtime_ns
-    camelyon16.infer(module, tumour["slide"], out, progress=lambda _: None)  # resumes: already done
+    camelyon16.infer(module, tumour["slide"], out, InferenceOptions(progress=lambda _: None))  # resumes: already done
     assert record.stat().st_mtime_ns == mtime
     assert not [p for p in out.iterdir() if "tmp" in p.name]
 

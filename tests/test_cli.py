@@ -129,7 +129,7 @@ def test_monai_network_trains_evaluates_and_infers_through_the_pipeline(capsys, 
     run = tmp_path / "run"
     argv = ["train", "--task", "btcv", "--data-dir", str(dataset), "--config", str(overlay), "--max-steps", "2", "--output", str(run)]
     assert main(argv) == 0
-    module, _ = load_module(run / "last.ckpt", btcv.MODULE)
+    module, _ = load_module(run / "last.ckpt", btcv.TASK.module_class)
     assert type(module.network).__name__ == "UNet"
     metrics = json.loads((run / "metrics.json").read_text())
     assert 0.0 <= metrics["dice"] <= 1.0

@@ -22,6 +22,7 @@ from hsmla_med.engine.segmentation import FrameSegmentationModule
 from hsmla_med.errors import DataError
 from hsmla_med.metrics import frame_scores, summarize_frames
 from hsmla_med.pipelines import endovis
+from hsmla_med.pipelines.task import InferenceOptions
 
 SYNTH = {"num_videos": 2, "num_test_videos": 1, "frames_per_video": 2, "seed": 0}
 TINY = {
@@ -213,7 +214,7 @@ def test_infer_restores_frame_geometry(tmp_path):
     _png(video / "frame007.png", frame)
     _png(tmp_path / "flat" / "cropped.png", frame[28:1052, 320:1600])
     lines = []
-    written = endovis.infer(module, [tmp_path / "instrument_dataset_9", tmp_path / "flat"], tmp_path / "out", progress=lines.append)
+    written = endovis.infer(module, [tmp_path / "instrument_dataset_9", tmp_path / "flat"], tmp_path / "out", InferenceOptions(progress=lines.append))
     assert written == [tmp_path / "out" / "instrument_dataset_9" / "frame007.png", tmp_path / "out" / "cropped.png"]
     mask = np.asarray(Image.open(written[0]))
     expected = np.zeros((1080, 1920), np.uint8)

@@ -1,0 +1,67 @@
+"""Volume crops and augmentation shared by the volumetric segmentation tasks (BTCV, LUNA16).
+
+The training mode ``config["mode"]`` (``2d``: axial slices, ``3d``: patches) sets the network's
+spatial dims and which ``data.roi_size_*`` is the crop and inference window.
+"""
+
+from __future__ import annotations
+
+from monai.transforms import (
+    RandCropByPosNegLabeld,
+    RandFlipd,
+    RandRotate90d,
+    RandShiftIntensityd,
+    SpatialPadd,
+    SqueezeDimd,
+)
+
+from hsmla_med.data.intensity import intensity_augmentations
+from hsmla_med.errors import ConfigError
+
+__all__ = ["MODES", "MRI_KINDS", "spatial_dims", "roi_size", "crop_and_augment"]
+
+MODES = {"2d": 2, "3d": 3}
+MRI_KINDS = ("zscore", "zscore_foreground")  # data.intensity kinds that give tissue negative values
+
+
+def spatial_dims(config: dict) -> int:
+    """2 or 3, from ``config["mode"]``."""
+    if config["mode"] not in MODES:
+        raise ConfigError(f"mode must be one of {sorted(MODES)}, got {config['mode']!r}")
+    return MODES[config["mode"]]
+
+
+def roi_size(config: dict) -> list[int]:
+    """The training crop and inference window of the config's mode."""
+    return list(config["data"]["roi_size_2d" if spatial_dims(config) == 2 else "roi_size_3d"])
+
+
+def crop_and_augment(config: dict) -> list:
+    """Random training crops of a preprocessed ``image``/``label`` volume, centred on foreground
+    or background in the ratio ``data.pos_neg``, and augmentation: flips, 90-degree rotations, an
+    intensity shift and nnU-Net's intensity and resolution augmentations
+    (:func:`~hsmla_med.data.intensity.intensity_augmentations`). 2D mode crops single axial
+    slices (``(h, w, 1)`` crops, the slice axis squeezed); 3D crops patches."""
+    keys = ["image", "label"]
+    dims = spatial_dims(config)
+    roi = roi_size(config)
+    crop = roi + [1] if dims == 2 else roi
+    aug = config["data"]["augment"]
+    pos, neg = config["data"]["pos_neg"]
+    train = [
+        SpatialPadd(keys, spatial_size=crop),
+        RandCropByPosNegLabeld(
+            keys, "label", spatial_size=crop, pos=pos, neg=neg, num_samples=config["data"]["samples_per_case"],
+            # a CT window maps air to 0: background crops centre on body voxels. A z-scored MRI
+            # has negative tissue voxels, so there any background voxel may be a centre.
+            image_key=None if config["data"].get("intensity", {}).get("kind") in MRI_KINDS else "image", image_threshold=0
+        ),
+    ]
+    if dims == 2:
+        train.append(SqueezeDimd(keys, dim=-1))
+    train += [RandFlipd(keys, prob=aug["flip_prob"], spatial_axis=axis) for axis in range(dims)]
+    train += [
+        RandRotate90d(keys, prob=aug["rot90_prob"], max_k=3, spatial_axes=(0, 1)),
+        RandShiftIntensityd("image", offsets=aug["shift_offset"], prob=aug["shift_prob"]),
+    ]
+    return train + intensity_augmentations(aug, dims)

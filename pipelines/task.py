@@ -1,0 +1,130 @@
+"""The interface every task pipeline implements, and the options of one inference run.
+
+A task is one benchmark's data, transforms, LightningModule and output format. The command line
+(train, infer, evaluate, demo) drives every task through :class:`Task` alone; what is specific to
+a benchmark (its layout, geometry, file formats, summary lines, help text) lives in its module.
+Adding a task: a module ``pipelines/<name>.py`` with a :class:`Task` subclass as ``TASK``, its
+YAML ``configs/<name>.yaml``, and its name in :data:`hsmla_med.pipelines.TASKS`
+(docs/design.md has a worked example).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+import lightning as L
+
+from hsmla_med.data.datalist import Datalist
+from hsmla_med.engine.base import GatedModule
+from hsmla_med.errors import InputError
+
+__all__ = ["Task", "InferenceOptions"]
+
+
+@dataclass(frozen=True)
+class InferenceOptions:
+    """The options of one inference run, given as arguments rather than written into a
+    checkpoint's config; ``None`` keeps the checkpoint's value.
+
+    Attributes:
+        device: ``cpu``, ``cuda`` or ``cuda:N``.
+        tta: mirroring test-time augmentation.
+        overlap: sliding-window overlap in [0, 1).
+        batch_size: patches per forward pass (whole-slide heatmaps).
+        level: pyramid level of the patches (whole-slide heatmaps).
+        crop: ``auto`` crops only frames of the challenge's raw size to the training crop,
+            ``none`` never crops (EndoVis frames).
+        progress: called with one line per input.
+    """
+
+    device: str = "cpu"
+    tta: bool = False
+    overlap: float | None = None
+    batch_size: int | None = None
+    level: int | None = None
+    crop: str = "auto"
+    progress: Callable[[str], None] = field(default=print, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.overlap is not None and not 0.0 <= self.overlap < 1.0:
+            raise InputError(f"--overlap must lie in [0, 1), got {self.overlap}")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise InputError(f"--batch-size must be a positive number of patches, got {self.batch_size}")
+        if self.level is not None and self.level < 0:
+            raise InputError(f"--level must be a pyramid level >= 0, got {self.level}")
+        if self.crop not in ("auto", "none"):
+            raise InputError(f"--crop must be auto or none, got {self.crop!r}")
+
+    def apply(self, inference: dict) -> dict:
+        """A checkpoint's ``inference`` settings with this run's ``tta`` and ``overlap``."""
+        return {**inference, "tta": self.tta, **({"overlap": self.overlap} if self.overlap is not None else {})}
+
+
+class Task(ABC):
+    """One benchmark pipeline.
+
+    Class attributes: ``name`` (the ``--task`` value and ``config["task"]``), ``module_class``
+    (its LightningModule), ``in_channels``, ``inputs`` (what ``infer --input`` takes) and
+    ``outputs`` (what ``infer`` writes), the last two for the command line's help.
+    """
+
+    name: ClassVar[str]
+    module_class: ClassVar[type[GatedModule]]
+    in_channels: ClassVar[int]
+    inputs: ClassVar[str]
+    outputs: ClassVar[str]
+
+    @abstractmethod
+    def datalist(self, config: dict) -> Datalist:
+        """The cases of ``config["data"]``: the user's folder or the synthetic default."""
+
+    @abstractmethod
+    def datamodule(self, config: dict, cases: Datalist) -> L.LightningDataModule:
+        """Training and validation data of ``cases`` with the task's transforms."""
+
+    @abstractmethod
+    def module_config(self, config: dict, model: dict, label_names: list[str]) -> dict:
+        """The hyper-parameters of :attr:`module_class`: everything a checkpoint needs to rebuild
+        the module and to prepare new inputs as in training (its ``data`` section)."""
+
+    @abstractmethod
+    def held_out(self, cases: Datalist) -> list:
+        """The inputs ``demo`` runs :meth:`predict` on after training, each one ``inputs`` value."""
+
+    @abstractmethod
+    def predict(self, module: GatedModule, inputs, output: str | Path, options: InferenceOptions) -> list[Path]:
+        """Run ``module`` on ``inputs`` (a file, a folder or a list of them) and write the task's
+        outputs into ``output``; returns the written paths."""
+
+    def load(self, checkpoint: str | Path, tta: bool = False) -> tuple[GatedModule, dict]:
+        """The module of a checkpoint of this task (``weights_only=True``), in eval mode on the
+        CPU, with ``tta`` for its validation; a checkpoint of another task is refused with a
+        :class:`~hsmla_med.errors.DataError` naming both. Returns it and the checkpoint's
+        ``epoch``/``step``."""
+        from hsmla_med.engine.run import load_module
+
+        return load_module(checkpoint, self.module_class, task=self.name, inference={"tta": tta})
+
+    def build_module(self, config: dict, model: dict, cases: Datalist) -> GatedModule:
+        return self.module_class(self.module_config(config, model, cases.label_names))
+
+    def evaluation_config(self, config: dict, module: GatedModule) -> dict:
+        """``config`` with the data preparation of ``module``'s training (a checkpoint is
+        evaluated on data prepared exactly as it was trained on)."""
+        data = {**config["data"], **module.config["data"]}
+        return {**config, "data": data, "mode": {2: "2d", 3: "3d"}[module.config["spatial_dims"]]}
+
+    def summary_lines(self, summary: dict) -> list[str]:
+        """The validation summary as printed after training and evaluation."""
+        fmt = lambda v: "n/a" if v is None else f"{v:.4g}"  # noqa: E731
+        scalars = [f"{k} {fmt(v)}" for k, v in summary.items() if not isinstance(v, dict) and k != "cases"]
+        lines = [f"{'   '.join(scalars)}   ({summary.get('cases')} validation items)"]
+        titles = {"dice": "Dice", "hd95": "HD95", "iou": "IoU"}
+        per_class = [k for k in titles if f"{k}_per_class" in summary]
+        for name in summary[f"{per_class[0]}_per_class"] if per_class else []:
+            lines.append(f"  {name:<26} " + "   ".join(f"{titles[k]} {fmt(summary[f'{k}_per_class'][name])}" for k in per_class))
+        return lines
