@@ -10,8 +10,9 @@ from monai.inferers import sliding_window_inference
 from torch import nn
 
 from hsmla_med.engine import SegmentationModule
-from hsmla_med.inference import SliceNetwork, predict_volume
+from hsmla_med.inference import predict_volume
 from hsmla_med.pipelines import btcv
+from hsmla_med.pipelines.task import InferenceOptions
 from tests.conftest import tiny_config, write_nifti
 
 
@@ -23,22 +24,84 @@ class Threshold2d(nn.Module):
         return torch.cat([torch.zeros_like(x), 40 * (x - 0.5)], dim=1)
 
 
-def test_slice_network_is_per_slice():
+def _slab_predict(network, image, roi_size, overlap, sw_batch_size, slab, mode="gaussian"):
+    """The former 2D path of predict_volume (before MONAI's SliceInferer): 3D windows of ``slab``
+    slices, each run through the 2D network as a batch of slices, blended in-plane only."""
+
+    def per_slice(x):
+        b, c, h, w, d = x.shape
+        out = network(x.permute(0, 4, 1, 2, 3).reshape(b * d, c, h, w))
+        return out.reshape(b, d, -1, h, w).permute(0, 2, 3, 4, 1)
+
+    logits = sliding_window_inference(
+        image, (*roi_size, slab), sw_batch_size, per_slice, overlap=(overlap, overlap, 0.0), mode=mode
+    )
+    return torch.softmax(logits.float(), dim=1)
+
+
+def _net(channels: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(channels, 8, 3, padding=1), nn.GELU(), nn.Conv2d(8, 4, 5, padding=2))
+
+
+def test_2d_prediction_is_per_slice():
     torch.manual_seed(0)
     net = nn.Conv2d(2, 3, 3, padding=1)
     x = torch.randn(2, 2, 9, 7, 5)
-    expected = torch.stack([net(x[..., i]) for i in range(5)], dim=-1)
-    torch.testing.assert_close(SliceNetwork(net)(x), expected)
+    # one window covers each slice: the result is the network on every slice, softmaxed
+    expected = torch.softmax(torch.stack([net(x[..., i]) for i in range(5)], dim=-1), dim=1)
+    with torch.no_grad():
+        torch.testing.assert_close(predict_volume(net, x, (9, 7), 2, slab=2), expected)
+
+
+CASES = [
+    ((1, 1, 40, 33, 10), (16, 16), 0.5, 4),  # slices not a multiple of the slab
+    ((2, 2, 20, 17, 3), (16, 12), 0.25, 8),  # fewer slices than a slab
+    ((1, 1, 5, 6, 1), (16, 16), 0.5, 2),  # smaller than the window in-plane: padded and cropped back
+    ((1, 1, 37, 29, 7), (32, 32), 0.0, 3),
+]
+
+
+@pytest.mark.parametrize("shape, roi, overlap, slab", CASES)
+def test_2d_prediction_equals_the_former_slab_implementation(shape, roi, overlap, slab):
+    # The same windows in-plane. With one-slice slabs the Gaussian weights are the same too;
+    # with thicker slabs the former weights were not, see the next test.
+    net, x = _net(shape[1]), torch.randn(shape)
+    with torch.no_grad():
+        got = predict_volume(net, x, roi, 2, overlap=overlap, sw_batch_size=3, slab=slab)
+        torch.testing.assert_close(got, _slab_predict(net, x, roi, overlap, 3, slab=1))
+        # uniform blending has no per-slice weights: equal whatever the slab
+        torch.testing.assert_close(
+            _slab_predict(net, x, roi, overlap, 3, slab=1, mode="constant"), _slab_predict(net, x, roi, overlap, 3, slab, mode="constant")
+        )
+
+
+def test_2d_prediction_blends_every_slice_alike():
+    # Identical slices must get identical predictions. The former slab windows (3D Gaussian
+    # weights, clamped at 1e-3 of their peak) blended the outer slices of a slab almost uniformly
+    # in-plane and the middle ones with the Gaussian, so they did not.
+    net = _net(1)
+    x = torch.randn(1, 1, 40, 33, 1).expand(1, 1, 40, 33, 8).contiguous()
+    with torch.no_grad():
+        got = predict_volume(net, x, (16, 16), 2, overlap=0.5, slab=4)
+        former = _slab_predict(net, x, (16, 16), 0.5, 4, slab=4)
+    torch.testing.assert_close(got, got[..., :1].expand_as(got))
+    assert not torch.allclose(former, former[..., :1].expand_as(former), atol=1e-3)
 
 
 @pytest.mark.parametrize("dims, shape", [(2, (1, 1, 20, 17, 3)), (3, (1, 1, 20, 17, 9)), (2, (1, 1, 5, 6, 1))])
 def test_predict_volume_probabilities(dims, shape):
+    # a pointwise network gives every window the same value at a voxel, so windows, padding and
+    # blending must give back the softmax of the network on the whole volume, voxel for voxel
     torch.manual_seed(0)
-    net = (nn.Conv2d if dims == 2 else nn.Conv3d)(1, 4, 3, padding=1)
+    net = (nn.Conv2d if dims == 2 else nn.Conv3d)(1, 4, 1)
     roi = (16, 16) if dims == 2 else (16, 16, 8)
-    probs = predict_volume(net, torch.randn(shape), roi, dims, overlap=0.5, sw_batch_size=2, slab=2)
+    x = torch.randn(shape)
+    with torch.no_grad():
+        probs = predict_volume(net, x, roi, dims, overlap=0.5, sw_batch_size=2, slab=2)
+        logits = torch.stack([net(x[..., i]) for i in range(shape[-1])], -1) if dims == 2 else net(x)
     assert probs.shape == (1, 4, *shape[2:])
-    torch.testing.assert_close(probs.sum(1), torch.ones(1, *shape[2:]))
+    torch.testing.assert_close(probs, torch.softmax(logits, 1))
 
 
 def test_tta_averages_mirrored_predictions():
@@ -80,7 +143,7 @@ def test_infer_keeps_shape_affine_and_voxels(tmp_path, name):
     bright = (x > 8) & (x < 25) & (y > 4) & (y < 14 + x // 3)
     image = np.where(bright, 200.0, -100.0) + rng.normal(0, 3, shape)
     src = write_nifti(tmp_path / f"{name}.nii.gz", image.astype(np.float32), affine)
-    [out] = btcv.infer(_oracle_module(tmp_path), src, tmp_path / "pred", progress=lambda _: None)
+    [out] = btcv.infer(_oracle_module(tmp_path), src, tmp_path / "pred", InferenceOptions(progress=lambda _: None))
     pred = nib.load(str(out))
     assert out.name == f"{name}.nii.gz"
     assert pred.shape == shape

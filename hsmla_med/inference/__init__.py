@@ -1,5 +1,5 @@
 """Inference: sliding-window prediction of volumes."""
 
-from hsmla_med.inference.sliding import SliceNetwork, predict_volume
+from hsmla_med.inference.sliding import predict_volume
 
-__all__ = ["SliceNetwork", "predict_volume"]
+__all__ = ["predict_volume"]
