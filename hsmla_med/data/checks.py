@@ -39,7 +39,8 @@ class CheckCased(MapTransform):
     """Check a channel-first image (and label) after ``LoadImaged(ensure_channel_first=True)``.
 
     Args:
-        in_channels: channels the network expects; the image must have exactly these.
+        in_channels: channels the network expects; the image must have exactly these, and three
+            spatial dims (a volume; a 2D image is refused).
         num_classes: label values must be integers in ``0..num_classes - 1``.
         image_key, label_key: dictionary keys; a missing label (inference) is not checked.
     """
@@ -51,6 +52,8 @@ class CheckCased(MapTransform):
 
     def __call__(self, data: Mapping) -> dict:
         image = data[self.image_key]
+        if image.dim() != 4:
+            raise DataError(f"{source_file(image)}: a volume has three spatial dims, this image has {image.dim() - 1} ({tuple(image.shape[1:])})")
         if image.shape[0] != self.in_channels:
             raise DataError(f"{source_file(image)}: image has {image.shape[0]} channel(s), the model expects {self.in_channels}")
         finite = torch.isfinite(image)

@@ -143,6 +143,8 @@ def _resolve(data_dir: Path, entry, path: Path, keys: tuple[str, ...]) -> dict:
             if len(value) != 1:
                 raise DataError(f"{path}: multi-file {key} entries are not supported: {value!r}")
             value = value[0]
+        if not isinstance(value, str) or not value:
+            raise DataError(f"{path}: {key} entries must be file paths (strings), got {value!r}")
         file = Path(value) if Path(value).is_absolute() else data_dir / value
         if not file.is_file():
             raise DataError(f"{file}: {key} file listed in {path.name} not found")

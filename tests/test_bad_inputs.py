@@ -1,0 +1,180 @@
+"""The bad-input catalogue: every case one line naming the option or file and the problem, exit
+status 2, no traceback, and nothing written where the input was refused."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from hsmla_med.cli import main
+from hsmla_med.config import model_config, task_config
+from hsmla_med.pipelines import get_task
+from tests.conftest import tiny_config, tiny_yaml, write_nifti
+
+
+def _error(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("hsmla-med: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def _checkpoint(path, task: str, config: dict, labels: list[str]):
+    """A checkpoint as ``train`` writes it (hyper-parameters and weights), without training."""
+    task = get_task(task)
+    module = task.module_class(task.module_config(config, model_config("b0"), labels))
+    torch.save({"hyper_parameters": dict(module.hparams), "state_dict": module.state_dict(), "epoch": 0, "global_step": 0}, path)
+    return path
+
+
+@pytest.fixture
+def btcv_ckpt(tmp_path):
+    return _checkpoint(tmp_path / "btcv.ckpt", "btcv", tiny_config(tmp_path, tmp_path / "run"), ["background", "a", "b"])
+
+
+@pytest.fixture
+def camelyon_ckpt(tmp_path):
+    return _checkpoint(tmp_path / "c16.ckpt", "camelyon16", task_config("camelyon16"), ["normal", "tumour"])
+
+
+def _yaml(tmp_path, text: str):
+    path = tmp_path / "user.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+TRAIN_CASES = [  # extra train arguments (a {yaml} placeholder: a --config with that text) -> expected words
+    (["--config", "{yaml}trainer: {check_val_every_n_epoch: forty}"], "trainer.check_val_every_n_epoch must be a number"),
+    (["--config", "{yaml}data: {spacing: abc}"], "data.spacing must be a list"),
+    (["--config", "{yaml}data: {spacing: [1, 0, 1]}"], "data.spacing must hold positive numbers"),
+    (["--config", "{yaml}optim: {lr: -1}"], "optim.lr must be > 0"),
+    (["--config", "{yaml}data: {validation_fraction: 1.5}"], "data.validation_fraction must be < 1"),
+    (["--max-steps", "-5"], "trainer.max_steps must be >= 1"),
+    (["--max-steps", "0"], "trainer.max_steps must be >= 1"),
+    (["--max-epochs", "0"], "trainer.max_epochs must be >= 1"),
+    (["--precision", "bogus"], "trainer.precision must be one of"),
+    (["--devices", "abc"], "trainer.devices must be"),
+    (["--mode", "2d", "--config", "{yaml}mode: 4d"], "mode must be one of 2d, 3d"),
+    (["--model", "{model}variant: b9"], "variant must be one of"),
+    (["--model", "{model}attention: {window: 6}"], "window"),
+]
+
+
+@pytest.mark.parametrize("extra, expected", TRAIN_CASES, ids=[e for _, e in TRAIN_CASES])
+def test_train_refuses_bad_values(capsys, tmp_path, dataset, extra, expected):
+    args = []
+    for a in extra:
+        if a.startswith("{yaml}"):
+            a = _yaml(tmp_path, a.removeprefix("{yaml}"))
+        elif a.startswith("{model}"):
+            a = tmp_path / "model.yaml"
+            a.write_text(extra[-1].removeprefix("{model}"))
+        args.append(str(a))
+    argv = ["train", "--task", "btcv", "--data-dir", str(dataset), "--output", str(tmp_path / "run")]
+    if "--config" not in args:
+        argv += ["--config", str(tiny_yaml(tmp_path / "tiny.yaml"))]
+    line = _error(capsys, argv + args)
+    assert expected in line
+    assert not (tmp_path / "run" / "last.ckpt").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("argv, expected", [
+    (["train", "--task", "btcv", "--accelerator", "gpu"], "trainer.accelerator gpu: this machine has no CUDA GPU"),
+    (["infer", "--task", "btcv", "--checkpoint", "x.ckpt", "--input", "x", "--output", "out", "--device", "cuda"], "--device cuda: no such CUDA device"),
+])
+def test_no_gpu_refused(capsys, tmp_path, monkeypatch, argv, expected):
+    monkeypatch.chdir(tmp_path)
+    assert expected in _error(capsys, argv)
+
+
+def test_output_that_is_a_file_or_unwritable(capsys, tmp_path, dataset, btcv_ckpt):
+    afile = tmp_path / "taken"
+    afile.write_text("mine")
+    line = _error(capsys, ["train", "--task", "btcv", "--data-dir", str(dataset), "--output", str(afile)])
+    assert f"--output {afile}: exists and is not a folder" in line
+    line = _error(capsys, ["infer", "--task", "btcv", "--checkpoint", str(btcv_ckpt), "--input", str(dataset), "--output", str(afile / "sub")])
+    assert "--output" in line and str(afile) in line
+    assert afile.read_text() == "mine"
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--overlap", "1.5"], "--overlap must lie in [0, 1)"),
+    (["--device", "tpu"], "--device 'tpu'"),
+])
+def test_infer_option_ranges(capsys, tmp_path, btcv_ckpt, extra, expected):
+    argv = ["infer", "--task", "btcv", "--checkpoint", str(btcv_ckpt), "--input", str(tmp_path), "--output", str(tmp_path / "out")]
+    assert expected in _error(capsys, argv + extra)
+
+
+def test_checkpoint_of_another_task_is_named(capsys, tmp_path, btcv_ckpt, camelyon_ckpt):
+    line = _error(capsys, ["infer", "--task", "endovis", "--checkpoint", str(btcv_ckpt), "--input", str(tmp_path), "--output", str(tmp_path / "o")])
+    assert "a btcv checkpoint, not one of task endovis" in line and "--task btcv" in line
+    line = _error(capsys, ["wsi-heatmap", "--checkpoint", str(btcv_ckpt), "--slide", str(tmp_path), "--output", str(tmp_path / "o")])
+    assert "a btcv checkpoint, not one of task camelyon16" in line
+    line = _error(capsys, ["infer", "--task", "btcv", "--checkpoint", str(camelyon_ckpt), "--input", str(tmp_path), "--output", str(tmp_path / "o")])
+    assert "a camelyon16 checkpoint" in line
+
+
+def test_checkpoint_missing_keys(capsys, tmp_path, btcv_ckpt):
+    ckpt = torch.load(btcv_ckpt, weights_only=True)
+    del ckpt["hyper_parameters"]["inference"]["roi_size"], ckpt["hyper_parameters"]["data"]
+    torch.save(ckpt, tmp_path / "partial.ckpt")
+    case = write_nifti(tmp_path / "in" / "a.nii.gz", np.zeros((8, 8, 4), np.float32), np.eye(4))
+    line = _error(capsys, ["infer", "--task", "btcv", "--checkpoint", str(tmp_path / "partial.ckpt"), "--input", str(case), "--output", str(tmp_path / "o")])
+    assert "partial.ckpt" in line and "hyper-parameters" in line
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--batch-size", "-4"], "--batch-size must be a positive number"),
+    (["--level", "-1"], "--level must be a pyramid level"),
+    ([], "slide or folder not found"),
+])
+def test_wsi_heatmap_refusals(capsys, tmp_path, camelyon_ckpt, extra, expected):
+    out = tmp_path / "heat"
+    line = _error(capsys, ["wsi-heatmap", "--checkpoint", str(camelyon_ckpt), "--slide", str(tmp_path / "missing.tif"), "--output", str(out), *extra])
+    assert expected in line
+    assert not list(out.glob("*.json"))  # nothing that would make a later run skip the slide
+
+
+def test_infer_on_a_2d_nifti(capsys, tmp_path, btcv_ckpt):
+    flat = write_nifti(tmp_path / "in" / "flat.nii.gz", np.zeros((16, 16), np.float32), np.eye(4))
+    line = _error(capsys, ["infer", "--task", "btcv", "--checkpoint", str(btcv_ckpt), "--input", str(flat), "--output", str(tmp_path / "o")])
+    assert "flat.nii.gz" in line
+
+
+def test_dataset_json_entry_not_a_string(capsys, tmp_path, dataset):
+    spec = json.loads((dataset / "dataset.json").read_text())
+    spec["training"][0]["image"] = 7
+    (dataset / "dataset.json").write_text(json.dumps(spec))
+    line = _error(capsys, ["train", "--task", "btcv", "--data-dir", str(dataset), "--config", str(tiny_yaml(tmp_path / "t.yaml")), "--output", str(tmp_path / "run")])
+    assert "dataset.json" in line
+
+
+def test_evaluate_checkpoint_with_other_labels(capsys, tmp_path, dataset):
+    ckpt = _checkpoint(tmp_path / "many.ckpt", "btcv", tiny_config(dataset, tmp_path / "run"), [f"c{i}" for i in range(14)])
+    line = _error(capsys, ["evaluate", "--task", "btcv", "--checkpoint", str(ckpt), "--data-dir", str(dataset),
+                           "--config", str(tiny_yaml(tmp_path / "t.yaml")), "--output", str(tmp_path / "ev")])
+    assert "predicts 14 classes" in line
+
+
+def test_config_yaml_tags_are_refused(capsys, tmp_path):
+    bad = _yaml(tmp_path, "seed: !!python/object/apply:os.system ['echo pwned']\n")
+    assert "malformed YAML" in _error(capsys, ["train", "--task", "btcv", "--config", bad])
+
+
+def test_user_yaml_keeps_the_common_sections(tmp_path):
+    # the common sections are defined once (configs/common.yaml) and reach every task
+    for name in ("btcv", "camelyon16", "endovis", "luna16"):
+        config = task_config(name)
+        assert {"optim", "loss", "trainer", "inference", "seed"} <= set(config)
+        common = yaml.safe_load((resources.files("hsmla_med.configs") / "common.yaml").read_text())
+        assert config["inference"]["target_alpha"] == common["inference"]["target_alpha"]
+        assert config["loss"] == common["loss"]
