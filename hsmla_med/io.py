@@ -2,18 +2,24 @@
 
 An interrupted run (Ctrl-C, a crash, a full disk) therefore never leaves a half-written NIfTI,
 JSON or image under its final name; a previous complete version stays in place until the new
-one is complete.
+one is complete. A process killed outright (``kill -9``, out of memory) leaves its hidden
+temporary behind: :func:`is_temporary` recognises such files, and
+:func:`remove_stale_temporaries` deletes those of processes that no longer run.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["atomic_path", "write_json", "write_yaml"]
+__all__ = ["atomic_path", "is_temporary", "remove_stale_temporaries", "write_json", "write_yaml"]
+
+# ``.<stem>.<pid>.tmp<suffixes>``, the names that :func:`atomic_path` writes to
+_TEMPORARY = re.compile(r"^\.(?P<stem>.+)\.(?P<pid>\d+)\.tmp(?P<suffixes>\..*)?$")
 
 
 @contextmanager
@@ -24,7 +30,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     suffixes = "".join(path.suffixes)
     stem = path.name[: len(path.name) - len(suffixes)] if suffixes else path.name
-    tmp = path.with_name(f".{stem}.{os.getpid()}.tmp{suffixes}")
+    tmp = path.with_name(f".{stem}.{os.getpid()}.tmp{suffixes}")  # see is_temporary
     try:
         yield tmp
         os.replace(tmp, path)
@@ -44,3 +50,39 @@ def write_yaml(path: str | Path, data: dict) -> None:
 
     with atomic_path(path) as tmp:
         tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def is_temporary(path: str | Path) -> bool:
+    """Whether ``path`` names a temporary file of :func:`atomic_path` (``.<name>.<pid>.tmp<ext>``),
+    complete or not, that is no result: listings of inputs and outputs should skip it."""
+    return _TEMPORARY.match(Path(path).name) is not None
+
+
+def _process_runs(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this machine (or may: one of another user)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(folder: str | Path) -> list[Path]:
+    """Delete the temporaries of :func:`atomic_path` directly in ``folder`` whose writing process
+    no longer runs on this machine (left by ``kill -9`` or a power cut); those of running
+    processes stay, as they may be writing them now. Returns the removed paths."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    removed = []
+    for path in sorted(folder.iterdir()):
+        match = _TEMPORARY.match(path.name)
+        if match is None or not path.is_file() or _process_runs(int(match["pid"])):
+            continue
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed

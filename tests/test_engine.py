@@ -1,10 +1,12 @@
-"""The Lightning engine: schedule, loss with gate regularisers, a short run's outputs, resume."""
+"""The Lightning engine: schedule, loss with gate regularisers, a short run's outputs, resume,
+validation records, step limits, and best.ckpt from ModelCheckpoint alone."""
 
 from __future__ import annotations
 
 import csv
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,8 +14,12 @@ import torch
 
 from hsmla_med.config import model_config
 from hsmla_med.engine import SegmentationModule
-from hsmla_med.engine.run import fit, load_module
+from hsmla_med.engine.base import gather_records, item_keys
+from hsmla_med.engine.checkpoint import AtomicCheckpointIO
+from hsmla_med.engine.run import build_trainer, fit, load_module
 from hsmla_med.engine.schedule import WarmupCosine
+from hsmla_med.errors import ConfigError
+from hsmla_med.metrics import summarize
 from hsmla_med.pipelines import btcv
 from tests.conftest import phantom, tiny_config
 
@@ -103,3 +109,95 @@ def test_short_run_outputs_and_resume(tmp_path, dataset):
     module, meta = load_module(out / "best.ckpt", SegmentationModule)
     assert meta["step"] in steps and not module.training
     assert all(math.isfinite(v) for v in metrics["hd95_per_class"].values() if v is not None)
+
+
+def test_gather_records_keeps_each_key_once_in_key_order():
+    records = [{"key": 2, "v": 1.0}, {"key": 0, "v": 2.0}, {"key": 2, "v": 1.0}, {"key": 1, "v": 3.0}]
+    assert gather_records(records) == [{"key": 0, "v": 2.0}, {"key": 1, "v": 3.0}, {"key": 2, "v": 1.0}]
+    assert [r["key"] for r in gather_records([{"key": "b"}, {"key": "a"}, {"key": "b"}])] == ["a", "b"]
+    assert gather_records([]) == []
+    for bad in ({"v": 1.0}, {"key": 1.5}, {"key": None}, ("key", 1)):
+        with pytest.raises(TypeError, match="key"):
+            gather_records([bad])
+
+
+def test_segmentation_records_summarize_like_the_score_tensors(tmp_path):
+    module = _module(tmp_path)  # labels bg, a, b
+    dice = torch.tensor([[0.5, float("nan")], [0.25, 1.0], [0.75, 0.5]])
+    hd95 = torch.tensor([[2.0, float("nan")], [4.0, 1.0], [3.0, 6.0]])
+    records = [{"key": i, "dice": d, "hd95": h} for i, (d, h) in enumerate(zip(dice.tolist(), hd95.tolist()))]
+    assert module.summarize_records(records) == summarize(dice, hd95, ["a", "b"])
+    assert module.summarize_records(records[:1] + records[1:])["cases"] == 3
+    assert module.summarize_records([])["cases"] == 0
+
+
+@pytest.mark.parametrize("key", ["max_steps", "max_epochs"])
+@pytest.mark.parametrize("value", [0, -1, 2.5, True, "10"])
+def test_step_and_epoch_limits_must_be_positive(tmp_path, key, value):
+    with pytest.raises(ConfigError, match=f"trainer.{key}"):
+        build_trainer({key: value, "accelerator": "cpu"}, tmp_path)
+
+
+def test_step_and_epoch_limits(tmp_path):
+    by_steps = build_trainer({"max_steps": 3, "max_epochs": None, "accelerator": "cpu"}, tmp_path)
+    assert by_steps.max_steps == 3 and by_steps.max_epochs in (None, -1)
+    by_epochs = build_trainer({"max_epochs": 2, "accelerator": "cpu"}, tmp_path)
+    assert (by_epochs.max_steps, by_epochs.max_epochs) == (-1, 2)
+    assert build_trainer({"accelerator": "cpu"}, tmp_path).max_epochs == 100
+
+
+class Scripted(SegmentationModule):
+    """Validation scores from a list instead of predictions: the test decides which step is best."""
+
+    def __init__(self, config: dict, scores: list[float]) -> None:
+        super().__init__(config)
+        self.scores = list(scores)
+
+    def validation_records(self, batch: dict) -> list[dict]:
+        return [{"key": k} for k in item_keys(batch)]
+
+    def summarize_records(self, records: list[dict]) -> dict:
+        return {"dice": self.scores.pop(0), "cases": len(records)}
+
+
+# 3 training cases in batches of 2: two steps per epoch. (trainer settings, scores of the
+# validations, their steps, the step of best.ckpt): the best mid-run; the best at a final step
+# that ends within an epoch; the best at a final epoch that the schedule does not validate.
+SCHEDULES = [
+    ({"max_steps": 5}, [0.2, 0.9, 0.5], [2, 4, 5], 4),
+    ({"max_steps": 5}, [0.2, 0.5, 0.9], [2, 4, 5], 5),
+    ({"max_steps": None, "max_epochs": 3, "check_val_every_n_epoch": 2}, [0.3, 0.8], [4, 6], 6),
+]
+
+
+@pytest.mark.parametrize(("trainer", "scores", "steps", "best_step"), SCHEDULES)
+def test_best_checkpoint_is_written_by_model_checkpoint_alone(tmp_path, dataset, monkeypatch, capfd, trainer, scores, steps, best_step):
+    saved = []
+    save = AtomicCheckpointIO.save_checkpoint
+
+    def recording_save(self, checkpoint, path, storage_options=None):
+        saved.append((Path(path).name, checkpoint["global_step"]))
+        return save(self, checkpoint, path, storage_options)
+
+    monkeypatch.setattr(AtomicCheckpointIO, "save_checkpoint", recording_save)
+    out = tmp_path / "run"
+    config = tiny_config(dataset, out, progress_bar=True, **trainer)
+    cases = btcv.datalist(config)
+    module = Scripted(btcv.module_config(config, model_config("b0"), cases.label_names), scores)
+    summary = fit(module, btcv.datamodule(config, cases), out, config["trainer"])
+    assert summary == {"dice": scores[-1], "cases": 1} and not module.scores  # every scheduled validation ran, and the final one
+    with (out / "metrics.csv").open() as f:
+        assert [int(r["step"]) for r in csv.DictReader(f)] == steps
+    # best.ckpt: saved at every improvement, by ModelCheckpoint through the checkpoint IO, never copied
+    improvements = [s for i, s in enumerate(steps) if scores[i] == max(scores[: i + 1])]
+    assert [s for name, s in saved if name == "best.ckpt"] == improvements
+    assert [s for name, s in saved if name == "last.ckpt"] == steps
+    assert {name for name, _ in saved} == {"best.ckpt", "last.ckpt"}
+    best = torch.load(out / "best.ckpt", weights_only=True)
+    [state] = [v for k, v in best["callbacks"].items() if "val/dice" in k]
+    assert best["global_step"] == best_step and float(state["best_model_score"]) == pytest.approx(max(scores))
+    assert torch.load(out / "last.ckpt", weights_only=True)["global_step"] == steps[-1]
+    printed = capfd.readouterr()
+    bar = printed.out + printed.err
+    if trainer.get("max_steps"):  # the bar counts steps up to max_steps, not epochs up to -1
+        assert "5/5" in bar and "/-" not in bar

@@ -1,6 +1,6 @@
 """What every task's LightningModule shares: the network from a config, the gate regularisers
-in the loss, AdamW with warm-up and cosine decay, tau calibration before validation, and
-gathering per-item validation rows across processes."""
+in the loss, AdamW with warm-up and cosine decay, tau calibration before validation (the same
+inputs on every process), and per-item validation records gathered across processes."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from abc import ABCMeta, abstractmethod
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from monai.data import MetaTensor
 from torch import nn
 
@@ -15,13 +16,45 @@ from hsmla_med.config import build_network
 from hsmla_med.engine.schedule import WarmupCosine
 from hsmla_med.nn import GatedNetwork, calibrate_tau
 
-__all__ = ["GatedModule", "hparams", "plain"]
+__all__ = ["GatedModule", "gather_records", "hparams", "item_keys", "plain"]
 
 
 def plain(x: torch.Tensor) -> torch.Tensor:
     """The tensor without MONAI metadata: the network indexes its batch, and a batched
     MetaTensor refuses indexing when its items' metadata differ."""
     return x.as_tensor() if isinstance(x, MetaTensor) else x
+
+
+def item_keys(batch: dict) -> list:
+    """The item keys of a validation batch: its ``case`` entry (one int or string per item)."""
+    case = batch["case"]
+    if isinstance(case, torch.Tensor):
+        return case.reshape(-1).tolist()
+    if isinstance(case, (str, int)):
+        return [case]
+    return [c.item() if isinstance(c, torch.Tensor) else c for c in case]
+
+
+def gather_records(records: list[dict]) -> list[dict]:
+    """All processes' validation records, each item once, in key order.
+
+    A record is a dict with ``"key"`` (the item's int or string key) and named, picklable fields.
+    Under ``torch.distributed`` with more than one process every process receives every
+    process's records (``all_gather_object``); the distributed sampler pads the validation set
+    with repeated items so that every process gets as many, and the first record of each key is
+    kept.
+    """
+    for record in records:
+        if not isinstance(record, dict) or not isinstance(record.get("key"), (int, str)) or isinstance(record["key"], bool):
+            raise TypeError(f"a validation record is a dict with an int or string 'key', got {record!r:.200}")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        parts: list[list[dict] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, records)
+        records = [r for part in parts for r in part or []]
+    unique: dict = {}
+    for record in records:
+        unique.setdefault(record["key"], record)
+    return [unique[k] for k in sorted(unique, key=lambda k: (isinstance(k, str), k))]
 
 
 def hparams(config: dict, model: dict, label_names, spatial_dims: int, in_channels: int, inference: dict, data: dict) -> dict:
@@ -52,9 +85,14 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
         network: use this network instead of building one from ``config["network"]``.
         kind: ``"segmentation"`` or ``"classification"`` (which network the config builds).
 
-    Subclasses implement ``task_loss(logits, batch)``, ``validation_step`` (appending rows whose
-    first column is a unique item index to ``self.rows``) and ``summarize_rows(rows)``, and name
-    in ``monitor`` the summary key that selects ``best.ckpt`` (higher is better).
+    Subclasses implement ``task_loss(logits, batch)``, ``validation_records(batch)`` (one record
+    per validated item: a dict with the item's ``"key"``, see :func:`gather_records`, and named
+    fields) and ``summarize_records(records)``, and name in ``monitor`` the summary key that
+    selects ``best.ckpt`` (higher is better).
+
+    After each validation, on every process: ``records`` holds the gathered records (each item
+    once, in key order), ``summary`` their metrics (JSON-friendly), and ``calibrated_tau`` the
+    ``{layer: tau}`` that the calibration before it set.
     """
 
     monitor = "dice"
@@ -67,10 +105,11 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
         self.network = network or build_network(
             config["network"], config["spatial_dims"], config["in_channels"], len(self.label_names), kind
         )
-        self.rows: list[torch.Tensor] = []
+        self._records: list[dict] = []  # this process's records of the running validation
         self._calibration_batch: torch.Tensor | None = None
+        self.records: list[dict] | None = None  # the last validation's records, all processes'
         self.summary: dict | None = None  # the last validation's metrics
-        self.validated_step = -1
+        self.calibrated_tau: dict[str, float] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.network(x)
@@ -80,8 +119,12 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
         """The task's loss of float32 ``logits`` against the batch's targets."""
 
     @abstractmethod
-    def summarize_rows(self, rows: torch.Tensor) -> dict:
-        """Metrics (JSON-friendly) from the gathered validation rows, one per item."""
+    def validation_records(self, batch: dict) -> list[dict]:
+        """One record per item of a validation batch: ``{"key": item key, **named fields}``."""
+
+    @abstractmethod
+    def summarize_records(self, records: list[dict]) -> dict:
+        """Metrics (JSON-friendly) from the gathered validation records, one per item."""
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         image = plain(batch["image"])
@@ -101,42 +144,28 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
         # Inference routes hard with threshold tau; put it where the gate of the current weights
         # selects the target share of tiles (DESIGN.md §3.8), using recent training inputs.
         target = self.config["inference"].get("target_alpha")
-        if target is not None and self._calibration_batch is not None and isinstance(self.network, GatedNetwork):
-            calibrate_tau(self.network, self._calibration_batch, target)
-        self.rows = []
+        if target is not None and isinstance(self.network, GatedNetwork):
+            batch = self._calibration_batch
+            if self.trainer.world_size > 1:
+                # each process trained on other inputs last; rank 0's set tau on every process
+                batch = self.trainer.strategy.broadcast(None if batch is None else batch.cpu(), src=0)
+            if batch is not None:
+                self.calibrated_tau = calibrate_tau(self.network, batch.to(self.device), target)
+        self._records = []
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self._records.extend(self.validation_records(batch))
 
     def on_validation_epoch_end(self) -> None:
-        self.summary = self.summarize_rows(self.gather_rows())
-        self.validated_step = self.global_step
+        self.records = gather_records(self._records)
+        self._records = []
+        self.summary = self.summarize_records(self.records)
         # every rank holds the same gathered summary, so logging needs no further reduction
         for key, value in self.summary.items():
             if key == self.monitor and value is None:
                 value = float("nan")  # undefined (e.g. AUC with one class): never the best
             if isinstance(value, (int, float)) and key not in ("cases", "slides"):
                 self.log(f"val/{key}", float(value), prog_bar=key == self.monitor)
-
-    def gather_rows(self) -> torch.Tensor:
-        """All processes' validation rows, one per item (CPU).
-
-        Lightning's distributed sampler pads the validation set with repeated items so that every
-        rank gets as many; the first column (the item's index) lets us keep each item once.
-        """
-        rows = torch.cat(self.rows) if self.rows else torch.zeros(0, 0)
-        if self.trainer.world_size > 1:
-            width = torch.tensor(rows.shape[1], device=self.device)
-            width = int(self.all_gather(width).max())
-            count = self.all_gather(torch.tensor(rows.shape[0], device=self.device))
-            padded = torch.full((int(count.max()), width), -1.0, device=self.device)  # index -1: padding
-            padded[: rows.shape[0], : rows.shape[1]] = rows.to(self.device)
-            rows = self.all_gather(padded).reshape(-1, width)
-            rows = rows[rows[:, 0] >= 0]
-        rows = rows.cpu()
-        if rows.numel() == 0:
-            return rows
-        rows = rows[torch.argsort(rows[:, 0], stable=True)]
-        first = torch.ones(rows.shape[0], dtype=torch.bool)
-        first[1:] = rows[1:, 0] != rows[:-1, 0]
-        return rows[first]
 
     def configure_optimizers(self):
         optim = self.config["optim"]

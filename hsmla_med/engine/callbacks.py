@@ -1,5 +1,6 @@
-"""A run's result files: ``metrics.json``/``metrics.csv`` after every validation (a callback) and
-the training-curve PNG."""
+"""Callbacks of a training run: its result files (``metrics.json``, ``metrics.csv`` and the
+training-curve PNG, all owned by :class:`MetricsWriter`), the validation of the final step
+(:class:`ValidateFinalStep`) and a progress bar that counts steps (:class:`StepProgressBar`)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,33 @@ import csv
 from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.callbacks import TQDMProgressBar
 
 from hsmla_med.io import atomic_path, write_json
 
-__all__ = ["MetricsWriter", "training_curve"]
+__all__ = ["MetricsWriter", "StepProgressBar", "ValidateFinalStep", "training_curve"]
 
 
 class MetricsWriter(L.Callback):
-    """After every validation, (re)write ``OUTPUT/metrics.json`` with the module's ``summary`` plus
-    ``epoch`` and ``step``, and append a row to ``OUTPUT/metrics.csv``. Rank zero writes."""
+    """The one writer of a run's metric files (rank zero writes).
 
-    def __init__(self, output: str | Path) -> None:
+    After every validation it (re)writes ``OUTPUT/metrics.json`` with the module's ``summary`` plus
+    ``epoch`` and ``step``, and adds that step's row to ``OUTPUT/metrics.csv``; when training ends
+    it draws ``OUTPUT/training_curve.png`` from the CSV logger files ``curve_logs`` (in run order:
+    a resumed run lists those of the runs it continues).
+    """
+
+    def __init__(self, output: str | Path, curve_logs: list[Path] | None = None) -> None:
         self.output = Path(output)
+        self.curve_logs = list(curve_logs or [])
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        for logger in trainer.loggers:  # flush the final validation's rows
+            logger.save()
+        if self.curve_logs:
+            training_curve(self.curve_logs, self.output / "training_curve.png", module.monitor)
 
     def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         if trainer.sanity_checking or module.summary is None or not trainer.is_global_zero:
@@ -38,10 +54,55 @@ class MetricsWriter(L.Callback):
                 # a resumed run re-validating a step replaces that step's row
                 rows = [r for r in csv.DictReader(f) if r["step"] != str(row["step"])]
         rows.append(row)
+        columns = list(dict.fromkeys(key for r in rows for key in r))  # earlier rows may lack a column
         with atomic_path(table) as tmp, tmp.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(row))
+            writer = csv.DictWriter(f, fieldnames=columns)
             writer.writeheader()
             writer.writerows(rows)
+
+
+class ValidateFinalStep(L.Callback):
+    """Validate after the last training step even where the schedule would not (``max_steps``
+    reached within an epoch, or a final epoch that ``check_val_every_n_epoch`` skips).
+
+    The validation runs inside the fit loop, so that ``ModelCheckpoint`` (which saves only while
+    fitting) writes ``best.ckpt`` and ``last.ckpt`` of the final weights like any others. Lightning
+    validates after a batch that asks the trainer to stop; in an epoch that the schedule skips it
+    does so only once ``check_val_every_n_epoch`` is lifted, which this does on that last step.
+    """
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        by_steps = trainer.max_steps is not None and trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps
+        last_batch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        by_epochs = trainer.max_epochs is not None and trainer.max_epochs > 0 and last_batch and trainer.current_epoch + 1 >= trainer.max_epochs
+        if not (by_steps or by_epochs):
+            return
+        trainer.should_stop = True
+        every = trainer.check_val_every_n_epoch
+        if every is not None and (trainer.current_epoch + 1) % every != 0:
+            trainer.check_val_every_n_epoch = None
+
+
+class StepProgressBar(TQDMProgressBar):
+    """Lightning's tqdm progress bar; training by ``max_steps``, its training bar counts optimizer
+    steps up to ``max_steps`` (``Epoch 7: 120/300 step``) instead of an epoch's batches."""
+
+    def on_train_epoch_start(self, trainer: L.Trainer, *args) -> None:
+        super().on_train_epoch_start(trainer, *args)
+        if trainer.max_steps > 0:
+            bar = self.train_progress_bar
+            bar.reset(total=trainer.max_steps)
+            bar.unit = "step"
+            bar.n = trainer.global_step
+            bar.refresh()
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        if trainer.max_steps <= 0:
+            return super().on_train_batch_end(trainer, module, outputs, batch, batch_idx)
+        bar, n = self.train_progress_bar, trainer.global_step
+        if bar is not None and self._should_update(n, bar.total):
+            bar.n = n
+            bar.set_postfix(self.get_metrics(trainer, module))
 
 
 def training_curve(csv_logs: list[Path], path: str | Path, monitor: str = "dice") -> None:

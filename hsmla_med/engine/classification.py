@@ -8,27 +8,31 @@ import numpy as np
 import torch
 from torch import nn
 
-from hsmla_med.engine.base import GatedModule, plain
+from hsmla_med.engine.base import GatedModule, item_keys, plain
 from hsmla_med.metrics.pathology import auc, detect_lesions, lesion_froc, slide_score
 
 __all__ = ["ClassificationModule", "slide_maps"]
 
-# columns of a validation row
-_INDEX, _SLIDE, _ROW, _COL, _PROB, _LABEL, _LESION, _SLIDE_LABEL = range(8)
+_FIELDS = ("slide", "row", "col", "prob", "label", "lesion", "slide_label")  # of a validation record, with "key"
 
 
-def slide_maps(rows: torch.Tensor) -> list[tuple[np.ndarray, np.ndarray, int]]:
-    """Per slide (in slide-index order): the tumour-probability map on the patch grid (NaN where
-    no patch), the lesion-id map on the same grid, and the slide label."""
+def slide_maps(records: list[dict]) -> list[tuple[np.ndarray, np.ndarray, int]]:
+    """Per slide (in slide-index order) of patch records (see :class:`ClassificationModule`):
+    the tumour-probability map on the patch grid (NaN where no patch), the lesion-id map on the
+    same grid, and the slide label."""
+    by_slide: dict[int, list[dict]] = {}
+    for record in records:
+        by_slide.setdefault(int(record["slide"]), []).append(record)
     maps = []
-    for slide in torch.unique(rows[:, _SLIDE]).tolist():
-        r = rows[rows[:, _SLIDE] == slide].numpy()
-        rr, cc = r[:, _ROW].astype(int), r[:, _COL].astype(int)
+    for slide in sorted(by_slide):
+        patches = by_slide[slide]
+        rr = np.array([p["row"] for p in patches], dtype=np.int64)
+        cc = np.array([p["col"] for p in patches], dtype=np.int64)
         prob = np.full((rr.max() + 1, cc.max() + 1), np.nan)
         lesion = np.zeros(prob.shape, dtype=np.int64)
-        prob[rr, cc] = r[:, _PROB]
-        lesion[rr, cc] = r[:, _LESION].astype(np.int64)
-        maps.append((prob, lesion, int(r[0, _SLIDE_LABEL])))
+        prob[rr, cc] = [p["prob"] for p in patches]
+        lesion[rr, cc] = [p["lesion"] for p in patches]
+        maps.append((prob, lesion, int(patches[0]["slide_label"])))
     return maps
 
 
@@ -45,7 +49,9 @@ class ClassificationModule(GatedModule):
     Training batches: ``image`` ``(B, C, h, w)``, ``label`` ``(B,)`` (1 = tumour). Validation
     batches also carry ``case`` (patch index), ``slide_index``, ``row``/``col`` (the
     patch's cell on the slide's grid), ``lesion`` (id of the annotated lesion under the patch,
-    0 = none) and ``slide_label``.
+    0 = none) and ``slide_label``. A validation record is a patch: ``key`` (its ``case``),
+    ``slide``, ``row``, ``col``, ``prob`` (tumour probability), ``label``, ``lesion``,
+    ``slide_label``.
     """
 
     monitor = "auc"
@@ -57,16 +63,15 @@ class ClassificationModule(GatedModule):
     def task_loss(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
         return self.loss(logits, plain(batch["label"]).long().reshape(-1))
 
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
-        prob = torch.softmax(self.network(plain(batch["image"])).float(), dim=1)[:, 1]
-        keys = ("case", "slide_index", "row", "col")
-        columns = [torch.as_tensor(batch[k]).reshape(-1).float().cpu() for k in keys]
-        columns += [prob.cpu()] + [torch.as_tensor(batch[k]).reshape(-1).float().cpu() for k in ("label", "lesion", "slide_label")]
-        self.rows.append(torch.stack(columns, dim=1))
+    def validation_records(self, batch: dict) -> list[dict]:
+        prob = torch.softmax(self.network(plain(batch["image"])).float(), dim=1)[:, 1].cpu().tolist()
+        ints = lambda k: torch.as_tensor(batch[k]).reshape(-1).long().tolist()  # noqa: E731
+        columns = zip(ints("slide_index"), ints("row"), ints("col"), prob, ints("label"), ints("lesion"), ints("slide_label"))
+        return [{"key": key, **dict(zip(_FIELDS, values))} for key, values in zip(item_keys(batch), columns)]
 
-    def summarize_rows(self, rows: torch.Tensor) -> dict:
+    def summarize_records(self, records: list[dict]) -> dict:
         inference = self.config["inference"]
-        maps = slide_maps(rows)
+        maps = slide_maps(records)
         scores = [slide_score(prob, inference["slide_sigma"]) for prob, _, _ in maps]
         slide_labels = [label for _, _, label in maps]
         detections = [detect_lesions(prob, inference["lesion_threshold"], inference["lesion_radius"]) for prob, _, _ in maps]
@@ -74,9 +79,9 @@ class ClassificationModule(GatedModule):
         finite = lambda v: None if v is None or not np.isfinite(v) else float(v)  # noqa: E731
         return {
             "auc": finite(auc(scores, slide_labels)),
-            "patch_auc": finite(auc(rows[:, _PROB].numpy(), rows[:, _LABEL].numpy())),
+            "patch_auc": finite(auc(np.array([r["prob"] for r in records]), np.array([r["label"] for r in records]))),
             "froc": finite(froc["froc"]),
             "froc_sensitivity": froc["sensitivity"],
             "slides": len(maps),
-            "cases": int(rows.shape[0]),
+            "cases": len(records),
         }

@@ -7,13 +7,11 @@ import numpy as np
 import torch
 
 from hsmla_med.data.luna16 import voxel_to_lps
-from hsmla_med.engine.base import plain
+from hsmla_med.engine.base import item_keys, plain
 from hsmla_med.engine.segmentation import SegmentationModule
 from hsmla_med.metrics.detection import extract_candidates, match_candidates, nodule_froc
 
 __all__ = ["DetectionModule", "scan_candidates"]
-
-_PADDING = -3  # match code of unused candidate slots in a validation row
 
 
 def scan_candidates(prob: np.ndarray, affine, inference: dict) -> np.ndarray:
@@ -30,14 +28,14 @@ class DetectionModule(SegmentationModule):
 
     Validation batches are single scans: ``image`` ``(1, 1, X, Y, Z)`` with its RAS affine,
     ``nodules`` and ``excluded`` ``(1, n, 4)`` (LPS centre and diameter, mm) and ``case``. Each
-    scan gives one row: its index, its nodule count, then ``max_candidates`` pairs of
-    (probability, match code) — fixed width, so rows gather across processes like any other.
+    scan gives one record: ``key`` (its ``case``), ``nodules`` (its nodule count), and its
+    candidates' ``probs`` and match ``codes`` (:func:`~hsmla_med.metrics.detection.match_candidates`).
     ``config["inference"]`` also holds ``candidate_threshold`` and ``max_candidates``.
     """
 
     monitor = "cpm"
 
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
+    def validation_records(self, batch: dict) -> list[dict]:
         image = batch["image"]
         inference = self.config["inference"]
         prob = self.predict_probabilities(plain(image))[0, 1].float().cpu().numpy()
@@ -45,17 +43,11 @@ class DetectionModule(SegmentationModule):
         found = scan_candidates(prob, affine, inference)
         nodules = torch.as_tensor(batch["nodules"]).reshape(-1, 4).numpy()
         codes = match_candidates(found, nodules, torch.as_tensor(batch["excluded"]).reshape(-1, 4).numpy())
-        pairs = np.full((inference["max_candidates"], 2), _PADDING, dtype=np.float64)
-        pairs[: len(found)] = np.stack([found[:, 3], codes], axis=1)
-        row = np.concatenate([[float(torch.as_tensor(batch["case"]).reshape(-1)[0]), len(nodules)], pairs.reshape(-1)])
-        self.rows.append(torch.as_tensor(row, dtype=torch.float64)[None])
+        [key] = item_keys(batch)
+        return [{"key": key, "nodules": len(nodules), "probs": found[:, 3].tolist(), "codes": np.asarray(codes).tolist()}]
 
-    def summarize_rows(self, rows: torch.Tensor) -> dict:
-        scans = []
-        for row in rows.numpy():
-            pairs = row[2:].reshape(-1, 2)
-            pairs = pairs[pairs[:, 1] != _PADDING]
-            scans.append((pairs[:, 0], pairs[:, 1].astype(np.int64), int(row[1])))
+    def summarize_records(self, records: list[dict]) -> dict:
+        scans = [(np.asarray(r["probs"], dtype=np.float64), np.asarray(r["codes"], dtype=np.int64), int(r["nodules"])) for r in records]
         summary = nodule_froc(scans)
         summary["cases"] = summary.pop("scans")
         return summary

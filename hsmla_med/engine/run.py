@@ -1,24 +1,26 @@
-"""Running the Lightning loop for any task: trainer construction, fit with a final validation,
-resume, evaluation, and checkpoint loading with ``weights_only=True``."""
+"""Running the Lightning loop for any task: trainer construction, fit (its final step always
+validated), resume, evaluation, and checkpoint loading with ``weights_only=True``."""
 
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_only
 from lightning_utilities.core.imports import module_available
 
-from hsmla_med.engine.callbacks import MetricsWriter, training_curve
-from hsmla_med.errors import DataError, InputError
-from hsmla_med.io import atomic_path
+from hsmla_med.engine.callbacks import MetricsWriter, StepProgressBar, ValidateFinalStep
+from hsmla_med.engine.checkpoint import AtomicCheckpointIO
+from hsmla_med.errors import ConfigError, DataError, InputError
+from hsmla_med.io import remove_stale_temporaries
 
 __all__ = ["build_trainer", "fit", "evaluate", "load_module"]
+
+# what hsmla_med.engine.base.hparams writes into every checkpoint
+_HPARAMS = ("task", "network", "spatial_dims", "in_channels", "label_names", "optim", "loss", "inference", "data")
 
 log = logging.getLogger("hsmla_med")
 
@@ -43,10 +45,28 @@ def _loggers(output: Path) -> list:
     return loggers
 
 
+def _limit(trainer_cfg: dict, key: str) -> int | None:
+    """``trainer.max_steps``/``trainer.max_epochs``: a positive whole number, or unset (None)."""
+    value = trainer_cfg.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"trainer.{key} must be a positive whole number (or null), got {value!r}")
+    return value
+
+
 def build_trainer(trainer_cfg: dict, output: Path, callbacks: list | None = None, loggers: list | None = None) -> L.Trainer:
     """A ``lightning.Trainer`` from the ``trainer`` config section; ``accelerator``, ``devices``,
     ``num_nodes`` and ``strategy`` pass straight through, so ``strategy: ddp`` with several
-    devices or nodes runs Lightning's DDP."""
+    devices or nodes runs Lightning's DDP.
+
+    Training lasts ``max_steps`` optimizer steps or ``max_epochs`` epochs (100 when neither is
+    set); a value below 1 raises :class:`~hsmla_med.errors.ConfigError`. Checkpoints are written
+    atomically (:class:`~hsmla_med.engine.checkpoint.AtomicCheckpointIO`); the progress bar, when
+    enabled, counts steps when training by steps (:class:`StepProgressBar`).
+    """
+    max_steps, max_epochs = _limit(trainer_cfg, "max_steps"), _limit(trainer_cfg, "max_epochs")
+    progress_bar = bool(trainer_cfg.get("progress_bar", True))
     return L.Trainer(
         default_root_dir=output,
         accelerator=trainer_cfg.get("accelerator", "auto"),
@@ -54,69 +74,60 @@ def build_trainer(trainer_cfg: dict, output: Path, callbacks: list | None = None
         num_nodes=trainer_cfg.get("num_nodes", 1),
         strategy=trainer_cfg.get("strategy", "auto"),
         precision=_precision(trainer_cfg),
-        max_steps=trainer_cfg.get("max_steps") or -1,
-        max_epochs=trainer_cfg.get("max_epochs") or (None if trainer_cfg.get("max_steps") else 100),
+        max_steps=max_steps or -1,
+        max_epochs=max_epochs or (None if max_steps else 100),
         gradient_clip_val=trainer_cfg.get("gradient_clip_val"),
         check_val_every_n_epoch=trainer_cfg.get("check_val_every_n_epoch", 1),
         log_every_n_steps=trainer_cfg.get("log_every_n_steps", 10),
         num_sanity_val_steps=0,
-        enable_progress_bar=trainer_cfg.get("progress_bar", True),
+        enable_progress_bar=progress_bar,
         enable_model_summary=False,
         logger=loggers or False,
-        callbacks=callbacks or [],
+        callbacks=[*(callbacks or []), *([StepProgressBar()] if progress_bar else [])],
+        plugins=[AtomicCheckpointIO()],
     )
 
 
 def fit(module: L.LightningModule, datamodule: L.LightningDataModule, output: str | Path, trainer_cfg: dict, resume: bool = False) -> dict:
-    """Train, validate once more at the end if the last step was not validated, and leave
-    ``last.ckpt``, ``best.ckpt`` (highest ``val/<module.monitor>``), ``metrics.json``, ``metrics.csv``,
-    ``logs/metrics.csv`` and ``training_curve.png`` in ``output``. Returns the final summary.
+    """Train and leave in ``output``: ``last.ckpt`` (the latest validated state), ``best.ckpt``
+    (highest ``val/<module.monitor>``), ``metrics.json``, ``metrics.csv``, ``logs/metrics.csv`` and
+    ``training_curve.png``. Returns the final validation's summary (``module.summary``).
 
-    ``resume`` continues from ``output/last.ckpt``: weights, optimizer, learning-rate schedule and
-    step count; ``max_steps``/``max_epochs`` are the totals to reach, not additional steps.
+    The final step is always validated, inside the fit loop (:class:`ValidateFinalStep`), so two
+    ``ModelCheckpoint`` callbacks own the checkpoints: one keeps ``best.ckpt``, the other
+    rewrites ``last.ckpt`` after every validation. Both write atomically, and temporaries that
+    killed runs left in ``output`` are removed first (:func:`~hsmla_med.io.remove_stale_temporaries`).
+
+    ``resume`` continues from ``output/last.ckpt``: weights, optimizer, learning-rate schedule,
+    step count and the best score so far; ``max_steps``/``max_epochs`` are the totals to reach, not
+    additional steps. An empty or truncated ``last.ckpt`` raises :class:`~hsmla_med.errors.DataError`.
     """
     output = Path(output)
-    last, best = output / "last.ckpt", output / "best.ckpt"
+    last = output / "last.ckpt"
     if resume and not last.is_file():
         raise InputError(f"{last}: no checkpoint to resume from")
-    checkpoints = ModelCheckpoint(
+    remove_stale_temporaries(output)
+    best_checkpoint = ModelCheckpoint(
         dirpath=output,
         filename="best",
         monitor=f"val/{module.monitor}",
         mode="max",
         save_top_k=1,
-        save_last=True,
         auto_insert_metric_name=False,
         enable_version_counter=False,
     )
+    # no monitor: the one "top-1" checkpoint is rewritten at every validation
+    last_checkpoint = ModelCheckpoint(dirpath=output, filename="last", save_top_k=1, enable_version_counter=False)
     loggers = _loggers(output)
-    trainer = build_trainer(trainer_cfg, output, [checkpoints, MetricsWriter(output)], loggers)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resume else None, weights_only=True)
-    trainer.save_checkpoint(last, weights_only=False)  # the final state, whatever the checkpoint schedule saw
-    if module.validated_step != trainer.global_step:
-        best_before = checkpoints.best_model_score
-        trainer.validate(module, datamodule=datamodule, verbose=False)
-        score = module.summary.get(module.monitor)
-        if score is not None and (best_before is None or score > float(best_before) or not best.exists()):
-            _copy_rank_zero(last, best)
     # the curve of a resumed run includes the rows of the runs it continues
     version = loggers[0].version
     logs = [output / "logs" / f"version_{v}" / "metrics.csv" for v in (range(version + 1) if resume else [version])]
-    _finish_rank_zero(trainer, logs, output / "training_curve.png", module.monitor)
+    callbacks = [ValidateFinalStep(), MetricsWriter(output, logs), best_checkpoint, last_checkpoint]
+    trainer = build_trainer(trainer_cfg, output, callbacks, loggers)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resume else None, weights_only=True)
+    if module.summary is None:  # resumed at or past its step limit: no step trained, none validated
+        trainer.validate(module, datamodule=datamodule, verbose=False)
     return module.summary
-
-
-@rank_zero_only
-def _copy_rank_zero(source: Path, target: Path) -> None:
-    with atomic_path(target) as tmp:
-        shutil.copyfile(source, tmp)
-
-
-@rank_zero_only
-def _finish_rank_zero(trainer: L.Trainer, logs: list[Path], curve: Path, monitor: str) -> None:
-    for logger in trainer.loggers:
-        logger.save()
-    training_curve(logs, curve, monitor)
 
 
 def evaluate(module: L.LightningModule, datamodule: L.LightningDataModule, trainer_cfg: dict, output: str | Path) -> dict:

@@ -8,7 +8,7 @@ import torch
 from monai.losses import DiceCELoss
 from torch import nn
 
-from hsmla_med.engine.base import GatedModule, plain
+from hsmla_med.engine.base import GatedModule, item_keys, plain
 from hsmla_med.inference.sliding import predict_volume
 from hsmla_med.metrics import case_scores, frame_scores, summarize, summarize_frames
 
@@ -30,8 +30,9 @@ class SegmentationModule(GatedModule):
 
     Batches are dicts with ``image`` ``(B, C, *spatial)`` and ``label`` ``(B, 1, *spatial)``;
     validation batches are whole volumes ``(1, C, H, W, D)`` with their MetaTensor affine (for the
-    voxel spacing of HD95) and ``case`` (an index that makes the gathered metrics exact when a
-    distributed sampler pads the validation set with repeats).
+    voxel spacing of HD95) and ``case`` (the item key that makes the gathered metrics exact when a
+    distributed sampler pads the validation set with repeats). A validation record holds a
+    volume's per-class (foreground) ``dice`` and ``hd95`` lists (NaN where undefined).
     """
 
     monitor = "dice"
@@ -57,17 +58,21 @@ class SegmentationModule(GatedModule):
             slab=inference["slab"],
         )
 
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
+    def validation_records(self, batch: dict) -> list[dict]:
         image, label = batch["image"], batch["label"]
         spacing = voxel_spacing(image.affine).tolist()
         pred = self.predict_probabilities(plain(image)).argmax(dim=1, keepdim=True)
         dice, hd95 = case_scores(pred.cpu(), plain(label).cpu(), len(self.label_names), spacing=spacing)
-        case = torch.as_tensor(batch["case"], dtype=torch.float32).reshape(-1, 1)
-        self.rows.append(torch.cat([case, dice, hd95], dim=1))
+        return [{"key": k, "dice": d, "hd95": h} for k, d, h in zip(item_keys(batch), dice.tolist(), hd95.tolist())]
 
-    def summarize_rows(self, rows: torch.Tensor) -> dict:
-        n = len(self.label_names) - 1
-        return summarize(rows[:, 1 : 1 + n], rows[:, 1 + n :], self.label_names[1:])
+    def summarize_records(self, records: list[dict]) -> dict:
+        dice, hd95 = _columns(records, ("dice", "hd95"), len(self.label_names) - 1)
+        return summarize(dice, hd95, self.label_names[1:])
+
+
+def _columns(records: list[dict], fields: tuple[str, ...], classes: int) -> list[torch.Tensor]:
+    """Per-class score lists of the records as float32 tensors ``(items, classes)``."""
+    return [torch.tensor([r[f] for r in records], dtype=torch.float32).reshape(len(records), classes) for f in fields]
 
 
 class FrameSegmentationModule(SegmentationModule):
@@ -76,7 +81,8 @@ class FrameSegmentationModule(SegmentationModule):
     present, :func:`~hsmla_med.metrics.summarize_frames`) instead of per volume with HD95.
 
     Batches are dicts with ``image`` ``(B, C, H, W)`` and ``label`` ``(B, 1, H, W)``; validation
-    batches also carry ``case`` (the frame's index). ``config["inference"]`` as for
+    batches also carry ``case`` (the frame's key). A validation record holds a frame's per-class
+    ``dice`` and ``iou`` lists (NaN where the class is absent from both). ``config["inference"]`` as for
     :class:`SegmentationModule`, with ``slab`` 1 (a frame is one slice).
     """
 
@@ -85,12 +91,11 @@ class FrameSegmentationModule(SegmentationModule):
         volume of one slice to :meth:`SegmentationModule.predict_probabilities`."""
         return super().predict_probabilities(image[..., None])[..., 0]
 
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
+    def validation_records(self, batch: dict) -> list[dict]:
         pred = self.predict_probabilities(plain(batch["image"])).argmax(dim=1, keepdim=True)
         dice, iou = frame_scores(pred.cpu(), plain(batch["label"]).cpu(), len(self.label_names))
-        case = torch.as_tensor(batch["case"], dtype=torch.float32).reshape(-1, 1)
-        self.rows.append(torch.cat([case, dice, iou], dim=1))
+        return [{"key": k, "dice": d, "iou": i} for k, d, i in zip(item_keys(batch), dice.tolist(), iou.tolist())]
 
-    def summarize_rows(self, rows: torch.Tensor) -> dict:
-        n = len(self.label_names) - 1
-        return summarize_frames(rows[:, 1 : 1 + n], rows[:, 1 + n :], self.label_names[1:])
+    def summarize_records(self, records: list[dict]) -> dict:
+        dice, iou = _columns(records, ("dice", "iou"), len(self.label_names) - 1)
+        return summarize_frames(dice, iou, self.label_names[1:])
