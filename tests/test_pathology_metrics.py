@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from hsmla_med.metrics.pathology import auc, detect_lesions, lesion_froc, lesion_labels, slide_score
+from hsmla_med.metrics.pathology import _slide_fp_tp, auc, detect_lesions, lesion_froc, lesion_labels, slide_score
 
 RATES = ("0.25", "0.5", "1", "2", "4", "8")
 
@@ -159,6 +159,35 @@ def test_lesion_froc_hand_computed():
     assert result["lesions"] == 3 and result["slides"] == 2
     assert result["sensitivity"] == pytest.approx(expected)
     assert result["froc"] == pytest.approx((1 / 2 + 2 / 3 + 4) / 6)  # 31/36
+
+
+def former_slide_fp_tp(detections, labels):
+    """The hand-written counting that MONAI's compute_fp_tp_probs_nd replaced."""
+    lesion_ids = np.unique(labels[labels > 0])
+    tp, fp = np.zeros(lesion_ids.size), []
+    for prob, row, col in detections:
+        hit = labels[int(round(row)), int(round(col))]
+        if hit == 0:
+            fp.append(prob)
+        else:
+            k = np.searchsorted(lesion_ids, hit)
+            tp[k] = max(tp[k], prob)
+    return np.array(fp), tp
+
+
+def test_slide_fp_tp_matches_the_former_counting():
+    # the hand-computed slide above, then lesions numbered with gaps (2, 7: two lesions, not
+    # seven) hit off-centre (rounding), twice, and missed
+    tumour = three_lesion_slide()
+    cases = [(np.array([[0.9, 0, 0], [0.6, 1, 1], [0.8, 0, 5], [0.35, 6, 3], [0.3, 4, 4]]), tumour)]
+    gaps = np.where(tumour == 1, 2, np.where(tumour == 2, 7, 0))
+    cases.append((np.array([[0.7, 0.6, 1.4], [0.75, 0.2, 0.3], [0.2, 3.6, 3.4]]), gaps))
+    for detections, labels in cases:
+        fp, tp = _slide_fp_tp(detections, labels, 0)
+        old_fp, old_tp = former_slide_fp_tp(detections, labels)
+        np.testing.assert_allclose(fp, old_fp, rtol=1e-7)
+        np.testing.assert_allclose(tp, old_tp, rtol=1e-7)
+    assert _slide_fp_tp(*cases[1], 0)[1].tolist() == pytest.approx([0.75, 0.0])
 
 
 def test_lesion_froc_perfect_detector_is_one():

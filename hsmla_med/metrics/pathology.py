@@ -12,8 +12,8 @@ CAMELYON16 scores such maps twice:
   0.25, 0.5, 1, 2, 4 and 8 false positives per slide.
 
 The counting and the curve are MONAI's (``compute_roc_auc``, ``ProbNMS``,
-``compute_froc_curve_data``, ``compute_froc_score``); this module feeds them in the layout
-they expect and guards their edge cases (see each function).
+``compute_fp_tp_probs_nd``, ``compute_froc_curve_data``, ``compute_froc_score``); this module
+feeds them in the layout they expect and guards their edge cases (see each function).
 
 Everything works on the patch grid. The official evaluation additionally dilates lesion masks
 by 75 µm and ignores isolated tumour cells (lesions under 200 µm, where hits count neither as
@@ -28,10 +28,11 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from monai.metrics import compute_roc_auc
+from monai.metrics import compute_fp_tp_probs_nd, compute_roc_auc
 from monai.transforms import ProbNMS
 from scipy.ndimage import gaussian_filter
 from skimage.measure import label as connected_components
+from skimage.segmentation import relabel_sequential
 
 from hsmla_med.metrics.froc import froc_summary
 
@@ -144,22 +145,23 @@ def lesion_labels(tumour_mask: np.ndarray) -> np.ndarray:
     return connected_components(tumour_mask, connectivity=2).astype(np.int64)
 
 
-def _slide_fp_tp(detections: np.ndarray, labels: np.ndarray, slide: int) -> tuple[list[float], np.ndarray]:
-    """False-positive probabilities and per-lesion best probabilities (0 = missed) of one slide."""
-    lesion_ids = np.unique(labels[labels > 0])
-    tp = np.zeros(lesion_ids.size)
-    fp = []
-    for prob, row, col in detections:
-        r, c = int(round(row)), int(round(col))
-        if not (0 <= r < labels.shape[0] and 0 <= c < labels.shape[1]):
-            raise ValueError(f"slide {slide}: detection at ({row}, {col}) lies outside the {labels.shape} label map")
-        hit = labels[r, c]
-        if hit == 0:
-            fp.append(prob)
-        else:
-            # a lesion counts once, by its best detection; further hits are neither TP nor FP
-            k = np.searchsorted(lesion_ids, hit)
-            tp[k] = max(tp[k], prob)
+def _slide_fp_tp(detections: np.ndarray, labels: np.ndarray, slide: int) -> tuple[np.ndarray, np.ndarray]:
+    """False-positive probabilities and per-lesion best probabilities (0 = missed) of one slide,
+    by MONAI's ``compute_fp_tp_probs_nd`` (the official script's counting).
+
+    Around it: detections are rounded to grid cells and must lie on the map (MONAI would wrap
+    negative indices); lesion numbers are made consecutive (MONAI counts every number up to the
+    largest as a lesion); and probabilities are float32 on both sides, since MONAI returns the
+    true positives' in float32: a float64 false positive would otherwise break a tie with a
+    true positive of the same probability (0.8 as float32 is above 0.8 as float64).
+    """
+    cells = np.rint(detections[:, 1:]).astype(np.int64)
+    outside = ((cells < 0) | (cells >= labels.shape)).any(axis=1)
+    if outside.any():
+        row, col = detections[outside][0, 1:]
+        raise ValueError(f"slide {slide}: detection at ({row}, {col}) lies outside the {labels.shape} label map")
+    lesions = relabel_sequential(labels.astype(np.int64))[0]
+    fp, tp, _ = compute_fp_tp_probs_nd(detections[:, 0].astype(np.float32), cells, lesions)
     return fp, tp
 
 
@@ -202,7 +204,9 @@ def lesion_froc(
         if not np.isfinite(found).all():
             raise ValueError(f"slide {i}: detections must be finite")
         fp, tp = _slide_fp_tp(found[found[:, 0] > 0], labels, i)
-        fp_probs += fp
+        fp_probs.append(fp)
         tp_probs.append(tp)
-    summary = froc_summary(fp_probs, np.concatenate(tp_probs) if tp_probs else [], len(detections), fp_rates)
+    summary = froc_summary(
+        np.concatenate(fp_probs) if fp_probs else [], np.concatenate(tp_probs) if tp_probs else [], len(detections), fp_rates
+    )
     return {"froc": summary["froc"], "sensitivity": summary["sensitivity"], "lesions": summary["targets"], "slides": len(detections)}
