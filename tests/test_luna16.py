@@ -6,6 +6,7 @@ import csv
 import json
 import logging
 import math
+import re
 
 import numpy as np
 import pytest
@@ -142,6 +143,37 @@ def test_synthetic_scans_have_their_geometry_and_nodules_where_the_csv_says(cach
             ijk = np.round(np.linalg.solve(case["image"].affine.numpy()[:3, :3], (centre[:3] * [-1, -1, 1]) - case["image"].affine.numpy()[:3, 3])).astype(int)
             assert label[tuple(ijk)] == 1
     assert len(directions) > 1  # identity and non-identity directions
+
+
+def test_synthetic_generator_never_deletes_a_folder_it_did_not_write(tmp_path):
+    user = tmp_path / "mine"
+    (user / "notes").mkdir(parents=True)
+    (user / "notes" / "keep.txt").write_text("precious")
+    with pytest.raises(DataError, match=re.escape(f"{user}: not empty")):
+        generate_luna16(user, 1, (56, 56, 20), 0)
+    foreign = tmp_path / "other"
+    foreign.mkdir()
+    (foreign / "synthetic.json").write_text(json.dumps({"generator": {"seed": 0}, "files": []}))
+    with pytest.raises(DataError, match=re.escape(f"{foreign}: its synthetic.json was not written")):
+        generate_luna16(foreign, 1, (56, 56, 20), 0)
+    assert (user / "notes" / "keep.txt").read_text() == "precious"
+    assert sorted(p.name for p in foreign.iterdir()) == ["synthetic.json"]
+
+
+def test_synthetic_generator_replaces_only_its_own_files(tmp_path):
+    root = tmp_path / "synthetic"
+    generate_luna16(root, 2, (56, 56, 20), 0)
+    (root / "keep.txt").write_text("added later")
+    old = sorted(p.name for p in (root / "subset0").iterdir())
+    generate_luna16(root, 1, (56, 56, 20), 5)  # other parameters: the old scans go
+    new = sorted(p.name for p in (root / "subset0").iterdir())
+    assert len(new) == 2 and not set(new) & set(old)
+    assert (root / "keep.txt").read_text() == "added later"
+    marker = json.loads((root / "synthetic.json").read_text())
+    assert marker["seed"] == 5 and marker["complete"] is True
+    stamp = (root / "subset0" / new[0]).stat().st_mtime_ns
+    generate_luna16(root, 1, (56, 56, 20), 5)  # complete with the same parameters: untouched
+    assert (root / "subset0" / new[0]).stat().st_mtime_ns == stamp
 
 
 def test_bad_inputs_name_the_file(tmp_path, caplog):

@@ -7,8 +7,10 @@ exercised. The body is soft tissue (+40 HU) in air (-1000 HU) with two lungs (-8
 vessel-like tubes (+40 HU, about 1.5 mm thick) through the lungs, and 1-3 spherical nodules of
 4-20 mm (+30 HU, soft edge) inside the lungs. ``annotations.csv`` lists the nodules in world
 (LPS) millimetres; ``annotations_excluded.csv`` lists small 2-3 mm blobs that, as in LUNA16,
-count neither as hits nor as false positives. A ``synthetic.json`` marker, written last, makes
-the generation happen once (an interrupted one is redone).
+count neither as hits nor as false positives. A ``synthetic.json`` marker, written first as
+incomplete and last as complete, makes the generation happen once (an interrupted one is redone)
+and marks the folder as the generator's: it never writes into a folder that holds other files
+without that marker, and deletes only the files a marker of its own lists.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -24,11 +25,43 @@ import SimpleITK as sitk
 from scipy import ndimage
 
 from hsmla_med.data.luna16 import COLUMNS, Geometry, voxel_to_world
-from hsmla_med.io import atomic_path
+from hsmla_med.errors import DataError
+from hsmla_med.io import atomic_path, write_json
 
 __all__ = ["generate_luna16"]
 
 _MARKER = "synthetic.json"
+_PARAMS = ("num_scans", "shape", "seed", "version")
+
+
+def _uid(seed: int, index: int) -> str:
+    return f"1.3.6.1.4.1.14519.5.2.1.6279.6001.{seed:03d}{index:06d}"
+
+
+def _files(params: dict) -> list[str]:
+    """The files that the generator writes for ``params``, relative to its folder."""
+    scans = [f"subset0/{_uid(params['seed'], i)}{ext}" for i in range(params["num_scans"]) for ext in (".mhd", ".raw")]
+    return scans + ["annotations.csv", "annotations_excluded.csv"]
+
+
+def _read_marker(marker: Path) -> dict:
+    """An existing marker's parameters and ``complete`` flag (markers before the flag were
+    written last, so complete); :class:`DataError` for a marker this generator did not write."""
+    try:
+        meta = json.loads(marker.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        meta = None
+    if not (
+        isinstance(meta, dict)
+        and set(_PARAMS) <= set(meta) <= {*_PARAMS, "complete"}
+        and isinstance(meta["num_scans"], int)
+        and isinstance(meta["seed"], int)
+    ):
+        raise DataError(
+            f"{marker.parent}: its {_MARKER} was not written by the synthetic LUNA16 generator; "
+            "refusing to write synthetic scans into this folder (choose another cache_dir)"
+        )
+    return {"complete": True, **meta}
 
 
 def _direction(rng: np.random.Generator, kind: int) -> np.ndarray:
@@ -97,18 +130,36 @@ def generate_luna16(
     root: str | Path, num_scans: int = 12, shape: tuple[int, int, int] = (112, 112, 48), seed: int = 0
 ) -> Path:
     """Write ``num_scans`` synthetic scans of ``shape`` (x, y, z voxels) and the two CSVs into
-    ``root`` in LUNA16's layout, unless a complete set with the same parameters is there."""
+    ``root`` in LUNA16's layout, unless a complete set with the same parameters is there.
+
+    A set of the generator's own with other parameters, or an interrupted one, is replaced (only
+    the files its marker implies are deleted). Raises :class:`~hsmla_med.errors.DataError`,
+    touching nothing, when ``root`` holds files but no marker of this generator (e.g. real data).
+    """
     root = Path(root)
-    params = {"num_scans": num_scans, "shape": list(shape), "seed": seed, "version": 1}
+    params = {"num_scans": int(num_scans), "shape": [int(n) for n in shape], "seed": int(seed), "version": 1}
     marker = root / _MARKER
-    if marker.is_file() and json.loads(marker.read_text()) == params:
-        return root
-    shutil.rmtree(root, ignore_errors=True)
-    (root / "subset0").mkdir(parents=True)
+    if marker.is_file():
+        old = _read_marker(marker)
+        if old == {**params, "complete": True} and all((root / f).is_file() for f in _files(params)):
+            return root
+        # ours but stale or interrupted: remove what it wrote (the marker, rewritten only after
+        # this, keeps naming whatever an interruption here leaves)
+        for rel in _files(old):
+            (root / rel).unlink(missing_ok=True)
+    elif root.exists() and not root.is_dir():
+        raise DataError(f"{root}: not a folder; cannot write synthetic LUNA16 scans there")
+    elif root.exists() and any(root.iterdir()):
+        raise DataError(
+            f"{root}: not empty and without the synthetic LUNA16 generator's {_MARKER}; refusing to "
+            "write synthetic scans into it (choose an empty or new cache_dir)"
+        )
+    write_json(marker, {**params, "complete": False})
+    (root / "subset0").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     annotations, excluded_rows = [], []
     for i in range(num_scans):
-        uid = f"1.3.6.1.4.1.14519.5.2.1.6279.6001.{seed:03d}{i:06d}"
+        uid = _uid(params["seed"], i)
         spacing = np.array([rng.uniform(0.7, 1.0)] * 2 + [rng.choice([1.25, 2.0, 2.5])])
         geometry = Geometry(rng.uniform(-200, -100, 3), spacing, _direction(rng, i % 3), shape)
         hu, nodules, excluded = _scan(rng, shape, spacing)
@@ -126,6 +177,5 @@ def generate_luna16(
             writer = csv.writer(f)
             writer.writerow(COLUMNS)
             writer.writerows(rows)
-    with atomic_path(marker) as tmp:
-        tmp.write_text(json.dumps(params))
+    write_json(marker, {**params, "complete": True})
     return root
