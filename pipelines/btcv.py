@@ -38,7 +38,7 @@ from hsmla_med.engine.datamodule import CaseDataModule
 from hsmla_med.engine.segmentation import SegmentationModule
 from hsmla_med.errors import ConfigError, DataError
 from hsmla_med.inference.sliding import predict_volume
-from hsmla_med.io import atomic_path
+from hsmla_med.io import atomic_path, is_temporary
 from hsmla_med.pipelines.task import InferenceOptions, Task
 
 __all__ = ["TASK", "datalist", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer"]
@@ -128,7 +128,7 @@ def held_out(cases: Datalist) -> list[str]:
 def _inputs(path: str | Path) -> list[Path]:
     path = Path(path)
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.name.endswith((".nii", ".nii.gz")))
+        files = sorted(p for p in path.iterdir() if p.name.endswith((".nii", ".nii.gz")) and not is_temporary(p))
         if not files:
             raise DataError(f"{path}: no NIfTI files (.nii, .nii.gz) in the input folder")
         return files

@@ -275,6 +275,9 @@ def heatmap(
     level, size = int(grid["level"]), int(data["patch_size"])
     tissue_ds = float(grid["tissue_downsample"])
     n = len(grid["coords"])
+    if n == 0:
+        log.warning("%s: no %d-px patch at level %d holds enough tissue (min_tissue %s): the heatmap is empty and the slide scores 0",
+                    slide_path, size, level, data["min_tissue"])
     # the grid covers the whole slide from its origin, so map cells line up with slide pixels
     step_level0 = data["stride"] * float(slide.level_downsamples[level])
     width, height = slide.dimensions

@@ -178,3 +178,116 @@ def test_user_yaml_keeps_the_common_sections(tmp_path):
         common = yaml.safe_load((resources.files("hsmla_med.configs") / "common.yaml").read_text())
         assert config["inference"]["target_alpha"] == common["inference"]["target_alpha"]
         assert config["loss"] == common["loss"]
+
+
+def _scan(folder, name="scan", size=(8, 8, 4), spacing="1 1 1", raw_bytes=None, ndims=3, element="MET_SHORT"):
+    """A MetaImage header and its voxel file, written by hand so that each can be broken."""
+    folder.mkdir(parents=True, exist_ok=True)
+    dims = " ".join(map(str, size))
+    (folder / f"{name}.mhd").write_text(
+        f"ObjectType = Image\nNDims = {ndims}\nDimSize = {dims}\nElementSpacing = {spacing}\n"
+        f"ElementType = {element}\nElementDataFile = {name}.raw\n"
+    )
+    n = int(np.prod(size)) * 2
+    (folder / f"{name}.raw").write_bytes(b"\0" * (n if raw_bytes is None else raw_bytes))
+    return folder / f"{name}.mhd"
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    (dict(raw_bytes=100), "bytes, the header scan.mhd describes 512"),
+    (dict(raw_bytes=0), "0 bytes"),
+    (dict(raw_bytes=1000), "1000 bytes"),
+    (dict(spacing="1 0 1"), "voxel spacing must be three positive numbers"),
+    (dict(size=(8, 8), ndims=2), "a scan has three dimensions"),
+    (dict(size=(8, 0, 4)), "a scan has three dimensions"),
+])
+def test_luna16_bad_scans_are_refused_before_itk_reads_them(tmp_path, kwargs, expected):
+    from hsmla_med.data.luna16 import find_scans
+    from hsmla_med.errors import DataError
+
+    _scan(tmp_path / "subset0", **kwargs)
+    with pytest.raises(DataError, match="scan") as err:
+        find_scans(tmp_path)
+    assert expected in str(err.value)
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b"seriesuid,coordX,coordY,coordZ,diameter_mm\nscan,1,2,3,-4\n", "diameter_mm must not be negative"),
+    (bytes(range(256)) * 4, "not a CSV text file"),
+])
+def test_luna16_bad_annotations(tmp_path, content, expected):
+    from hsmla_med.data.luna16 import read_annotations
+    from hsmla_med.errors import DataError
+
+    (tmp_path / "annotations.csv").write_bytes(content)
+    with pytest.raises(DataError, match=expected):
+        read_annotations(tmp_path / "annotations.csv")
+
+
+def test_luna16_training_on_a_short_scan_exits_2_without_abort(tmp_path):
+    """Run as a user would (a process of its own): ITK used to abort the process (exit 134)."""
+    import subprocess
+    import sys
+
+    for name in ("a", "b", "c"):
+        _scan(tmp_path / "data" / "subset0", name, size=(16, 16, 8))
+    (tmp_path / "data" / "annotations.csv").write_text("seriesuid,coordX,coordY,coordZ,diameter_mm\na,4,4,2,3\n")
+    (tmp_path / "data" / "subset0" / "b.raw").write_bytes(b"\0" * 10)
+    done = subprocess.run(
+        [sys.executable, "-m", "hsmla_med.cli", "train", "--task", "luna16", "--data-dir", str(tmp_path / "data"),
+         "--max-steps", "1", "--output", str(tmp_path / "run"), "--accelerator", "cpu"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "b.raw: 10 bytes" in done.stderr and "Traceback" not in done.stderr and "terminate called" not in done.stderr
+
+
+def test_endovis_48_bit_frame_is_refused(tmp_path):
+    import struct
+    import zlib
+
+    from hsmla_med.data.endovis import read_frame
+    from hsmla_med.errors import DataError
+
+    rgb16 = np.random.default_rng().integers(0, 65535, (6, 5, 3)).astype(">u2")
+    raw = b"".join(b"\0" + row.tobytes() for row in rgb16)  # filter byte 0 per row
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    png = tmp_path / "frame48.png"  # Pillow writes no 48-bit PNG: the chunks by hand
+    png.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 5, 6, 16, 2, 0, 0, 0))
+                    + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+    with pytest.raises(DataError, match="frame48.png: 16-bit image"):
+        read_frame(png)
+
+
+def test_endovis_values_that_are_no_part_are_reported(tmp_path, caplog):
+    from PIL import Image
+
+    from hsmla_med.data import endovis
+
+    folder = tmp_path / "ground_truth" / "Left_Prograsp_Forceps_labels"
+    folder.mkdir(parents=True)
+    Image.fromarray(np.array([[10, 77], [30, 0]], np.uint8)).save(folder / "frame000.png")
+    endovis._WARNED_VALUES.discard(77)
+    with caplog.at_level("WARNING", logger="hsmla_med"):
+        merged = endovis.merge_labels([folder / "frame000.png"], "parts")
+    np.testing.assert_array_equal(merged, [[1, 0], [3, 0]])
+    assert "grey value(s) 77 are no part label" in caplog.text and "frame000.png" in caplog.text
+
+
+def test_checkpoint_with_foreign_objects_is_refused_without_torch_advice(capsys, tmp_path):
+    import collections
+
+    torch.save({"hyper_parameters": collections.OrderedDict(a=print), "state_dict": {}}, tmp_path / "evil.ckpt")
+    line = _error(capsys, ["infer", "--task", "btcv", "--checkpoint", str(tmp_path / "evil.ckpt"), "--input", str(tmp_path), "--output", str(tmp_path / "o")])
+    assert "evil.ckpt: holds Python objects" in line and "weights_only" not in line
+
+
+def test_infer_ignores_temporaries_of_killed_runs(tmp_path):
+    from hsmla_med.pipelines.btcv import _inputs
+
+    case = write_nifti(tmp_path / "in" / "case1.nii.gz", np.zeros((4, 4, 4), np.float32), np.eye(4))
+    (tmp_path / "in" / ".case2.4242.tmp.nii.gz").write_bytes(b"half")
+    assert _inputs(tmp_path / "in") == [case]

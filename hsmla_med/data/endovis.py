@@ -26,6 +26,7 @@ Learning", ICMLA 2018):
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,6 +55,8 @@ __all__ = [
     "read_label",
 ]
 
+log = logging.getLogger("hsmla_med")
+
 CROP = (28, 320, 1024, 1280)  # top, left, height, width of the standard crop of 1080 x 1920 frames
 PART_VALUES = {10: 1, 20: 2, 30: 3}  # grey value -> shaft, wrist, claspers
 INSTRUMENT_TYPES = {  # folder-name substring -> type index
@@ -77,6 +80,7 @@ VIDEO_FOLDER = re.compile(r"^instrument_dataset_(\d+)$")  # one video of the cha
 def _open(path: Path) -> Image.Image:
     try:
         image = Image.open(path)
+        image.deep = _is_16bit(image)  # read before load(), which empties the tile list it looks at
         image.load()
         return image
     except FileNotFoundError:
@@ -86,9 +90,10 @@ def _open(path: Path) -> Image.Image:
 
 
 def _is_16bit(image: Image.Image) -> bool:
-    # Pillow opens 48-bit RGB PNGs as "RGB" (raw mode "RGB;16B") and 16-bit grey ones as "I;16"
+    # Pillow opens 48-bit RGB PNGs as "RGB" (raw mode "RGB;16B", in the tile list of an image not
+    # loaded yet) and 16-bit grey ones as "I;16"
     raw = " ".join(str(tile.args) for tile in image.tile) if image.tile else ""
-    return image.mode in ("I", "I;16", "I;16B", "I;16L", "F") or ";16" in raw
+    return getattr(image, "deep", False) or image.mode in ("I", "I;16", "I;16B", "I;16L", "F") or ";16" in raw
 
 
 def read_frame(path: str | Path) -> np.ndarray:
@@ -138,6 +143,19 @@ def instrument_type(folder: str | Path) -> int:
     raise DataError(f"{folder}: unknown instrument folder; names must contain one of {', '.join(INSTRUMENT_TYPES)}")
 
 
+_WARNED_VALUES: set[int] = set()
+
+
+def _warn_no_part(file: Path, values: np.ndarray) -> None:
+    """Grey values that are no part become background in the parts task, as in the reference
+    code; say so once per value rather than silently."""
+    new = sorted(set(values.tolist()) - _WARNED_VALUES)
+    if new:
+        _WARNED_VALUES.update(new)
+        names = ", ".join(f"{v} {PROBLEMS['parts'][p]}" for v, p in PART_VALUES.items())
+        log.warning("%s: grey value(s) %s are no part label (%s): background in the parts task", file, ", ".join(map(str, new)), names)
+
+
 def merge_labels(files: Sequence[str | Path], problem: str, shape: tuple[int, int] | None = None) -> np.ndarray:
     """Merge one frame's per-instrument label PNGs into the label map ``(H, W)`` uint8 of a task.
 
@@ -166,6 +184,7 @@ def merge_labels(files: Sequence[str | Path], problem: str, shape: tuple[int, in
             if problem == "binary":
                 merged[grey > 0] = 1
             else:
+                _warn_no_part(file, np.setdiff1d(np.unique(grey), [0, *PART_VALUES]))
                 for value, part in PART_VALUES.items():
                     merged[grey == value] = part
     if merged is None:

@@ -74,8 +74,14 @@ def lps_to_ras(points: np.ndarray) -> np.ndarray:
     return np.asarray(points, dtype=np.float64) * LPS_TO_RAS
 
 
+_ELEMENT_BYTES = {"MET_UCHAR": 1, "MET_CHAR": 1, "MET_USHORT": 2, "MET_SHORT": 2, "MET_UINT": 4, "MET_INT": 4,
+                  "MET_FLOAT": 4, "MET_ULONG": 8, "MET_LONG": 8, "MET_ULONG_LONG": 8, "MET_LONG_LONG": 8, "MET_DOUBLE": 8}
+
+
 def _check_mhd(path: Path) -> None:
-    """A MetaImage header whose voxel file is missing gets an error naming both."""
+    """Refuse, naming the file, a MetaImage header that is not a 3D scan with a positive voxel
+    spacing, or whose uncompressed voxel file is missing or not exactly the size the header
+    describes. Checked before SimpleITK reads it: ITK aborts the process on some of these."""
     try:
         header = dict(line.split("=", 1) for line in path.read_text(errors="replace").splitlines() if "=" in line)
     except OSError as err:
@@ -84,8 +90,27 @@ def _check_mhd(path: Path) -> None:
     data_file = header.get("ElementDataFile")
     if data_file is None:
         raise DataError(f"{path}: not a MetaImage header (no ElementDataFile)")
-    if data_file != "LOCAL" and not (path.parent / data_file).is_file():
-        raise DataError(f"{path}: its voxel file {path.parent / data_file} is missing")
+    try:
+        size = [int(v) for v in header.get("DimSize", "").split()]
+        spacing = [float(v) for v in (header.get("ElementSpacing") or header.get("ElementSize") or "1 1 1").split()]
+    except ValueError:
+        raise DataError(f"{path}: DimSize and ElementSpacing must be numbers, got {header.get('DimSize')!r}, {header.get('ElementSpacing')!r}") from None
+    if len(size) != 3 or min(size) < 1:
+        raise DataError(f"{path}: a scan has three dimensions of at least one voxel, the header says DimSize = {header.get('DimSize')!r}")
+    if len(spacing) != 3 or not all(np.isfinite(spacing)) or min(spacing) <= 0:
+        raise DataError(f"{path}: voxel spacing must be three positive numbers, got {header.get('ElementSpacing')!r}")
+    if data_file == "LOCAL":
+        return
+    raw = path.parent / data_file
+    if not raw.is_file():
+        raise DataError(f"{path}: its voxel file {raw} is missing")
+    itemsize = _ELEMENT_BYTES.get(header.get("ElementType", ""))
+    compressed = header.get("CompressedData", "False").lower() == "true"
+    if itemsize and not compressed:
+        expected = int(np.prod(size)) * itemsize * int(header.get("ElementNumberOfChannels", "1") or 1)
+        actual = raw.stat().st_size
+        if actual != expected:
+            raise DataError(f"{raw}: {actual} bytes, the header {path.name} describes {expected} ({' x '.join(map(str, size))} {header['ElementType']})")
 
 
 def read_geometry(path: str | Path) -> Geometry:
@@ -128,7 +153,7 @@ def read_annotations(path: str | Path, series: Mapping[str, object] | None = Non
     """
     path = Path(path)
     try:
-        with path.open(newline="") as f:
+        with path.open(newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f)
             missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
             if missing:
@@ -136,6 +161,8 @@ def read_annotations(path: str | Path, series: Mapping[str, object] | None = Non
             rows = list(reader)
     except OSError as err:
         raise DataError(f"{path}: cannot read annotations ({err.strerror})") from None
+    except (UnicodeDecodeError, csv.Error) as err:
+        raise DataError(f"{path}: not a CSV text file ({type(err).__name__})") from None
     found: dict[str, list] = {}
     for line, row in enumerate(rows, 2):
         try:
@@ -144,6 +171,8 @@ def read_annotations(path: str | Path, series: Mapping[str, object] | None = Non
             raise DataError(f"{path}, line {line}: coordinates and diameter must be numbers, got {[row[c] for c in COLUMNS[1:]]}") from None
         if not np.all(np.isfinite(values)):
             raise DataError(f"{path}, line {line}: coordinates and diameter must be finite")
+        if values[3] < 0:
+            raise DataError(f"{path}, line {line}: diameter_mm must not be negative, got {values[3]:g}")
         found.setdefault(row["seriesuid"], []).append(values)
     if series is not None:
         unknown = sorted(set(found) - set(series))

@@ -4,6 +4,7 @@ validated), resume, evaluation, and checkpoint loading with ``weights_only=True`
 from __future__ import annotations
 
 import logging
+import pickle
 from pathlib import Path
 
 import lightning as L
@@ -115,9 +116,10 @@ def fit(module: L.LightningModule, datamodule: L.LightningDataModule, output: st
         save_top_k=1,
         auto_insert_metric_name=False,
         enable_version_counter=False,
+        save_on_train_epoch_end=False,  # after validations only (a resumed epoch's end has no scores)
     )
     # no monitor: the one "top-1" checkpoint is rewritten at every validation
-    last_checkpoint = ModelCheckpoint(dirpath=output, filename="last", save_top_k=1, enable_version_counter=False)
+    last_checkpoint = ModelCheckpoint(dirpath=output, filename="last", save_top_k=1, enable_version_counter=False, save_on_train_epoch_end=False)
     loggers = _loggers(output)
     # the curve of a resumed run includes the rows of the runs it continues
     version = loggers[0].version
@@ -138,9 +140,13 @@ def evaluate(module: L.LightningModule, datamodule: L.LightningDataModule, train
     return module.summary
 
 
-def load_module(path: str | Path, module_class: type[L.LightningModule]) -> tuple[L.LightningModule, dict]:
+def load_module(
+    path: str | Path, module_class: type[L.LightningModule], task: str | None = None, inference: dict | None = None
+) -> tuple[L.LightningModule, dict]:
     """Rebuild a module from a Lightning checkpoint, loaded with ``weights_only=True``.
 
+    ``task``: refuse a checkpoint that another task wrote (its hyper-parameters name the task);
+    ``inference``: settings of this run over the checkpoint's ``inference`` section (``tta``).
     Returns the module (eval mode, CPU) and the checkpoint's ``epoch``/``global_step``.
     """
     path = Path(path)
@@ -150,9 +156,21 @@ def load_module(path: str | Path, module_class: type[L.LightningModule]) -> tupl
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         config = checkpoint["hyper_parameters"]
         state = checkpoint["state_dict"]
-    except Exception as err:  # truncated file, foreign pickle, not a Lightning checkpoint
-        raise DataError(f"{path}: not a readable hsmla-med checkpoint ({type(err).__name__}: {err})") from None
-    module = module_class(dict(config))
+    except pickle.UnpicklingError:  # torch's message advises weights_only=False: never for a foreign file
+        raise DataError(f"{path}: holds Python objects beyond tensors and plain values; refused, since loading them could run code") from None
+    except Exception as err:  # truncated file, not a Lightning checkpoint
+        raise DataError(f"{path}: not a readable hsmla-med checkpoint ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
+    written_by = config.get("task") if isinstance(config, dict) else None
+    missing = [k for k in _HPARAMS if not isinstance(config, dict) or k not in config]
+    if task is not None and written_by != task:
+        raise DataError(f"{path}: a {written_by or 'non-hsmla-med'} checkpoint, not one of task {task}; use --task {written_by}" if written_by else f"{path}: not an hsmla-med checkpoint of task {task}")
+    if missing:
+        raise DataError(f"{path}: checkpoint hyper-parameters are incomplete (missing {', '.join(missing)})")
+    config = {**config, "inference": {**config["inference"], **(inference or {})}}
+    try:
+        module = module_class(config)
+    except (KeyError, TypeError, ValueError) as err:
+        raise DataError(f"{path}: checkpoint hyper-parameters are incomplete or invalid ({type(err).__name__}: {err})") from None
     try:
         module.load_state_dict(state)
     except RuntimeError as err:
