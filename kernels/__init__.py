@@ -11,15 +11,21 @@ One public function per op, each in its own module beside its reference (the mat
 
 Importing this package never needs triton, a GPU or a compiler; :func:`triton_available` says
 whether the Triton kernels can run for a device, :func:`cpu_kernel_available` whether the C
-kernel is built.
+kernel is built, and :func:`triton_unsupported` / :func:`cpu_kernel_unsupported` why either
+would refuse features of a given device and dtype (``None`` when they take them): what
+:func:`hsmla_med.nn.select_backend` decides by.
+
+The kernels depend on their references in :mod:`hsmla_med.nn.functional` (public names only);
+:mod:`hsmla_med.nn` uses this package through the names below only.
 """
 
-from ._runtime import triton_available
+from ._runtime import triton_available, triton_unsupported
 from .linear import linear_attention
 from .gate_cpu import block_gate as block_gate_cpu
 from .refine import local_refine
 from .refine_cpu import compiled as cpu_kernel_available
 from .refine_cpu import local_refine as local_refine_cpu
+from .refine_cpu import unsupported as cpu_kernel_unsupported
 
 __all__ = [
     "linear_attention",
@@ -27,5 +33,7 @@ __all__ = [
     "local_refine_cpu",
     "block_gate_cpu",
     "triton_available",
+    "triton_unsupported",
     "cpu_kernel_available",
+    "cpu_kernel_unsupported",
 ]

@@ -33,6 +33,7 @@ __all__ = [
     "tl",
     "lazy_jit",
     "triton_available",
+    "triton_unsupported",
     "interpreting",
     "check_features",
     "dot_precision",
@@ -67,6 +68,20 @@ def triton_available(device: torch.device | str) -> bool:
     if interpreting():
         return True
     return torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+
+def triton_unsupported(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why the Triton kernels would refuse features on ``device`` of ``dtype`` with ``head_dim``
+    channels per head, or ``None`` when they take them (gradients aside: they have no backward)."""
+    if triton is None:
+        return "triton is not installed"
+    if not triton_available(device):
+        return f"the Triton kernels need a CUDA device (or TRITON_INTERPRET=1), the features are on {device}"
+    if dtype not in SUPPORTED_DTYPES:
+        return f"the Triton kernels take {', '.join(str(t) for t in SUPPORTED_DTYPES)}, got {dtype}"
+    if head_dim > MAX_HEAD_DIM:
+        return f"the Triton kernels take head_dim up to {MAX_HEAD_DIM}, got {head_dim}"
+    return None
 
 
 class lazy_jit:

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from hsmla_med.nn.functional import _check_refine, tile_broadcast
+from hsmla_med.nn.functional import check_refine, tile_broadcast
 from hsmla_med.nn.functional import local_refine as reference
 
 from ._runtime import (
@@ -261,7 +261,7 @@ def local_refine(
     if q.dim() == 6:
         return reference(q, k, v, qh, kh, vh, gate, tau, block, window, eps, add_to)
     check_features("local_refine", (2,), q=q, k=k, v=v, qh=qh, kh=kh, vh=vh)
-    _check_refine((q, k, v, qh, kh, vh), gate, block, window, add_to)
+    check_refine((q, k, v, qh, kh, vh), gate, block, window, add_to)
     if add_to is not None:
         r = local_refine(q, k, v, qh, kh, vh, gate, tau, block, window, eps)
         weight = tile_broadcast(gate, block, tuple(q.shape[2:-1])).unsqueeze(1).unsqueeze(-1)

@@ -18,12 +18,12 @@ import functools
 
 import torch
 
-from hsmla_med.nn.functional import _check_refine, tile_grid
+from hsmla_med.nn.functional import check_refine, tile_grid
 from hsmla_med.nn.functional import local_refine as reference
 
-from ._cpu_build import int64s, library, pointer
+from ._cpu_build import failure, int64s, library, pointer
 
-__all__ = ["local_refine", "compiled"]
+__all__ = ["local_refine", "compiled", "unsupported"]
 
 
 class _FeatureMap(ctypes.Structure):
@@ -46,6 +46,22 @@ def _library() -> ctypes.CDLL | None:
 def compiled() -> bool:
     """Whether the C kernel is built (building it now if needed) and enabled."""
     return _library() is not None
+
+
+def unsupported(device: torch.device | str, dtype: torch.dtype, head_dim_contiguous: bool = True) -> str | None:
+    """Why the C kernel would not run on features on ``device`` of ``dtype`` (with ``head_dim``
+    contiguous or not), or ``None`` when it would (building it now if needed). Gradients are
+    left to the caller: the kernel has none, and :func:`local_refine` runs the reference when
+    they are needed."""
+    if torch.device(device).type != "cpu":
+        return f"the C kernel runs on the CPU, the features are on {device}"
+    if dtype != torch.float32:
+        return f"the C kernel takes float32 features, got {dtype}"
+    if not head_dim_contiguous:
+        return "the C kernel needs features with head_dim contiguous (channels-last maps), got channel-first ones"
+    if _library() is None:
+        return f"the C kernel is not available: {failure('refine_cpu') or 'it was not built'}"
+    return None
 
 
 def _takes(maps: list[torch.Tensor], add_to: torch.Tensor | None) -> bool:
@@ -88,7 +104,7 @@ def local_refine(
     lib = _library()
     if lib is None or not _takes(maps, add_to):
         return reference(*maps, gate, tau, block, window, eps, add_to)
-    spatial_dims = _check_refine(maps, gate, block, window, add_to)
+    spatial_dims = check_refine(maps, gate, block, window, add_to)
     b, heads, *spatial, d = q.shape
     if gate is None:
         grid = (b, *tile_grid(tuple(spatial), block))

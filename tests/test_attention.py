@@ -230,19 +230,96 @@ def test_bad_input_shape():
         layer(torch.zeros(1, 8, 4, 4))
 
 
-def test_cpu_backends():
-    """``auto`` on the CPU: the C refinement kernel at inference, the reference in training
-    (the kernel has no backward); ``reference`` and ``cpu`` force either."""
-    from hsmla_med import kernels
+def test_forward_follows_the_dispatch(monkeypatch):
+    """The layer runs the ops of the backend that ``select_backend`` names: in training the
+    reference (dense R on small maps), at CPU inference on float64 the reference as well (the C
+    kernel takes float32), and a forced ``cpu`` that cannot run raises instead of falling back."""
+    from hsmla_med.nn import attention
 
-    cpu = torch.device("cpu")
-    layer = _layer(channels=16)
-    assert layer._ops(False, cpu) == (HF.linear_attention, kernels.local_refine_cpu)
-    assert layer._ops(True, cpu) == (HF.linear_attention, HF.local_refine)
-    layer.backend = "reference"
-    assert layer._ops(False, cpu) == (HF.linear_attention, HF.local_refine)
+    seen = []
+    real = attention.select_backend
+    monkeypatch.setattr(attention, "select_backend", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    layer = _layer(channels=16).double()
+    x = torch.randn(1, 16, 8, 8, dtype=torch.float64)
+    layer(x).sum().backward()
+    assert {c.backend for c in seen} == {"reference"} and seen[-1].dense
+    seen.clear()
+    with torch.no_grad():
+        layer.eval()(x)
+    assert {c.backend for c in seen} == {"reference"} and "float32" in seen[-1].reason
     layer.backend = "cpu"
-    assert layer._ops(True, cpu) == (HF.linear_attention, kernels.local_refine_cpu)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="'cpu'.*float64"):
+        layer(x)
+
+
+def _spread_gates(net):
+    for m in net.modules():
+        if isinstance(m, HSMLA):
+            torch.nn.init.normal_(m.gate_weight, std=2.0)
+
+
+def test_calibrate_sets_tau_to_the_gate_quantile_and_nothing_else():
+    """``HSMLA.calibrate``: tau is the (1 - alpha) quantile of the gate of the given input (an
+    independent evaluation through the reference backend), the outputs of a later forward are
+    those of a fresh layer loaded with that tau, and no hook or flag is left behind."""
+    layer = _layer(channels=16, block=2)
+    _spread_gates(layer)
+    x = torch.randn(3, 16, 12, 10)
+    tau = layer.calibrate(x, 0.3)
+    assert layer.training and float(layer.tau) == tau
+    with torch.no_grad():
+        reference = _layer(channels=16, block=2, backend="reference")
+        reference.load_state_dict(layer.state_dict())
+        gate = reference.gate(reference._multiscale(reference.qkv(x)))
+    assert tau == pytest.approx(torch.quantile(gate.flatten(), 0.7).item(), abs=1e-6)
+    with torch.no_grad():
+        first, second = layer.eval()(x), layer(x)
+        fresh = _layer(channels=16, block=2).eval()
+        fresh.load_state_dict(layer.state_dict())
+        torch.testing.assert_close(first, second, rtol=0, atol=0)
+        torch.testing.assert_close(first, fresh(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="target_alpha"):
+        layer.calibrate(x, 1.5)
+
+
+def test_calibrate_tau_follows_execution_order_and_leaves_no_state():
+    """Each layer is calibrated on the output of the already calibrated layers before it: the
+    second layer's tau is the quantile of its gate on what the first layer gives *with its new
+    tau* (not with the old one). Afterwards no hook remains, modes are restored, and a second
+    forward equals that of a fresh copy."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(_layer(channels=16, block=2, tau=0.0), _layer(channels=16, block=2))
+    _spread_gates(net)
+    fresh = torch.nn.Sequential(_layer(channels=16, block=2), _layer(channels=16, block=2))
+    fresh.load_state_dict(net.state_dict())
+    samples = [torch.randn(2, 16, 16, 16), torch.randn(2, 16, 16, 16)]
+    x = torch.cat(samples)
+    net[1].eval()  # one module in another mode than its parent: restored as it was
+    taus = calibrate_tau(net, samples, 0.4)
+    assert net.training and net[0].training and not net[1].training
+    assert all(not layer._forward_pre_hooks for layer in net)
+
+    def quantile_of_second(first_tau):
+        with torch.no_grad():
+            first = _layer(channels=16, block=2).eval()
+            first.load_state_dict(net[0].state_dict())
+            first.tau.fill_(first_tau)
+            second = net[1]
+            gate = second.gate(second._multiscale(second.qkv(first(x))))
+        return torch.quantile(gate.flatten(), 0.6).item()
+
+    assert taus["1"] == pytest.approx(quantile_of_second(taus["0"]), abs=1e-6)
+    assert taus["1"] != pytest.approx(quantile_of_second(0.0), abs=1e-4)  # the order matters here
+    net.eval()
+    fresh.load_state_dict(net.state_dict())
+    fresh.eval()
+    with torch.no_grad():
+        y = net(x)
+        torch.testing.assert_close(net(x), y, rtol=0, atol=0)
+        torch.testing.assert_close(fresh(x), y, rtol=0, atol=0)
+        other = torch.randn(1, 16, 16, 16)
+        torch.testing.assert_close(net(other), fresh(other), rtol=0, atol=0)
+    assert {n: float(m.tau) for n, m in net.named_children()} == taus
 
 
 @pytest.mark.parametrize("routing", ["gate", "all"])

@@ -6,8 +6,12 @@ of a channels-last map) or as plain contiguous tensors. Every comparison first m
 reference unreachable from the wrapper, so a silent fallback fails the test.
 """
 
+import ctypes
+import hashlib
 import math
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -163,11 +167,109 @@ def fresh_build(monkeypatch, tmp_path):
 
 
 def test_builds_once_into_the_cache(fresh_build):
+    """One library and its checksum sidecar (the SHA-256 of the library's bytes), no temporary
+    left behind; a second start loads that library without building it again."""
     assert refine_cpu.compiled()
-    (library,) = fresh_build.iterdir()  # one library, no temporary left behind
-    assert library.suffix == ".so"
+    library, sidecar = sorted(fresh_build.iterdir())
+    assert library.suffix == ".so" and sidecar.name == library.name + ".sha256"
+    assert sidecar.read_text().strip() == hashlib.sha256(library.read_bytes()).hexdigest()
+    built = library.stat().st_mtime_ns
     _forget_libraries()
-    assert refine_cpu.compiled() and list(fresh_build.iterdir()) == [library]
+    assert refine_cpu.compiled() and sorted(fresh_build.iterdir()) == [library, sidecar]
+    assert library.stat().st_mtime_ns == built
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """The files ``ctypes.CDLL`` loads: (path, SHA-256 of its bytes at that moment)."""
+    seen = []
+    real = ctypes.CDLL
+
+    def spy(path, *args, **kwargs):
+        seen.append((Path(path), hashlib.sha256(Path(path).read_bytes()).hexdigest()))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(ctypes, "CDLL", spy)
+    return seen
+
+
+def _replace(path, data):
+    """New bytes at ``path`` in a new file: the library this process has loaded stays mapped
+    untouched (writing into it would change the running code)."""
+    other = path.with_name(path.name + ".new")
+    other.write_bytes(data)
+    other.chmod(path.stat().st_mode)
+    os.replace(other, path)
+
+
+def _cached_refine_library(folder):
+    (library,) = [p for p in folder.iterdir() if p.name.startswith("refine_cpu") and p.suffix == ".so"]
+    return library
+
+
+@pytest.mark.parametrize("how", ["other library", "appended bytes", "writable by others"])
+def test_a_tampered_cached_library_is_not_loaded(how, fresh_build, loads):
+    """A cached library that differs from the checksum its build recorded (here the gate's
+    library, which loads fine but has no refinement entry point, or the right one with bytes
+    appended) or that others may write to is rebuilt, with a warning, and never loaded."""
+    assert refine_cpu.compiled() and gate_cpu._library() is not None
+    library = _cached_refine_library(fresh_build)
+    recorded = Path(str(library) + ".sha256").read_text().strip()
+    if how == "other library":
+        gate = next(p for p in fresh_build.iterdir() if p.name.startswith("gate_cpu") and p.suffix == ".so")
+        _replace(library, gate.read_bytes())
+    elif how == "appended bytes":
+        _replace(library, library.read_bytes() + b"\0")
+    else:
+        library.chmod(0o777)
+    tampered = hashlib.sha256(library.read_bytes()).hexdigest()
+    _forget_libraries()
+    loads.clear()
+    with pytest.warns(UserWarning, match="not loading the cached kernel"):
+        assert refine_cpu.compiled()
+    assert [path for path, _ in loads] == [library]
+    assert loads[0][1] == recorded
+    if how != "writable by others":
+        assert tampered != recorded
+    assert hasattr(refine_cpu._library(), "hsmla_refine_tiles")
+    assert library.stat().st_mode & 0o022 == 0
+
+
+def test_a_cached_library_without_checksum_is_rebuilt(fresh_build, loads):
+    """A library with no sidecar (a cache from before the checksums, or a planted file) is
+    rebuilt before anything is loaded."""
+    assert refine_cpu.compiled()
+    library = _cached_refine_library(fresh_build)
+    Path(str(library) + ".sha256").unlink()
+    _replace(library, b"not a library")
+    _forget_libraries()
+    loads.clear()
+    assert refine_cpu.compiled()
+    assert loads[0][0] == library and loads[0][1] == Path(str(library) + ".sha256").read_text().strip()
+
+
+@pytest.mark.parametrize("how", ["group-writable", "world-writable", "foreign owner"])
+def test_an_untrusted_cache_folder_is_not_loaded_from(how, fresh_build, loads, monkeypatch):
+    """A cache folder that others may write to (or that belongs to someone else) is not loaded
+    from, even when it holds a library matching its checksum: the kernels are built into a
+    private temporary folder, loaded, and that folder is removed; one warning per folder."""
+    assert refine_cpu.compiled()
+    if how == "foreign owner":
+        owner = fresh_build.stat().st_uid
+        monkeypatch.setattr(os, "geteuid", lambda: owner + 1)
+    else:
+        fresh_build.chmod(0o775 if how == "group-writable" else 0o777)
+    _forget_libraries()
+    loads.clear()
+    with pytest.warns(UserWarning, match="not trusted") as caught:
+        assert refine_cpu.compiled() and gate_cpu._library() is not None
+    assert len([w for w in caught if "not trusted" in str(w.message)]) == 1
+    assert len(loads) == 2
+    for path, _ in loads:
+        assert fresh_build not in path.parents
+        assert not path.parent.exists()  # the private folder is gone
+    assert hasattr(refine_cpu._library(), "hsmla_refine_tiles")
+    fresh_build.chmod(0o700)
 
 
 @pytest.mark.parametrize("how", ["missing compiler", "failing compiler", "switched off"])

@@ -2,6 +2,7 @@
 
 from hsmla_med.nn import functional
 from hsmla_med.nn.attention import BACKENDS, HSMLA, ROUTING_MODES, calibrate_tau
+from hsmla_med.nn.dispatch import BackendChoice, select_backend
 from hsmla_med.nn.blocks import ChannelLayerNorm, ConvNormAct, DSConv, HSMLABlock, MBConv
 from hsmla_med.nn.hsmla_net import VARIANTS, GatedNetwork, HSMLABackbone, HSMLAClassifier, HSMLASegNet, Variant
 
@@ -11,6 +12,8 @@ __all__ = [
     "ROUTING_MODES",
     "BACKENDS",
     "calibrate_tau",
+    "select_backend",
+    "BackendChoice",
     "ChannelLayerNorm",
     "ConvNormAct",
     "DSConv",

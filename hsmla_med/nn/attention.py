@@ -10,16 +10,13 @@ import torch.nn.functional as F
 from monai.networks.layers.factories import Conv
 
 from hsmla_med.nn import functional as HF
+from hsmla_med.nn.dispatch import BACKENDS, BackendChoice, select_backend
 
 __all__ = ["HSMLA", "ROUTING_MODES", "BACKENDS", "calibrate_tau"]
 
 #: ``gate``: learned routing (soft in training, hard at inference); ``off``: linear attention
 #: only (the paper's "MSLA only" ablation); ``all``: local refinement everywhere (alpha = 1).
 ROUTING_MODES = ("gate", "off", "all")
-#: ``auto``: at inference the Triton kernels on CUDA and the C refinement kernel on the CPU,
-#: the reference otherwise; ``cpu`` forces the C kernel (which runs the reference for inputs it
-#: does not take, and whenever gradients are needed).
-BACKENDS = ("auto", "reference", "triton", "cpu")
 
 
 def _positive_int(name: str, value) -> int:
@@ -55,7 +52,12 @@ class HSMLA(nn.Module):
         rho: target mean gate of the budget regulariser.
         eps: linear-attention denominator term.
         routing: one of :data:`ROUTING_MODES`.
-        backend: one of :data:`BACKENDS`.
+        backend: one of :data:`BACKENDS`; each call's choice is made by
+            :func:`~hsmla_med.nn.dispatch.select_backend` (a forced kernel backend that cannot
+            run raises).
+
+    :meth:`calibrate` sets ``tau`` from a batch of the layer's inputs; :func:`calibrate_tau`
+    does it for every gated layer of a network.
     """
 
     def __init__(
@@ -113,7 +115,6 @@ class HSMLA(nn.Module):
         self.last_gate: torch.Tensor | None = None
         self._alpha = 0.0  # last_alpha without a gate
         self._gate_tau = float(tau)  # the tau of the last gated forward
-        self._calibrate_to: float | None = None
         self._derived_cache: dict[str, tuple] = {}  # see _derived
 
     # -- settings -----------------------------------------------------------------------------
@@ -159,15 +160,15 @@ class HSMLA(nn.Module):
         """Block gate ``M`` of shape ``(batch, *tiles)`` from the multi-scale tokens ``(b, 3C, *S)``.
 
         ``G^h_b = sigmoid(w_h . AvgPool_b(DWConv3x3([Qh_h; Kh_h; Vh_h])) + b_h)``,
-        ``M_b = mean_h G^h_b``.
+        ``M_b = mean_h G^h_b``. On the ``cpu`` backend the C gate computes it for maps of whole
+        tiles, the PyTorch gate for the others.
         """
-        if self._backend_for(self.training, ms.device) == "cpu":
-            from hsmla_med import kernels
-
+        block_gate = self._select(ms).gate_op()
+        if block_gate is not None:
             taps = self._derived(
                 "gate_taps", self.gate_conv.weight, lambda: self._gate_pool_kernel().flatten(1).t().contiguous()
             )
-            gate = kernels.block_gate_cpu(ms, taps, self.gate_conv.bias, self.gate_weight, self.gate_bias, self.block)
+            gate = block_gate(ms, taps, self.gate_conv.bias, self.gate_weight, self.gate_bias, self.block)
             if gate is not None:
                 return gate
         pooled = self._gate_pool(ms)  # (b, 3C, *tiles)
@@ -221,42 +222,24 @@ class HSMLA(nn.Module):
             kept = self._derived_cache[slot] = (key, build())
         return kept[1]
 
-    def _backend_for(self, training: bool, device: torch.device) -> str:
-        """The backend this call runs: ``reference``, ``cpu`` or ``triton`` (see :data:`BACKENDS`)."""
-        if self.backend != "auto":
-            return self.backend
-        if not training and device.type == "cpu":
-            return "cpu"
-        if not training and device.type == "cuda":
-            from hsmla_med import kernels
+    def _select(self, *maps: torch.Tensor) -> BackendChoice:
+        """The backend of a call on the layer's ``(b, 3C, *S)`` maps (:func:`select_backend`)."""
+        ref = maps[0]
+        features = (ref.shape[0], self.heads, *ref.shape[2:], self.head_dim)
+        grad = torch.is_grad_enabled() and any(m.requires_grad for m in maps)
+        channels_last = all(m.stride(1) == 1 for m in maps)  # head_dim contiguous in the head views
+        return select_backend(self.backend, self.training, ref.device, ref.dtype, features, grad=grad, channels_last=channels_last)
 
-            return "triton" if kernels.triton_available(device) else "reference"
-        return "reference"
-
-    def _ops(self, training: bool, device: torch.device):
-        """The (linear_attention, local_refine) pair for this call: kernels or reference."""
-        backend = self._backend_for(training, device)
-        if backend == "reference":
-            return HF.linear_attention, HF.local_refine
-        from hsmla_med import kernels
-
-        if backend == "cpu":
-            return HF.linear_attention, kernels.local_refine_cpu
-        return kernels.linear_attention, kernels.local_refine
-
-    def _refine_everywhere(self, local_refine, q, k, v, qh, kh, vh) -> torch.Tensor:
-        """``R`` for every token. With gradients (training) on the reference backend, maps small
-        enough for :func:`~hsmla_med.nn.functional.dense_fits` take
-        :func:`~hsmla_med.nn.functional.dense_refine`: the same values, a fraction of the tile
-        schedule's time forward and backward (docs/benchmarks.md); otherwise ``local_refine``
-        over every tile."""
-        if torch.is_grad_enabled() and self.backend in ("auto", "reference") and HF.dense_fits(q.shape):
+    def _refine_everywhere(self, choice: BackendChoice, local_refine, q, k, v, qh, kh, vh) -> torch.Tensor:
+        """``R`` for every token: :func:`~hsmla_med.nn.functional.dense_refine` where the choice
+        says so (gradients on maps small enough for :func:`~hsmla_med.nn.functional.dense_fits`:
+        the same values, a fraction of the tile schedule's time forward and backward,
+        docs/benchmarks.md), else ``local_refine`` over every tile."""
+        if choice.dense:
             return HF.dense_refine(q, k, v, qh, kh, vh, self.window, self.eps)
         return local_refine(q, k, v, qh, kh, vh, None, 0.0, self.block, self.window, self.eps)
 
-    # -- forward ------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``(batch, in_channels, *spatial)`` -> same shape."""
+    def _check_input(self, x: torch.Tensor) -> None:
         if x.dim() != self.spatial_dims + 2:
             raise ValueError(
                 f"HSMLA with spatial_dims={self.spatial_dims} expects input (batch, C, "
@@ -264,30 +247,50 @@ class HSMLA(nn.Module):
             )
         if x.shape[1] != self.in_channels:
             raise ValueError(f"input has {x.shape[1]} channels, in_channels is {self.in_channels}.")
+
+    @torch.no_grad()
+    def calibrate(self, x: torch.Tensor, target_alpha: float = 0.3) -> float:
+        """Set ``tau`` to the ``1 - target_alpha`` quantile of the block gate of ``x`` (a batch of
+        this layer's inputs), so that about ``target_alpha`` of its tiles refine; returns it.
+
+        Computes the gate alone (the projections, the multi-scale tokens, the gate) with the
+        backend a forward in the current mode would use, and changes nothing but ``tau``.
+        """
+        if not 0.0 <= target_alpha <= 1.0:
+            raise ValueError(f"target_alpha must lie in [0, 1], got {target_alpha!r}.")
+        self._check_input(x)
+        gate = self.gate(self._multiscale(self.qkv(x)))
+        tau = torch.quantile(gate.float().flatten(), 1.0 - target_alpha).item()
+        self.tau.fill_(tau)
+        return tau
+
+    # -- forward ------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(batch, in_channels, *spatial)`` -> same shape."""
+        self._check_input(x)
         spatial = x.shape[2:]
         qkv = self.qkv(x)
         ms = self._multiscale(qkv)
         q, k, v = self._split_heads(qkv)
         qh, kh, vh = self._split_heads(ms)
-        linear_attention, local_refine = self._ops(self.training, x.device)
+        choice = self._select(qkv, ms)
+        linear_attention, local_refine = choice.ops()
         # The gate first, while the multi-scale map it pools is still in cache.
         gate = self.gate(ms) if self.routing == "gate" else None
         out = linear_attention(qh, kh, vh, self.eps)
 
         self.last_gate, self._alpha = None, 0.0
         if self.routing == "all":
-            out = out + self._refine_everywhere(local_refine, q, k, v, qh, kh, vh)
+            out = out + self._refine_everywhere(choice, local_refine, q, k, v, qh, kh, vh)
             self._alpha = 1.0
         elif self.routing == "gate":
-            if self._calibrate_to is not None:
-                self.tau.fill_(torch.quantile(gate.detach().float().flatten(), 1.0 - self._calibrate_to).item())
             tau = float(self.tau)
             self.last_gate, self._gate_tau = gate, tau
             # Active tiles keep the gate weight they had in training (DESIGN.md §3.6 adds R at
             # weight 1): the budget keeps M near rho, so a network trained on M * R saw R at about
             # 0.3, and full-weight R at inference cost 7 Dice points on BTCV (docs/benchmarks.md).
             if self.training:
-                r = self._refine_everywhere(local_refine, q, k, v, qh, kh, vh)
+                r = self._refine_everywhere(choice, local_refine, q, k, v, qh, kh, vh)
                 weight = HF.tile_broadcast(gate, self.block, tuple(spatial)).unsqueeze(1).unsqueeze(-1)
                 out = torch.addcmul(out, weight.to(r.dtype), r)
             else:
@@ -324,25 +327,35 @@ def calibrate_tau(model: nn.Module, samples: torch.Tensor | Iterable[torch.Tenso
     """Set every gated HSMLA layer's ``tau`` so that about ``target_alpha`` of its tiles refine.
 
     One inference forward over the samples (a batch tensor, or equally shaped tensors that are
-    concatenated into one): each layer, in execution order, takes the ``1 - target_alpha``
-    quantile of its own gate values as ``tau`` before routing, so later layers are calibrated on
-    the inputs that the already calibrated earlier layers produce.
+    concatenated into one), in which each gated layer, in execution order, first calibrates on
+    its own input (:meth:`HSMLA.calibrate`: ``tau`` is the ``1 - target_alpha`` quantile of its
+    gate values) and then runs with that ``tau``: later layers are calibrated on the inputs that
+    the already calibrated earlier layers produce. The calibration runs from hooks held for this
+    pass only; afterwards nothing but the ``tau`` buffers has changed (each module's
+    training mode is restored), and a later forward equals that of a network loaded with these
+    ``tau`` values. ``model`` may be a network or a single HSMLA layer.
 
     Returns:
         ``{layer name: tau}``.
     """
     if not 0.0 <= target_alpha <= 1.0:
         raise ValueError(f"target_alpha must lie in [0, 1], got {target_alpha!r}.")
-    batch = samples if isinstance(samples, torch.Tensor) else torch.cat(list(samples))
     layers = {n: m for n, m in model.named_modules() if isinstance(m, HSMLA) and m.routing == "gate"}
-    was_training = model.training
+    if not layers:
+        return {}
+    batch = samples if isinstance(samples, torch.Tensor) else torch.cat(list(samples))
+
+    def calibrate(layer: HSMLA, args: tuple, kwargs: dict) -> None:
+        layer.calibrate(args[0] if args else kwargs["x"], target_alpha)
+
+    modes = {m: m.training for m in model.modules()}
     model.eval()
+    hooks = [layer.register_forward_pre_hook(calibrate, with_kwargs=True) for layer in layers.values()]
     try:
-        for layer in layers.values():
-            layer._calibrate_to = target_alpha
         model(batch)
     finally:
-        for layer in layers.values():
-            layer._calibrate_to = None
-        model.train(was_training)
+        for hook in hooks:
+            hook.remove()
+        for module, mode in modes.items():
+            module.training = mode
     return {n: float(m.tau) for n, m in layers.items()}

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from monai.networks.layers.factories import Conv, Norm
+from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 from hsmla_med.nn.attention import HSMLA
 
@@ -28,7 +29,11 @@ class ConvNormAct(nn.Sequential):
 
     In eval mode the BatchNorm is folded into the convolution (its running statistics become a
     per-channel scale of the kernel and a bias): one pass over the map instead of two, the
-    inference option DESIGN.md §3 names for the convolutional stages.
+    inference option DESIGN.md §3 names for the convolutional stages. Without gradients the
+    folded convolution (:func:`torch.nn.utils.fusion.fuse_conv_bn_eval`) is kept until a weight
+    or statistic changes (version counter, storage, dtype or device of any of them: an
+    optimizer step, loaded weights, a cast) or the block is put in a mode; with gradients the
+    fold is computed in every call, differentiably.
     """
 
     def __init__(
@@ -51,11 +56,29 @@ class ConvNormAct(nn.Sequential):
             Norm[Norm.BATCH, spatial_dims](out_channels) if norm == "batch" else Norm[Norm.INSTANCE, spatial_dims](out_channels, affine=True),
             nn.Hardswish(inplace=True) if act else nn.Identity(),
         )
+        self._fused: tuple | None = None  # (key, folded convolution); not a submodule
+
+    def train(self, mode: bool = True):
+        self._fused = None
+        return super().train(mode)
+
+    def _folded(self) -> nn.Module:
+        """The convolution with the BatchNorm folded in, built once per weights and statistics."""
+        conv, norm, _ = self
+        tensors = (conv.weight, conv.bias, norm.weight, norm.bias, norm.running_mean, norm.running_var)
+        key = tuple(None if t is None else (t._version, t.data_ptr(), t.dtype, t.device) for t in tensors)
+        key += (norm.eps,)
+        kept = getattr(self, "_fused", None)  # (absent from blocks pickled before it existed)
+        if kept is None or kept[0] != key:
+            self._fused = (key, fuse_conv_bn_eval(conv, norm).requires_grad_(False))
+        return self._fused[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         conv, norm, act = self
         if self.training or not isinstance(norm, nn.modules.batchnorm._BatchNorm):
             return act(norm(conv(x)))
+        if not (torch.is_grad_enabled() and any(p.requires_grad for p in (conv.weight, norm.weight, norm.bias) if p is not None)):
+            return act(self._folded()(x))
         scale = norm.weight * torch.rsqrt(norm.running_var + norm.eps)
         weight = conv.weight * scale.view(-1, *[1] * (conv.weight.dim() - 1))
         return act(conv._conv_forward(x, weight, norm.bias - norm.running_mean * scale))

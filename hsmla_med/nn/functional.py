@@ -31,6 +31,7 @@ __all__ = [
     "tile_broadcast",
     "tile_average",
     "gate_regularizers",
+    "check_refine",
 ]
 
 DEFAULT_EPS = 1e-6
@@ -353,7 +354,7 @@ def local_linear_attention(
     return (-_tiled(None, (qh, kh, vh), window, _FULL_MAP_BLOCK, index, eps)).to(qh.dtype)
 
 
-def _check_refine(maps, gate: torch.Tensor | None, block: int, window: int, add_to: torch.Tensor | None) -> int:
+def check_refine(maps, gate: torch.Tensor | None, block: int, window: int, add_to: torch.Tensor | None) -> int:
     """The arguments of :func:`local_refine` (and of the kernels' versions); returns the
     number of spatial dims."""
     spatial_dims = _check_features("q", maps[0])
@@ -409,7 +410,7 @@ def local_refine(
     Returns:
         ``R``, shape and dtype of ``q``; or ``add_to``.
     """
-    _check_refine((q, k, v, qh, kh, vh), gate, block, window, add_to)
+    check_refine((q, k, v, qh, kh, vh), gate, block, window, add_to)
     if gate is None:
         index = _all_tiles(q.shape, block, q.device)
     else:
@@ -462,7 +463,7 @@ def dense_refine(
     Returns:
         ``R`` in the shape and dtype of ``q`` (computed in float32, or float64 for float64).
     """
-    _check_refine((q, k, v, qh, kh, vh), None, 1, window, None)
+    check_refine((q, k, v, qh, kh, vh), None, 1, window, None)
     dtype, shape = q.dtype, q.shape
     with torch.autocast(device_type=q.device.type, enabled=False):
         # float32 at least (float64 stays, for gradient checks); (b, h, N, d)
@@ -499,20 +500,14 @@ def tile_broadcast(gate: torch.Tensor, block: int, spatial: tuple[int, ...]) -> 
 def tile_average(x: torch.Tensor, block: int) -> torch.Tensor:
     """Mean of ``(batch, C, *spatial)`` over ``block``-sized tiles -> ``(batch, C, *tiles)``.
 
-    Partial edge tiles average over the tokens that exist.
+    Partial edge tiles average over the tokens that exist: ``avg_pool`` with ``ceil_mode`` and no
+    padding divides each window by the number of its elements inside the map. (Its 3D form
+    refuses a kernel longer than the map, so an axis shorter than ``block``, one partial tile,
+    takes a kernel of the axis's length.)
     """
-    s = x.dim() - 2
-    pool = (F.avg_pool2d, F.avg_pool3d)[s - 2]
-    spatial = x.shape[2:]
-    grid = tile_grid(tuple(spatial), block)
-    pad = []
-    for size, tiles in zip(reversed(spatial), reversed(grid)):
-        pad += [0, tiles * block - size]
-    if not any(pad):
-        return pool(x, block)
-    sums = pool(F.pad(x, pad), block, divisor_override=1)
-    counts = pool(F.pad(torch.ones_like(x[:1, :1]), pad), block, divisor_override=1)
-    return sums / counts
+    pool = (F.avg_pool2d, F.avg_pool3d)[x.dim() - 4]
+    kernel = [min(block, n) for n in x.shape[2:]]
+    return pool(x, kernel, stride=block, ceil_mode=True)
 
 
 def gate_regularizers(gate: torch.Tensor, rho: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from monai.networks.layers.factories import Conv
 
-from hsmla_med.nn.attention import HSMLA
+from hsmla_med.nn.attention import HSMLA, calibrate_tau
 from hsmla_med.nn.blocks import ChannelLayerNorm, ConvNormAct, DSConv, HSMLABlock, MBConv
 
 __all__ = ["VARIANTS", "DECODERS", "Variant", "HSMLABackbone", "UNetDecoder", "HSMLASegNet", "HSMLAClassifier"]
@@ -92,9 +92,19 @@ class GatedNetwork(nn.Module):
             layer.routing = mode
 
     def set_backend(self, name: str) -> None:
-        """``"auto"``, ``"reference"`` or ``"triton"`` for every HSMLA layer."""
+        """``"auto"``, ``"reference"``, ``"cpu"`` or ``"triton"`` for every HSMLA layer (see
+        :func:`~hsmla_med.nn.dispatch.select_backend`)."""
         for layer in self.hsmla_layers().values():
             layer.backend = name
+
+    def calibrate_tau(self, samples: torch.Tensor | Sequence[torch.Tensor], target_alpha: float = 0.3) -> dict[str, float]:
+        """Set every gated layer's ``tau`` so that about ``target_alpha`` of its tiles refine, in
+        one inference pass over ``samples``: :func:`~hsmla_med.nn.attention.calibrate_tau`.
+
+        Returns:
+            ``{layer name: tau}``.
+        """
+        return calibrate_tau(self, samples, target_alpha)
 
     def _channels_last(self) -> None:
         """Hold the convolution weights channels-last (called at the end of ``__init__``).

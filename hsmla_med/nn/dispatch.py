@@ -1,0 +1,166 @@
+"""Which backend an HSMLA layer runs for one call, and why: :func:`select_backend`.
+
+The layer asks once per call (and :meth:`~hsmla_med.nn.HSMLA.gate` once for itself); every
+rule of the choice is here, and each choice is logged at DEBUG level on the ``hsmla_med``
+logger with its reason.
+
+This is the one place where :mod:`hsmla_med.nn` uses :mod:`hsmla_med.kernels`, through its
+public names only. The kernels import their references from :mod:`hsmla_med.nn.functional`,
+so the package is imported at the first choice rather than when :mod:`hsmla_med.nn` loads
+(importing it here at load time would be an import cycle).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import warnings
+from typing import NamedTuple
+
+import torch
+
+from hsmla_med.nn import functional as HF
+
+__all__ = ["BACKENDS", "BackendChoice", "select_backend"]
+
+#: ``auto``: at inference the C kernels on the CPU and the Triton kernels on CUDA, the reference
+#: in training, with gradients, or for inputs the kernels do not take; ``reference``, ``cpu`` and
+#: ``triton`` force one, and a forced kernel backend that cannot run raises.
+BACKENDS = ("auto", "reference", "triton", "cpu")
+
+log = logging.getLogger("hsmla_med")
+_warned: set[str] = set()
+_kernels = None
+
+
+def _kernel_api():
+    """:mod:`hsmla_med.kernels`, imported at the first use."""
+    global _kernels
+    if _kernels is None:
+        _kernels = importlib.import_module("hsmla_med.kernels")
+    return _kernels
+
+
+class BackendChoice(NamedTuple):
+    """What one call runs.
+
+    Attributes:
+        backend: ``"reference"`` (:mod:`hsmla_med.nn.functional`), ``"cpu"`` (the C refinement
+            kernel and, on maps of whole tiles, the C gate) or ``"triton"`` (the Triton linear
+            attention and 2D refinement kernels).
+        reason: why, in words.
+        dense: the reference computes ``R`` for every token with
+            :func:`~hsmla_med.nn.functional.dense_refine` (gradients on a small map) rather
+            than the tile schedule.
+    """
+
+    backend: str
+    reason: str
+    dense: bool = False
+
+    def ops(self):
+        """``(linear_attention, local_refine)`` of this backend, looked up now (so that a
+        patched module attribute is seen)."""
+        if self.backend == "reference":
+            return HF.linear_attention, HF.local_refine
+        kernels = _kernel_api()
+        if self.backend == "cpu":
+            return HF.linear_attention, kernels.local_refine_cpu
+        return kernels.linear_attention, kernels.local_refine
+
+    def gate_op(self):
+        """The C block gate on the ``cpu`` backend (it returns ``None`` for maps that are not
+        whole tiles, which the PyTorch gate then takes), else ``None``."""
+        return _kernel_api().block_gate_cpu if self.backend == "cpu" else None
+
+
+def _refuse(requested: str, problem: str) -> RuntimeError:
+    log.debug("HSMLA backend %r refused: %s", requested, problem)
+    return RuntimeError(
+        f"HSMLA backend {requested!r} cannot run this call: {problem}. "
+        "backend='auto' falls back to the PyTorch reference; backend='reference' forces it."
+    )
+
+
+def select_backend(
+    requested: str,
+    training: bool,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    features: tuple[int, ...],
+    *,
+    grad: bool = False,
+    channels_last: bool = True,
+) -> BackendChoice:
+    """The backend of one HSMLA call and the reason for it.
+
+    Args:
+        requested: the layer's setting, one of :data:`BACKENDS`.
+        training: the layer's mode (``auto`` trains on the reference, whose backward autograd
+            derives, even without gradients).
+        device, dtype: those of the attention features.
+        features: their shape ``(batch, heads, *spatial, head_dim)``.
+        grad: whether gradients flow through this call (grad mode on and an input or weight
+            requiring them): no kernel has a backward.
+        channels_last: whether ``head_dim`` is contiguous in the features (the layer's maps
+            are channels-last), which the C kernel needs.
+
+    Rules: ``auto`` takes the reference in training or with gradients, else the C kernels on
+    the CPU and the Triton kernels on CUDA where they take the inputs (float32 and
+    channels-last for C; float32/16, bfloat16 and ``head_dim <= 128`` for Triton), the
+    reference otherwise. ``reference`` always runs. A forced ``cpu`` or ``triton`` that cannot
+    run (gradients, device, dtype, layout, head_dim, C kernel not built, triton missing) raises
+    :class:`RuntimeError` naming the backend and the reason; forced ``triton`` on 3D maps warns
+    once that the refinement (2D kernel only) runs the reference. The reference computes ``R``
+    everywhere densely when gradients flow and the map is small
+    (:func:`~hsmla_med.nn.functional.dense_fits`).
+
+    Raises:
+        ValueError: ``requested`` is not a backend.
+        RuntimeError: a forced kernel backend cannot run.
+    """
+    if requested not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {requested!r}.")
+    device = torch.device(device)
+    no_backward = "gradients are required and the kernels have no backward"
+    if requested == "reference":
+        choice = BackendChoice("reference", "requested")
+    elif requested == "cpu":
+        problem = no_backward if grad else _kernel_api().cpu_kernel_unsupported(device, dtype, channels_last)
+        if problem:
+            raise _refuse(requested, problem)
+        choice = BackendChoice("cpu", "requested")
+    elif requested == "triton":
+        problem = no_backward if grad else _kernel_api().triton_unsupported(device, dtype, features[-1])
+        if problem:
+            raise _refuse(requested, problem)
+        choice = BackendChoice("triton", "requested")
+        if len(features) == 6:
+            choice = BackendChoice("triton", "requested; the refinement of 3D maps runs the reference")
+            if "triton-3d" not in _warned:
+                _warned.add("triton-3d")
+                warnings.warn(
+                    "backend='triton': the Triton refinement kernel is 2D; the local refinement of 3D maps "
+                    "runs the PyTorch reference (the linear attention runs the Triton kernel)."
+                )
+    elif training:
+        choice = BackendChoice("reference", "training: the reference, which autograd differentiates")
+    elif grad:
+        choice = BackendChoice("reference", no_backward)
+    elif device.type == "cpu":
+        problem = _kernel_api().cpu_kernel_unsupported(device, dtype, channels_last)
+        choice = BackendChoice("reference", problem) if problem else BackendChoice("cpu", "CPU inference")
+    elif device.type == "cuda":
+        problem = _kernel_api().triton_unsupported(device, dtype, features[-1])
+        choice = BackendChoice("reference", problem) if problem else BackendChoice("triton", "CUDA inference")
+    else:
+        choice = BackendChoice("reference", f"no kernels for {device.type} devices")
+    if choice.backend == "reference" and grad and HF.dense_fits(features):
+        choice = choice._replace(dense=True)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug(
+            "HSMLA backend %r -> %s%s (%s; %s %s %s, training=%s, grad=%s)",
+            requested, choice.backend, " (dense R)" if choice.dense else "", choice.reason,
+            tuple(features), dtype, device, training, grad,
+        )
+    return choice
