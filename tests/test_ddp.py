@@ -1,7 +1,8 @@
 """Two-process DDP on CPU (gloo): the gathered validation metrics equal one process's.
 
 Three validation cases over two processes makes Lightning's distributed sampler repeat one
-case; the module must count each case once for the two results to agree.
+case; the module must count each case once for the two results to agree. Training under DDP,
+both processes calibrate tau on the same (rank 0's) inputs and hold the same records.
 """
 
 from __future__ import annotations
@@ -11,10 +12,49 @@ import os
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 
 from hsmla_med.cli import main
-from tests.conftest import make_dataset, tiny_yaml
+from hsmla_med.config import model_config
+from hsmla_med.engine.run import evaluate, load_module
+from hsmla_med.engine.segmentation import SegmentationModule
+from hsmla_med.pipelines import btcv
+from tests.conftest import make_dataset, tiny_config, tiny_yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Trains 3 steps on 2 CPU processes; every process appends, after each validation, its tau,
+# the keys of the items it validated itself, the gathered records' keys and the summary.
+FIT = """
+import json, sys
+from pathlib import Path
+
+import torch
+from hsmla_med.config import model_config
+from hsmla_med.engine.run import fit
+from hsmla_med.engine.segmentation import SegmentationModule
+from hsmla_med.pipelines import btcv
+from tests.conftest import tiny_config
+
+
+class Recording(SegmentationModule):
+    def on_validation_epoch_end(self):
+        own = [r["key"] for r in self._records]
+        super().on_validation_epoch_end()
+        line = {"step": self.global_step, "tau": self.calibrated_tau, "own": own, "keys": [r["key"] for r in self.records], "summary": self.summary}
+        with (Path(sys.argv[2]) / f"rank{self.global_rank}.jsonl").open("a") as f:
+            f.write(json.dumps(line) + "\\n")
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    config = tiny_config(Path(sys.argv[1]), Path(sys.argv[2]), max_steps=3, devices=2, strategy="ddp")
+    cases = btcv.datalist(config)
+    module = Recording(btcv.module_config(config, model_config("b0"), cases.label_names))
+    fit(module, btcv.datamodule(config, cases), sys.argv[2], config["trainer"])
+"""
 
 
 def _evaluate(tmp_path, data, config, ckpt, name, *extra) -> dict:
@@ -39,3 +79,32 @@ def test_two_process_gloo_matches_one_process(tmp_path):
         assert two[key] == pytest.approx(one[key], rel=1e-6)
     assert two["dice_per_class"] == pytest.approx(one["dice_per_class"], rel=1e-6)
     assert two["step"] == one["step"] == 4
+
+
+def test_two_process_training_calibrates_and_gathers_alike(tmp_path):
+    data = make_dataset(tmp_path / "data", cases=5, validation=3)
+    out, script = tmp_path / "run", tmp_path / "fit_ddp.py"
+    out.mkdir()
+    script.write_text(FIT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, str(script), str(data), str(out)], cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [[json.loads(line) for line in (out / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+    assert [v["step"] for v in ranks[0]] == [v["step"] for v in ranks[1]] and ranks[0][-1]["step"] == 3
+    for zero, one in zip(*ranks):
+        # each process validated its share (one case twice: the sampler's padding) ...
+        assert len(zero["own"]) == len(one["own"]) == 2 and sorted(set(zero["own"] + one["own"])) == [0, 1, 2]
+        # ... and both hold every case once, the same summary, and the tau of the same inputs
+        assert zero["keys"] == one["keys"] == [0, 1, 2]
+        assert zero["summary"] == one["summary"] and zero["summary"]["cases"] == 3
+        assert zero["tau"] and zero["tau"] == one["tau"]
+    # one process validating the saved final weights (with their calibrated tau) agrees
+    config = tiny_config(data, tmp_path / "eval")
+    module, meta = load_module(out / "last.ckpt", SegmentationModule)
+    assert meta["step"] == 3
+    single = evaluate(module, btcv.datamodule(config, btcv.datalist(config)), config["trainer"], tmp_path / "eval")
+    final = ranks[0][-1]["summary"]
+    assert single["cases"] == 3
+    for key in ("dice", "hd95"):
+        assert single[key] == pytest.approx(final[key], rel=1e-6)
+    assert single["dice_per_class"] == pytest.approx(final["dice_per_class"], rel=1e-6)
