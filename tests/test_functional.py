@@ -163,6 +163,26 @@ def test_tile_average_partial_edge_tiles():
     torch.testing.assert_close(got3[..., 1, 0, 2], x3[..., 3:, :, 6:].mean(dim=(-3, -2, -1)))
 
 
+@pytest.mark.parametrize("spatial,block", [((5, 5), 4), ((9, 7), 2), ((3, 11), 4), ((5, 2, 7), 3), ((1, 6, 4), 4), ((8, 8), 4), ((2, 3), 5)])
+def test_tile_average_equals_the_mean_of_each_tile(spatial, block):
+    """Against a loop over the tiles: partial edge tiles (and axes shorter than a tile, which
+    ``avg_pool3d`` refuses as a kernel size) divide by the tokens that exist, in value and in
+    gradient."""
+    x = torch.randn(2, 3, *spatial, dtype=torch.float64, requires_grad=True)
+    got = HF.tile_average(x, block)
+    grid = HF.tile_grid(spatial, block)
+    assert got.shape == (2, 3, *grid)
+    expected = torch.empty_like(got)
+    for tile in itertools.product(*(range(n) for n in grid)):
+        region = tuple(slice(t * block, (t + 1) * block) for t in tile)
+        expected[(..., *tile)] = x[(..., *region)].mean(dim=tuple(range(2, 2 + len(spatial))))
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    w = torch.randn_like(got)
+    (g_got,) = torch.autograd.grad((got * w).sum(), x)
+    (g_exp,) = torch.autograd.grad((expected * w).sum(), x)
+    torch.testing.assert_close(g_got, g_exp, rtol=1e-12, atol=1e-12)
+
+
 def test_gate_regularizers_hand_computed():
     gate = torch.tensor([[[0.0, 1.0], [1.0, 1.0]], [[0.5, 0.5], [0.5, 0.5]]])
     budget, smooth = HF.gate_regularizers(gate, rho=0.3)

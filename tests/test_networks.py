@@ -218,6 +218,100 @@ def test_conv_norm_act_folds_batchnorm_at_inference(spatial_dims, groups, stride
     torch.testing.assert_close(block(x), act(torch.nn.functional.batch_norm(conv(x), None, None, norm.weight, norm.bias, True)))
 
 
+def _unfused(block, x):
+    """conv, BatchNorm with its running statistics, activation: three separate modules' math."""
+    conv, norm, act = block
+    return act(torch.nn.functional.batch_norm(conv(x), norm.running_mean, norm.running_var, norm.weight, norm.bias, False, 0.0, norm.eps))
+
+
+def _randomise_norm(norm):
+    with torch.no_grad():
+        norm.running_mean.normal_()
+        norm.running_var.uniform_(0.5, 2.0)
+        norm.weight.normal_()
+        norm.bias.normal_()
+
+
+@pytest.mark.parametrize("spatial_dims, groups, stride", [(2, 1, 1), (2, 6, 2), (3, 1, 2)])
+def test_folded_batchnorm_is_kept_and_follows_every_change(spatial_dims, groups, stride):
+    """Without gradients the folded convolution is built once and reused; it equals the
+    unfused modules (1e-5, float32) and is rebuilt after an in-place weight update, new running
+    statistics, loaded weights, a cast, and a round through training mode."""
+    from hsmla_med.nn.blocks import ConvNormAct
+
+    block = ConvNormAct(spatial_dims, 6, 12, 3, stride=stride, groups=groups)
+    conv, norm, _ = block
+    _randomise_norm(norm)
+    block.eval()
+    x = torch.randn(2, 6, *[9] * spatial_dims)
+    with torch.no_grad():
+        torch.testing.assert_close(block(x), _unfused(block, x), rtol=1e-5, atol=1e-5)
+        folded = block._fused[1]
+        block(x)
+        assert block._fused[1] is folded  # kept
+        for change in (
+            lambda: conv.weight.mul_(-1.5),  # an optimizer step
+            lambda: norm.running_var.mul_(3.0),  # new statistics
+            lambda: norm.bias.add_(1.0),
+            lambda: block.load_state_dict(ConvNormAct(spatial_dims, 6, 12, 3, stride=stride, groups=groups).state_dict()),
+        ):
+            change()
+            torch.testing.assert_close(block(x), _unfused(block, x), rtol=1e-5, atol=1e-5)
+        block.double()
+        torch.testing.assert_close(block(x.double()), _unfused(block, x.double()), rtol=1e-10, atol=1e-10)
+        block.float()
+    block.train()
+    assert block._fused is None
+    block(x)  # batch statistics move the running ones
+    block.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(block(x), _unfused(block, x), rtol=1e-5, atol=1e-5)
+    # with gradients the fold is differentiable: they reach the BatchNorm's parameters
+    block(x).sum().backward()
+    assert norm.weight.grad is not None and conv.weight.grad is not None
+
+
+def test_network_with_folded_batchnorm_equals_the_unfused_network(monkeypatch):
+    """A whole network's eval output with the cached folds equals the same network computing
+    every BatchNorm separately (1e-5), twice in a row."""
+    from hsmla_med.nn.blocks import ConvNormAct
+
+    torch.manual_seed(0)
+    net = HSMLASegNet(2, 1, 3, variant="b0", block=2)
+    for m in net.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            _randomise_norm(m)
+    net.eval()
+    x = torch.randn(1, 1, 48, 40)
+    with torch.no_grad():
+        first, second = net(x), net(x)
+        monkeypatch.setattr(ConvNormAct, "forward", _unfused)
+        unfused = net(x)
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+    torch.testing.assert_close(first, unfused, rtol=1e-5, atol=1e-5)
+
+
+def test_network_calibrate_tau_method():
+    """``GatedNetwork.calibrate_tau`` is the module function's pass: the same taus, about
+    ``target_alpha`` of the tiles refine in every gated layer at the next forward, and the
+    network's mode is kept."""
+    torch.manual_seed(0)
+    net = HSMLASegNet(2, 1, 2, variant="b0", block=2)
+    for layer in net.hsmla_layers().values():
+        torch.nn.init.normal_(layer.gate_weight, std=2.0)
+    other = HSMLASegNet(2, 1, 2, variant="b0", block=2)
+    other.load_state_dict(net.state_dict())
+    x = torch.randn(2, 1, 128, 128)
+    net.eval()
+    taus = net.calibrate_tau(x, 0.3)
+    assert taus == pytest.approx(calibrate_tau(other.eval(), x, 0.3))
+    assert not net.training
+    with torch.no_grad():
+        net(x)
+    for stats in net.gate_stats().values():
+        assert stats["alpha"] == pytest.approx(0.3, abs=0.13)  # few tiles at stride 32: 4 x 4 x 2
+
+
 @pytest.mark.parametrize("spatial_dims, size", [(2, (37, 29)), (3, (11, 13, 9))])
 def test_channels_last_layout_gives_the_channel_first_result(spatial_dims, size):
     """The networks compute channels-last; the same weights in plain channel-first layout give
