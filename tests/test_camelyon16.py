@@ -76,19 +76,21 @@ def test_patch_grid_labels_follow_the_annotation(slides):
     assert len(list((slides / "cache" / "camelyon16-patches").glob("*.npz"))) >= 1
 
 
-def test_summary_from_rows_matches_direct_metrics():
+def test_summary_from_records_matches_direct_metrics():
     # columns: index, slide, row, col, prob, label, lesion, slide_label
     rows = torch.tensor([
         [0, 0, 0, 0, 0.9, 1, 1, 1], [1, 0, 0, 1, 0.2, 0, 0, 1], [2, 0, 1, 1, 0.1, 0, 0, 1],
         [3, 1, 0, 0, 0.3, 0, 0, 0], [4, 1, 2, 1, 0.6, 0, 0, 0],
         [5, 2, 0, 0, 0.05, 0, 0, 0],
     ], dtype=torch.float32)
-    maps = slide_maps(rows)
+    fields = ("key", "slide", "row", "col", "prob", "label", "lesion", "slide_label")
+    records = [{k: (float(v) if k == "prob" else int(v)) for k, v in zip(fields, row.tolist())} for row in rows]
+    maps = slide_maps(records)
     assert [m[0].shape for m in maps] == [(2, 2), (3, 2), (1, 1)]
     assert np.isnan(maps[1][0][1, 0]) and maps[1][0][2, 1] == pytest.approx(0.6)
     config = merge_config(task_config("camelyon16"), {})
     module = ClassificationModule(camelyon16.module_config(config, {"variant": "b0"}, camelyon16.LABELS), network=nn.Identity())
-    summary = module.summarize_rows(rows)
+    summary = module.summarize_records(records)
     assert summary["patch_auc"] == pytest.approx(auc(rows[:, 4].numpy(), rows[:, 5].numpy()))
     assert summary["slides"] == 3 and summary["cases"] == 6
     assert summary["froc"] == pytest.approx(1.0)  # the one lesion is the top detection; FPs come later

@@ -122,11 +122,14 @@ def test_frame_dice_and_iou_against_hand_computed_values():
     assert summary["dice_per_class"] == pytest.approx({"a": 2 / 3, "b": 2 / 3, "c": 0.0})
     assert summary["iou_per_class"] == pytest.approx({"a": 0.5, "b": 0.5, "c": 0.0})
     assert summary["cases"] == 3
-    # the module's rows (index, dice..., iou...) give the same summary
+    # the module's records (key, dice, iou per frame) give the same summary
     module = FrameSegmentationModule.__new__(FrameSegmentationModule)
     module.label_names = ["background", "a", "b", "c"]
-    rows = torch.cat([torch.arange(3.0)[:, None], dice, iou], 1)
-    assert module.summarize_rows(rows)["iou"] == pytest.approx(0.25)
+    records = [{"key": k, "dice": d, "iou": i} for k, d, i in zip(range(3), dice.tolist(), iou.tolist())]
+    got = module.summarize_records(records)
+    assert set(got) == set(summary) and got["cases"] == 3
+    assert (got["dice"], got["iou"]) == pytest.approx((summary["dice"], summary["iou"]))
+    assert got["iou_per_class"] == pytest.approx(summary["iou_per_class"]) and got["dice_per_class"] == pytest.approx(summary["dice_per_class"])
 
 
 def test_generator_layout_and_consistent_masks(cache):
