@@ -53,7 +53,7 @@ def unsupported(device: torch.device | str, dtype: torch.dtype, head_dim_contigu
     contiguous or not), or ``None`` when it would (building it now if needed). Gradients are
     left to the caller: the kernel has none, and :func:`local_refine` runs the reference when
     they are needed."""
-    if torch.device(device).type != "cpu":
+    if (device if isinstance(device, torch.device) else torch.device(device)).type != "cpu":
         return f"the C kernel runs on the CPU, the features are on {device}"
     if dtype != torch.float32:
         return f"the C kernel takes float32 features, got {dtype}"

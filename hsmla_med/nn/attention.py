@@ -225,7 +225,8 @@ class HSMLA(nn.Module):
     def _select(self, *maps: torch.Tensor) -> BackendChoice:
         """The backend of a call on the layer's ``(b, 3C, *S)`` maps (:func:`select_backend`)."""
         ref = maps[0]
-        features = (ref.shape[0], self.heads, *ref.shape[2:], self.head_dim)
+        shape = ref.shape
+        features = (shape[0], self.heads, *shape[2:], self.head_dim)
         grad = torch.is_grad_enabled() and any(m.requires_grad for m in maps)
         channels_last = all(m.stride(1) == 1 for m in maps)  # head_dim contiguous in the head views
         return select_backend(self.backend, self.training, ref.device, ref.dtype, features, grad=grad, channels_last=channels_last)

@@ -121,7 +121,8 @@ def select_backend(
     """
     if requested not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {requested!r}.")
-    device = torch.device(device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
     no_backward = "gradients are required and the kernels have no backward"
     if requested == "reference":
         choice = BackendChoice("reference", "requested")
