@@ -295,14 +295,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layer-channels", type=int, default=128, help="channels of the benchmarked layer")
     parser.add_argument("--head-dim", type=int, default=32, help="head width of the benchmarked layer")
     parser.add_argument(
-        "--only", choices=["models", "layers", "wsi", "endovis", "learning"],
-        help="run one table (wsi: whole-slide heatmap throughput; endovis: frames/s of HSMLA-B0 vs SegFormer-B0 on 1024x1280 RGB frames; learning: networks trained and scored on MNI152 grey/white matter; none of these is part of the default run)",
+        "--only", choices=["models", "layers", "wsi", "endovis", "learning", "gpu"],
+        help="run one table (gpu: networks on a CUDA GPU, inference 2D/3D and training (scripts/bench_kernels.py: the Triton kernels); wsi: whole-slide heatmap throughput; endovis: frames/s of HSMLA-B0 vs SegFormer-B0 on 1024x1280 RGB frames; learning: networks trained and scored on MNI152 grey/white matter; none of these is part of the default run)",
     )
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch CPU threads")
     parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
-    from hsmla_med import benchmark_learning
+    from hsmla_med import benchmark_gpu, benchmark_learning
 
     benchmark_learning.add_arguments(parser)
+    benchmark_gpu.add_arguments(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.memory_child:
@@ -324,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.only == "learning":
         return benchmark_learning.run(args)
+    if args.only == "gpu":
+        return benchmark_gpu.run(args)
     if args.only == "endovis":
         print("EndoVis 2017 frames, 1024x1280 RGB (the standard crop), batch 1, 3 -> 8 channels:", flush=True)
         rows = bench_endovis(args.runs)

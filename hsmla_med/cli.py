@@ -266,7 +266,7 @@ def _demo(args) -> int:
             config = merge_config(config, load_yaml(args.config), args.config)
         output = Path(args.output) / name
         config["output"] = str(output)
-        if args.max_steps:
+        if args.max_steps is not None:
             config["trainer"]["max_steps"] = args.max_steps
         summary = _train(validate_config(config, args.config or f"{name}_demo.yaml"))
         task = get_task(name)

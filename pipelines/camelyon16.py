@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import random
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +24,7 @@ from monai.transforms import Compose, MapTransform, RandFlipd, RandRotate90d, Ra
 from torch.utils.data import WeightedRandomSampler
 
 from hsmla_med.data.asap import rasterise, read_asap_xml
-from hsmla_med.data.datalist import Datalist
+from hsmla_med.data.datalist import Datalist, split_cases
 from hsmla_med.data.slides import coverage, open_slide, patch_grid, read_region, select_level, slide_mpp, tissue_mask
 from hsmla_med.data.synthetic_wsi import generate_camelyon16
 from hsmla_med.data.tiff import write_pyramidal_tiff
@@ -97,13 +96,7 @@ def datalist(config: dict) -> Datalist:
         generate_camelyon16(root, synth["num_normal"], synth["num_tumor"], synth["num_test"], tuple(synth["size"]), seed=synth["seed"])
         synthetic = True
     training, test = find_slides(root)
-    rng = random.Random(config["seed"])
-    validation = []
-    for label in (0, 1):
-        group = [c for c in training if c["label"] == label]
-        rng.shuffle(group)
-        validation += group[: max(1, round(data["validation_fraction"] * len(group)))] if len(group) > 1 else []
-    training = [c for c in training if c not in validation]
+    training, validation = split_cases(training, data["validation_fraction"], config["seed"], classes=[c["label"] for c in training])
     if not validation:
         raise DataError(f"{root}: need at least two slides of a class to hold one out for validation")
     return Datalist(LABELS, training, validation, test, Path(root), synthetic)

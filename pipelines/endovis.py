@@ -13,7 +13,6 @@ engine's.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 from monai.transforms import Compose, RandFlipd, RandScaleIntensityd, RandShiftIntensityd, RandZoomd, Resized
 from PIL import Image
 
-from hsmla_med.data.datalist import Datalist
+from hsmla_med.data.datalist import Datalist, split_cases
 from hsmla_med.data.endovis import PROBLEMS, VIDEO_FOLDER, LoadFramed, crop_box, find_frames, find_videos, load_frame
 from hsmla_med.data.intensity import intensity_augmentations
 from hsmla_med.data.synthetic_endovis import generate_endovis
@@ -70,9 +69,7 @@ def datalist(config: dict) -> Datalist:
         if not held <= set(labelled) or held == set(labelled):
             raise ConfigError(f"data.validation_videos {sorted(held)} must be some, not all, of the labelled videos {labelled} in {root}")
     else:
-        order = list(labelled)
-        random.Random(config["seed"]).shuffle(order)
-        held = set(order[: max(1, round(data["validation_fraction"] * len(order)))])
+        held = set(split_cases(labelled, data["validation_fraction"], config["seed"])[1])
     pick = lambda keep: [c for v in videos for c in v["frames"] if keep(v)]  # noqa: E731
     return Datalist(
         PROBLEMS[problem],

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import csv
 import logging
-import random
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import numpy as np
 import torch
 from monai.transforms import Compose, DeleteItemsd, EnsureTyped, Orientationd, ScaleIntensityRanged, Spacingd
 
-from hsmla_med.data.datalist import Datalist
+from hsmla_med.data.datalist import Datalist, split_cases
 from hsmla_med.data.luna16 import COLUMNS, LoadScand, NoduleMaskd, find_scans, read_annotations
 from hsmla_med.data.synthetic_luna16 import generate_luna16
 from hsmla_med.data.volume_crops import crop_and_augment, roi_size, spatial_dims
@@ -79,11 +78,7 @@ def datalist(config: dict) -> Datalist:
     ]
     if len(cases) < 2:
         raise DataError(f"{root}: need at least two scans to hold one out for validation, found {len(cases)}")
-    order = list(range(len(cases)))
-    random.Random(config["seed"]).shuffle(order)
-    held = set(order[: max(1, round(data["validation_fraction"] * len(cases)))])
-    training = [c for i, c in enumerate(cases) if i not in held]
-    validation = [c for i, c in enumerate(cases) if i in held]
+    training, validation = split_cases(cases, data["validation_fraction"], config["seed"])
     return Datalist(LABELS, training, validation, [], root, synthetic)
 
 

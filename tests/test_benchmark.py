@@ -41,3 +41,34 @@ def test_bench_models_script_is_the_benchmark():
     script = Path(__file__).resolve().parent.parent / "scripts" / "bench_models.py"
     done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "--only" in done.stdout and "SegFormer" in done.stdout
+
+
+def test_gpu_benchmark_tables_on_the_cpu(monkeypatch, tmp_path):
+    """``bench --only gpu`` end to end with toy networks (``--device cpu``): every table is written,
+    its reference row has ratio 1 and the ratios are the latency/throughput quotients."""
+    import csv
+
+    from hsmla_med import benchmark_gpu
+
+    def toy(width):
+        return lambda: torch.nn.Sequential(torch.nn.Conv2d(1, width, 3, padding=1), torch.nn.Conv2d(width, 14, 1))
+
+    def toy3d(width):
+        return lambda: torch.nn.Sequential(torch.nn.Conv3d(1, width, 3, padding=1), torch.nn.Conv3d(width, 14, 1))
+
+    names = ("HSMLA-B0", "HSMLA-B1", "HSMLA-B2", "SegFormer-B0", "SegFormer-B2", "SwinUNETR-2D", "MONAI UNet")
+    monkeypatch.setattr(benchmark, "build_models", lambda sample: {n: toy(4 + 4 * i) for i, n in enumerate(names)})
+    monkeypatch.setattr(benchmark_gpu, "_models_3d", lambda side: {"HSMLA-B0 3D": toy3d(2), "SwinUNETR": toy3d(8)})
+    argv = ["--only", "gpu", "--device", "cpu", "--size", "16", "--size-3d", "8", "--train-batch", "2",
+            "--warmup", "1", "--reps", "2", "--out", str(tmp_path)]
+    assert benchmark.main(argv) == 0
+    read = lambda name: list(csv.DictReader((tmp_path / name).open()))  # noqa: E731
+    inference, cube, training = read("gpu_inference.csv"), read("gpu_3d.csv"), read("gpu_training.csv")
+    assert [r["model"] for r in inference] == list(names) and [r["model"] for r in training] == list(names)
+    b2 = next(r for r in inference if r["model"] == "SegFormer-B2")
+    assert float(b2["speedup_vs_segformer_b2"]) == 1.0
+    for r in inference:
+        assert float(r["speedup_vs_segformer_b2"]) == pytest.approx(float(b2["latency_ms"]) / float(r["latency_ms"]), rel=0.02, abs=0.01)
+    assert next(float(r["speedup_vs_swinunetr"]) for r in cube if r["model"] == "SwinUNETR") == 1.0
+    for r in training:
+        assert float(r["images_per_s"]) == pytest.approx(2 / float(r["step_ms"]) * 1e3, rel=0.02, abs=0.1)
