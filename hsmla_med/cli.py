@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto")
 
     # its options are the benchmark's own (hsmla-med bench --help), passed through unparsed
-    sub.add_parser("bench", help="CPU benchmark of HSMLA networks vs SegFormer and SwinUNETR", add_help=False)
+    sub.add_parser("bench", help="benchmarks of HSMLA networks vs SegFormer, SwinUNETR and UNet (CPU; --only gpu on a CUDA GPU)", add_help=False)
 
     p = sub.add_parser("demo", help="train on synthetic data for a few minutes, infer, print metrics", description="Generates synthetic data in each benchmark's format (BTCV NIfTI volumes, CAMELYON16 slides, EndoVis 2017 frames, LUNA16 MetaImage scans), trains a small HSMLA model on each (configs/<task>_demo.yaml), runs inference on the held-out data (label volumes, slide heatmaps, frame masks, a nodule submission CSV) and prints the metrics and output paths.")
     p.add_argument("--task", choices=[*TASKS, "all"], default="all", help="which demo (default: all)")
