@@ -178,9 +178,11 @@ def bench_endovis(runs: int, size: tuple[int, int] = (1024, 1280), classes: int 
 
 
 def _layer_and_input(kind: str, side: int, channels: int, head_dim: int):
-    x = torch.randn(1, channels, side, side)
+    x = torch.randn(1, channels, side, side).contiguous(memory_format=torch.channels_last)
     if kind == "hsmla":
-        layer = HSMLA(2, channels, head_dim=head_dim).eval()
+        # channels-last as inside the networks: the CPU kernels take those maps (channel-first
+        # ones run the reference)
+        layer = HSMLA(2, channels, head_dim=head_dim).eval().to(memory_format=torch.channels_last)
         calibrate_tau(layer, x, 0.3)
         return lambda: layer(x)
     if kind == "conv1x1":  # yardstick: how a plain linear-cost op scales on this machine
