@@ -84,15 +84,10 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def bench_inference(size: int, device: torch.device, warmup: int, reps: int) -> list[dict]:
-    """The 2D inference table; half precision on CUDA, float32 elsewhere."""
-    from hsmla_med.benchmark import build_models
-
-    dtype = torch.float16 if device.type == "cuda" else torch.float32
-    sample = torch.randn(1, 1, size, size)
-    inputs = _inputs((1, 1, size, size), device, dtype)
+def _inference_rows(makers: dict, inputs: list[torch.Tensor], dtype: torch.dtype, warmup: int, reps: int, device: torch.device) -> list[dict]:
+    """Per network (built one at a time, freed before the next): parameters, latency, peak memory."""
     rows = []
-    for name, make in build_models(sample).items():
+    for name, make in makers.items():
         model = make().eval().to(device, dtype)
         with torch.inference_mode():
             ms, peak = _measure(model, inputs, warmup, reps, device)
@@ -100,6 +95,17 @@ def bench_inference(size: int, device: torch.device, warmup: int, reps: int) -> 
                      "latency_ms": round(ms, 3), "peak_mib": round(peak, 1)})
         del model
         _release(device)
+    return rows
+
+
+def bench_inference(size: int, device: torch.device, warmup: int, reps: int) -> list[dict]:
+    """The 2D inference table; half precision on CUDA, float32 elsewhere."""
+    from hsmla_med.benchmark import build_models
+
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    sample = torch.randn(1, 1, size, size)
+    inputs = _inputs((1, 1, size, size), device, dtype)
+    rows = _inference_rows(build_models(sample), inputs, dtype, warmup, reps, device)
     reference = next(r["latency_ms"] for r in rows if r["model"] == "SegFormer-B2")
     for r in rows:
         r["speedup_vs_segformer_b2"] = round(reference / r["latency_ms"], 2)
@@ -126,14 +132,7 @@ def bench_3d(side: int, device: torch.device, warmup: int, reps: int) -> list[di
     """The 3D inference table at ``side`` cubed."""
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     inputs = _inputs((1, 1, side, side, side), device, dtype)
-    rows = []
-    for name, make in _models_3d(side).items():
-        model = make().eval().to(device, dtype)
-        with torch.inference_mode():
-            ms, peak = _measure(model, inputs, warmup, reps, device)
-        rows.append({"model": name, "side": side, "latency_ms": round(ms, 3), "peak_mib": round(peak, 1)})
-        del model
-        _release(device)
+    rows = _inference_rows(_models_3d(side), inputs, dtype, warmup, reps, device)
     reference = next(r["latency_ms"] for r in rows if r["model"] == "SwinUNETR")
     for r in rows:
         r["speedup_vs_swinunetr"] = round(reference / r["latency_ms"], 2)

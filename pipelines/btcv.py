@@ -191,11 +191,6 @@ class BTCV(Task):
     in_channels = 1
     inputs = "NIfTI volumes (.nii, .nii.gz)"
     outputs = "OUTPUT/<case>.nii.gz label maps with each input's shape and affine"
-    datalist = staticmethod(datalist)
-    datamodule = staticmethod(datamodule)
-    module_config = staticmethod(module_config)
-    held_out = staticmethod(held_out)
-    predict = staticmethod(infer)
 
 
 TASK = BTCV()

@@ -364,11 +364,6 @@ class CAMELYON16(Task):
     in_channels = 3
     inputs = "whole slides (any format OpenSlide opens) or a folder of them"
     outputs = "OUTPUT/<slide>_heatmap.tif (pyramidal), _overlay.png, _gates.png and <slide>.json"
-    datalist = staticmethod(datalist)
-    datamodule = staticmethod(datamodule)
-    module_config = staticmethod(module_config)
-    held_out = staticmethod(held_out)
-    predict = staticmethod(infer)
 
 
 TASK = CAMELYON16()

@@ -196,11 +196,6 @@ class EndoVis(Task):
     in_channels = 3
     inputs = "PNG frames, video folders or an EndoVis 2017 root"
     outputs = "one PNG mask per frame at the frame's size"
-    datalist = staticmethod(datalist)
-    datamodule = staticmethod(datamodule)
-    module_config = staticmethod(module_config)
-    held_out = staticmethod(held_out)
-    predict = staticmethod(infer)
 
 
 TASK = EndoVis()

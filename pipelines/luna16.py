@@ -173,11 +173,6 @@ class LUNA16(Task):
     in_channels = 1
     inputs = "MetaImage scans (.mhd), a folder searched recursively"
     outputs = "OUTPUT/submission.csv (seriesuid,coordX,coordY,coordZ,probability)"
-    datalist = staticmethod(datalist)
-    datamodule = staticmethod(datamodule)
-    module_config = staticmethod(module_config)
-    held_out = staticmethod(held_out)
-    predict = staticmethod(infer)
 
 
 TASK = LUNA16()

@@ -10,6 +10,7 @@ YAML ``configs/<name>.yaml``, and its name in :data:`hsmla_med.pipelines.TASKS`
 
 from __future__ import annotations
 
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -70,7 +71,23 @@ class Task(ABC):
     Class attributes: ``name`` (the ``--task`` value and ``config["task"]``), ``module_class``
     (its LightningModule), ``in_channels``, ``inputs`` (what ``infer --input`` takes) and
     ``outputs`` (what ``infer`` writes), the last two for the command line's help.
+
+    A subclass that does not define one of :data:`MODULE_FUNCTIONS` gets the function of that
+    name in its own module (``predict``: the module's ``infer``), so a pipeline module keeps
+    its steps as plain functions that tests and scripts call directly.
     """
+
+    MODULE_FUNCTIONS: ClassVar[dict[str, str]] = {
+        "datalist": "datalist", "datamodule": "datamodule", "module_config": "module_config", "held_out": "held_out", "predict": "infer",
+    }
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        # runs inside type.__new__, before ABCMeta collects what is still abstract
+        super().__init_subclass__(**kwargs)
+        module = sys.modules[cls.__module__]
+        for method, function in Task.MODULE_FUNCTIONS.items():
+            if method not in cls.__dict__ and callable(getattr(module, function, None)):
+                setattr(cls, method, staticmethod(getattr(module, function)))
 
     name: ClassVar[str]
     module_class: ClassVar[type[GatedModule]]

@@ -88,3 +88,16 @@ def tiny_config(data_dir: Path, output: Path, **trainer) -> dict:
 @pytest.fixture
 def dataset(tmp_path) -> Path:
     return make_dataset(tmp_path / "data")
+
+
+def cli_error(capsys, argv) -> str:
+    """``hsmla-med ARGV`` must fail as the README promises: exit status 2, no traceback, exactly
+    one ``hsmla-med: error:`` line, which is returned."""
+    from hsmla_med.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("hsmla-med: error:")]
+    assert len(lines) == 1, err
+    return lines[0]

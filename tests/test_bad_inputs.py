@@ -11,19 +11,10 @@ import pytest
 import torch
 import yaml
 
-from hsmla_med.cli import main
 from hsmla_med.config import model_config, task_config
 from hsmla_med.pipelines import get_task
-from tests.conftest import tiny_config, tiny_yaml, write_nifti
+from tests.conftest import cli_error as _error, tiny_config, tiny_yaml, write_nifti
 
-
-def _error(capsys, argv) -> str:
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    lines = [line for line in err.splitlines() if line.startswith("hsmla-med: error:")]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 def _checkpoint(path, task: str, config: dict, labels: list[str]):

@@ -10,16 +10,8 @@ import numpy as np
 import pytest
 
 from hsmla_med.cli import main
-from tests.conftest import make_dataset, tiny_yaml, write_nifti
+from tests.conftest import cli_error as _error, make_dataset, tiny_yaml, write_nifti
 
-
-def _error(capsys, argv) -> str:
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    lines = [line for line in err.splitlines() if line.startswith("hsmla-med: error:")]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 def _train(tmp_path, data, *extra):
