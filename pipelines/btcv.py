@@ -8,7 +8,6 @@ the generic engine's (:mod:`hsmla_med.engine`).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from operator import lt, ne
@@ -39,11 +38,10 @@ from hsmla_med.engine.segmentation import SegmentationModule
 from hsmla_med.errors import ConfigError, DataError
 from hsmla_med.inference.sliding import predict_volume
 from hsmla_med.io import atomic_path, is_temporary
-from hsmla_med.pipelines.task import InferenceOptions, Task
+from hsmla_med.pipelines.task import InferenceOptions, Task, synthetic_root
 
 __all__ = ["TASK", "datalist", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer"]
 
-log = logging.getLogger("hsmla_med")
 OTSU_MARGIN = 2  # voxels around the Otsu foreground that the crop keeps
 
 
@@ -54,8 +52,7 @@ def datalist(config: dict) -> Datalist:
     if data["data_dir"]:
         return load_datalist(data["data_dir"], data["dataset_json"], data["validation_fraction"], config["seed"])
     synth = data["synthetic"]
-    root = Path(data["cache_dir"]).expanduser() / "btcv-synthetic"
-    log.warning("No --data-dir given: using the SYNTHETIC BTCV-format dataset in %s (phantoms, not patients)", root)
+    root = synthetic_root(data, "btcv", "BTCV-format volumes", "phantoms, not patients")
     generate_btcv(root, synth["num_train"], synth["num_validation"], synth["num_test"], tuple(synth["shape"]), synth["seed"])
     return load_datalist(root, seed=config["seed"])
 

@@ -36,7 +36,7 @@ from hsmla_med.inference.overlays import gate_overlay, heatmap_overlay
 from hsmla_med.io import atomic_path, write_json
 from hsmla_med.metrics.pathology import lesion_labels, slide_score
 from hsmla_med.nn import GatedNetwork
-from hsmla_med.pipelines.task import InferenceOptions, Task
+from hsmla_med.pipelines.task import InferenceOptions, Task, synthetic_root
 
 __all__ = ["TASK", "LABELS", "find_slides", "datalist", "slide_patches", "datamodule", "module_config", "heatmap", "held_out", "infer"]
 
@@ -91,8 +91,7 @@ def datalist(config: dict) -> Datalist:
     root, synthetic = data["data_dir"], False
     if not root:
         synth = data["synthetic"]
-        root = Path(data["cache_dir"]).expanduser() / "camelyon16-synthetic"
-        log.warning("No --data-dir given: using SYNTHETIC CAMELYON16-format slides in %s (textures, not tissue)", root)
+        root = synthetic_root(data, "camelyon16", "CAMELYON16-format slides", "textures, not tissue")
         generate_camelyon16(root, synth["num_normal"], synth["num_tumor"], synth["num_test"], tuple(synth["size"]), seed=synth["seed"])
         synthetic = True
     training, test = find_slides(root)

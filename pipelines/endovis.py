@@ -12,7 +12,6 @@ engine's.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -33,11 +32,9 @@ from hsmla_med.engine.segmentation import FrameSegmentationModule
 from hsmla_med.errors import ConfigError, DataError
 from hsmla_med.inference.sliding import predict_volume
 from hsmla_med.io import atomic_path
-from hsmla_med.pipelines.task import InferenceOptions, Task
+from hsmla_med.pipelines.task import InferenceOptions, Task, synthetic_root
 
 __all__ = ["TASK", "datalist", "transforms", "datamodule", "module_config", "held_out", "infer", "inference_box"]
-
-log = logging.getLogger("hsmla_med")
 
 
 def _problem(config: dict) -> str:
@@ -56,8 +53,7 @@ def datalist(config: dict) -> Datalist:
     problem = _problem(config)
     root, synthetic = data["data_dir"], False
     if not root:
-        root = Path(data["cache_dir"]).expanduser() / "endovis-synthetic"
-        log.warning("No --data-dir given: using SYNTHETIC EndoVis 2017-format frames in %s (drawn instruments, not surgery)", root)
+        root = synthetic_root(data, "endovis", "EndoVis 2017-format frames", "drawn instruments, not surgery")
         generate_endovis(root, **data["synthetic"])
         synthetic = True
     videos = find_videos(root)

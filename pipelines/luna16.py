@@ -16,7 +16,6 @@ volume's affine, so no inverse resampling is needed.
 from __future__ import annotations
 
 import csv
-import logging
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -34,11 +33,10 @@ from hsmla_med.engine.detection import DetectionModule, scan_candidates
 from hsmla_med.errors import DataError
 from hsmla_med.inference.sliding import predict_volume
 from hsmla_med.io import atomic_path
-from hsmla_med.pipelines.task import InferenceOptions, Task
+from hsmla_med.pipelines.task import InferenceOptions, Task, synthetic_root
 
 __all__ = ["TASK", "LABELS", "datalist", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer"]
 
-log = logging.getLogger("hsmla_med")
 LABELS = ["background", "nodule"]
 SUBMISSION = "submission.csv"
 
@@ -59,8 +57,7 @@ def datalist(config: dict) -> Datalist:
     root, synthetic = data["data_dir"], False
     if not root:
         synth = data["synthetic"]
-        root = Path(data["cache_dir"]).expanduser() / "luna16-synthetic"
-        log.warning("No --data-dir given: using SYNTHETIC LUNA16-format scans in %s (phantoms, not patients)", root)
+        root = synthetic_root(data, "luna16", "LUNA16-format scans", "phantoms, not patients")
         generate_luna16(root, synth["num_scans"], tuple(synth["shape"]), synth["seed"])
         synthetic = True
     root = Path(root)

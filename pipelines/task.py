@@ -10,6 +10,7 @@ YAML ``configs/<name>.yaml``, and its name in :data:`hsmla_med.pipelines.TASKS`
 
 from __future__ import annotations
 
+import logging
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -23,7 +24,17 @@ from hsmla_med.data.datalist import Datalist
 from hsmla_med.engine.base import GatedModule
 from hsmla_med.errors import InputError
 
-__all__ = ["Task", "InferenceOptions"]
+__all__ = ["Task", "InferenceOptions", "synthetic_root"]
+
+log = logging.getLogger("hsmla_med")
+
+
+def synthetic_root(data: dict, task: str, files: str, nature: str) -> Path:
+    """Where a task's synthetic default dataset lives (``data.cache_dir/<task>-synthetic``),
+    logged as synthetic: ``files`` in the benchmark's format, ``nature`` what they really are."""
+    root = Path(data["cache_dir"]).expanduser() / f"{task}-synthetic"
+    log.warning("No --data-dir given: using SYNTHETIC %s in %s (%s)", files, root, nature)
+    return root
 
 
 @dataclass(frozen=True)
