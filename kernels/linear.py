@@ -1,4 +1,4 @@
-"""Fused global ReLU linear attention (DESIGN.md §3 step 3, §4) and its reference.
+"""Fused global ReLU linear attention (docs/design.md §2.3, §4.3) and its reference.
 
 Two launches: ``_aggregate_kernel`` sums ``Z = phi(kh)^T vh`` and ``Dn = sum phi(kh)`` in
 float32 over one chunk of tokens per program (the token axis is split so that a single

@@ -1,4 +1,4 @@
-"""Tile-compacted local refinement ``R = O_loc - O_linloc`` (DESIGN.md §3 steps 5-6, §4) and
+"""Tile-compacted local refinement ``R = O_loc - O_linloc`` (docs/design.md §2.5-2.6, §4.3) and
 its reference.
 
 The active tiles (``gate > tau``) are compacted into a dense ``(n, 3)`` list of

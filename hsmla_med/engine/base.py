@@ -142,7 +142,7 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
 
     def on_validation_epoch_start(self) -> None:
         # Inference routes hard with threshold tau; put it where the gate of the current weights
-        # selects the target share of tiles (DESIGN.md §3.8), using recent training inputs.
+        # selects the target share of tiles (docs/design.md §2.8), using recent training inputs.
         if self.trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             # DDP brings the buffers (BatchNorm statistics) into line at the start of each training
             # forward, so after the last one every process holds its own; validate with rank 0's,

@@ -28,13 +28,13 @@ def _positive_int(name: str, value) -> int:
 class HSMLA(nn.Module):
     """Hierarchical Softmax Multi-scale Linear Attention over a ``(batch, C, *spatial)`` map.
 
-    Computes DESIGN.md §3: a 1x1 projection to ``Q, K, V``; multi-scale depthwise tokens
+    Computes docs/design.md §2: a 1x1 projection to ``Q, K, V``; multi-scale depthwise tokens
     ``Qh, Kh, Vh`` (sum over ``scales``); global ReLU linear attention for every token; a
     hierarchical head -> block gate ``M`` over ``block``-sized tiles; and the local residual
     ``R = O_loc - O_linloc`` over a ``window``-sized neighbourhood. Training mixes
     ``O_lin + M * R`` (differentiable); inference adds ``M * R`` only on tiles with ``M > tau``,
     computing ``R`` for those tiles alone (the training weight ``M`` is kept on active tiles,
-    a deliberate deviation from DESIGN.md's ``[M > tau] * R``: see ``forward``). A 1x1
+    a deliberate deviation from the paper's ``[M > tau] * R``, docs/design.md §2.10: see ``forward``). A 1x1
     projection maps back to ``in_channels``.
 
     After each forward the layer keeps ``last_gate`` (``(batch, *tiles)``, ``None`` unless
@@ -287,7 +287,7 @@ class HSMLA(nn.Module):
         elif self.routing == "gate":
             tau = float(self.tau)
             self.last_gate, self._gate_tau = gate, tau
-            # Active tiles keep the gate weight they had in training (DESIGN.md §3.6 adds R at
+            # Active tiles keep the gate weight they had in training (the paper adds R at
             # weight 1): the budget keeps M near rho, so a network trained on M * R saw R at about
             # 0.3, and full-weight R at inference cost 7 Dice points on BTCV (docs/benchmarks.md).
             if self.training:

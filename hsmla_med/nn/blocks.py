@@ -29,7 +29,7 @@ class ConvNormAct(nn.Sequential):
 
     In eval mode the BatchNorm is folded into the convolution (its running statistics become a
     per-channel scale of the kernel and a bias): one pass over the map instead of two, the
-    inference option DESIGN.md §3 names for the convolutional stages. Without gradients the
+    inference option docs/design.md §3.3 names for the convolutional stages. Without gradients the
     folded convolution (:func:`torch.nn.utils.fusion.fuse_conv_bn_eval`) is kept until a weight
     or statistic changes (version counter, storage, dtype or device of any of them: an
     optimizer step, loaded weights, a cast) or the block is put in a mode; with gradients the
@@ -127,7 +127,7 @@ class DSConv(_Residual):
 
 
 class HSMLABlock(nn.Module):
-    """Sandwich block (DESIGN.md §3, the paper's block composition)::
+    """Sandwich block (docs/design.md §2.9, the paper's block composition)::
 
         X1 = X + HSMLA(LN(X));  X2 = X1 + DWConv(LN(X1));  X3 = X2 + FFN(LN(X2))
 

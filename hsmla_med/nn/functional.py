@@ -1,4 +1,4 @@
-"""Reference math of HSMLA attention (DESIGN.md §3), in plain PyTorch, 2D and 3D.
+"""Reference math of HSMLA attention (docs/design.md §2), in plain PyTorch, 2D and 3D.
 
 Every tensor of attention features has the layout ``(batch, heads, *spatial, head_dim)`` with
 ``spatial = (H, W)`` or ``(D, H, W)``. These functions are the reference the Triton kernels are
@@ -85,7 +85,7 @@ def _feature_view(x_cf: torch.Tensor) -> torch.Tensor:
 def linear_attention(
     qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, eps: float = DEFAULT_EPS
 ) -> torch.Tensor:
-    """Global ReLU linear attention, DESIGN.md §3 step 3.
+    """Global ReLU linear attention, docs/design.md §2.3.
 
     ``out_i = phi(qh_i) Z / (phi(qh_i) . Dn + eps)`` with ``Z = sum_j phi(kh_j)^T vh_j`` and
     ``Dn = sum_j phi(kh_j)``, ``phi = relu``, per batch element and head.
@@ -319,7 +319,7 @@ def _tiled(softmax_maps, linear_maps, window, block, index, eps, weight=None, ad
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
     """Softmax attention over the ``window``-sized neighbourhood centred on each query.
 
-    DESIGN.md §3 step 5: ``O_loc_i = softmax(q_i k_N(i)^T / sqrt(d)) v_N(i)``; keys outside the
+    docs/design.md §2.5: ``O_loc_i = softmax(q_i k_N(i)^T / sqrt(d)) v_N(i)``; keys outside the
     map are excluded from the softmax (masked), not zero-padded.
 
     Args:
@@ -341,7 +341,7 @@ def local_linear_attention(
 ) -> torch.Tensor:
     """ReLU linear attention restricted to the ``window``-sized neighbourhood of each query.
 
-    DESIGN.md §3 step 5: ``phi(qh_i) Z_N(i) / (phi(qh_i) . Dn_N(i) + eps)`` with the sums over
+    docs/design.md §2.5: ``phi(qh_i) Z_N(i) / (phi(qh_i) . Dn_N(i) + eps)`` with the sums over
     keys inside both the window and the map.
 
     Returns:
@@ -390,7 +390,7 @@ def local_refine(
 ) -> torch.Tensor:
     """Local residual ``R = O_loc - O_linloc`` on the tiles whose gate exceeds ``tau``.
 
-    DESIGN.md §3 steps 5-6: the active tiles are compacted into a dense list, gathered with a
+    docs/design.md §2.5-2.6: the active tiles are compacted into a dense list, gathered with a
     halo of ``window // 2``, evaluated, and scattered back; tiles whose gate is ``<= tau``
     are never computed and hold exact zeros.
 
@@ -511,7 +511,7 @@ def tile_average(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def gate_regularizers(gate: torch.Tensor, rho: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Budget and smoothness terms of a block gate ``(batch, *tiles)``, DESIGN.md §3 step 7.
+    """Budget and smoothness terms of a block gate ``(batch, *tiles)``, docs/design.md §2.7.
 
     budget = ``|mean_b M_b - rho|`` and smoothness = ``sum_{adjacent b, b'} |M_b - M_b'|``
     (4-neighbourhood in 2D, 6 in 3D), each per sample and then averaged over the batch.

@@ -33,7 +33,7 @@ class Variant:
     decoder_widths: tuple[int, int, int, int, int]
 
 
-# EfficientViT's B-series (DESIGN.md §3); HSMLA sandwich blocks fill the last two stages unless
+# EfficientViT's B-series (docs/design.md §3.1); HSMLA sandwich blocks fill the last two stages unless
 # ``attention_strides`` says otherwise. Decoder widths follow the encoder's, at least 16 (the
 # width of MONAI UNet's full-resolution level).
 VARIANTS: dict[str, Variant] = {
