@@ -93,7 +93,8 @@ class StepProgressBar(TQDMProgressBar):
             bar = self.train_progress_bar
             bar.reset(total=trainer.max_steps)
             bar.unit = "step"
-            bar.n = trainer.global_step
+            # counted from here: the rate is this epoch's steps over this epoch's time
+            bar.initial = bar.n = bar.last_print_n = trainer.global_step
             bar.refresh()
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
