@@ -88,13 +88,15 @@ class StepProgressBar(TQDMProgressBar):
     steps up to ``max_steps`` (``Epoch 7: 120/300 step``) instead of an epoch's batches."""
 
     def on_train_epoch_start(self, trainer: L.Trainer, *args) -> None:
+        if self._train_progress_bar is not None:
+            self._train_progress_bar.initial = 0  # Lightning's reset shows n = 0: no negative rate
         super().on_train_epoch_start(trainer, *args)
         if trainer.max_steps > 0:
             bar = self.train_progress_bar
-            bar.reset(total=trainer.max_steps)
-            bar.unit = "step"
+            bar.total, bar.unit = trainer.max_steps, "step"
             # counted from here: the rate is this epoch's steps over this epoch's time
             bar.initial = bar.n = bar.last_print_n = trainer.global_step
+            bar.last_print_t = bar.start_t = bar._time()
             bar.refresh()
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
