@@ -24,7 +24,7 @@ import torch
 from monai.transforms import Compose, DeleteItemsd, EnsureTyped, Orientationd, ScaleIntensityRanged, Spacingd
 
 from hsmla_med.data.datalist import Datalist, split_cases
-from hsmla_med.data.luna16 import COLUMNS, LoadScand, NoduleMaskd, find_scans, read_annotations
+from hsmla_med.data.luna16 import COLUMNS, LoadScand, NoduleMaskd, find_scans, read_annotations, voxel_to_lps
 from hsmla_med.data.synthetic_luna16 import generate_luna16
 from hsmla_med.data.volume_crops import crop_and_augment, roi_size, spatial_dims
 from hsmla_med.engine.base import hparams
@@ -151,7 +151,7 @@ def infer(
         image = pre({"image": str(file)})["image"]
         with torch.inference_mode():
             probs = predict_volume(module.network, image[None].to(device), inf["roi_size"], cfg["spatial_dims"], inf["overlap"], inf["sw_batch_size"], inf["tta"], inf["slab"])
-        found = scan_candidates(probs[0, 1].float().cpu().numpy(), image.affine, inf)
+        found = scan_candidates(probs[0, 1].float().cpu().numpy(), image.affine, inf, voxel_to_lps)
         options.progress(f"[{i}/{len(files)}] {file.name}: {len(found)} candidate(s)")
         rows += [[file.stem, *np.round(c[:3], 3).tolist(), round(float(c[3]), 5)] for c in found]
     path = Path(output) / SUBMISSION
@@ -162,11 +162,18 @@ def infer(
     return [path]
 
 
+class NoduleModule(DetectionModule):
+    """:class:`~hsmla_med.engine.detection.DetectionModule` with LUNA16's convention: candidates
+    and annotations in LPS millimetres (the scans' affines are RAS, as MONAI's)."""
+
+    world_points = staticmethod(voxel_to_lps)
+
+
 class LUNA16(Task):
     """LUNA16 nodule detection: MetaImage scans, the submission CSV."""
 
     name = "luna16"
-    module_class = DetectionModule
+    module_class = NoduleModule
     in_channels = 1
     inputs = "MetaImage scans (.mhd), a folder searched recursively"
     outputs = "OUTPUT/submission.csv (seriesuid,coordX,coordY,coordZ,probability)"

@@ -26,6 +26,7 @@ from monai.data import MetaTensor
 from monai.transforms import MapTransform
 
 from hsmla_med.errors import DataError
+from hsmla_med.metrics.detection import affine_points
 
 __all__ = [
     "COLUMNS",
@@ -184,9 +185,7 @@ def read_annotations(path: str | Path, series: Mapping[str, object] | None = Non
 
 def voxel_to_lps(index: np.ndarray, affine) -> np.ndarray:
     """LPS millimetres of continuous voxel indices ``(n, 3)`` of a MONAI (RAS) affine ``(4, 4)``."""
-    affine = np.asarray(affine, dtype=np.float64)
-    index = np.asarray(index, dtype=np.float64).reshape(-1, 3)
-    return lps_to_ras(index @ affine[:3, :3].T + affine[:3, 3])
+    return lps_to_ras(affine_points(index, affine))  # the sign flip is its own inverse
 
 
 class LoadScand(MapTransform):

@@ -18,11 +18,18 @@ from scipy import ndimage
 
 from hsmla_med.metrics.froc import froc_summary
 
-__all__ = ["FP_RATES", "IGNORED", "FALSE_POSITIVE", "extract_candidates", "match_candidates", "nodule_froc"]
+__all__ = ["FP_RATES", "IGNORED", "FALSE_POSITIVE", "affine_points", "extract_candidates", "match_candidates", "nodule_froc"]
 
 FP_RATES = (0.125, 0.25, 0.5, 1, 2, 4, 8)
 FALSE_POSITIVE, IGNORED = -1, -2  # match codes besides the index of the nodule hit
 _EXCLUDED_DEFAULT_DIAMETER = 10.0
+
+
+def affine_points(index: np.ndarray, affine) -> np.ndarray:
+    """World millimetres ``(n, 3)`` of continuous voxel indices ``(n, 3)`` in the frame of
+    ``affine`` ``(4, 4)`` (for MONAI's readers: RAS)."""
+    affine = np.asarray(affine, dtype=np.float64)
+    return np.asarray(index, dtype=np.float64).reshape(-1, 3) @ affine[:3, :3].T + affine[:3, 3]
 
 
 def extract_candidates(prob: np.ndarray, threshold: float = 0.2, max_candidates: int = 100) -> np.ndarray:
