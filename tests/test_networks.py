@@ -114,6 +114,11 @@ def test_sliding_window_inference_2d_and_3d():
         out3 = sliding_window_inference(torch.randn(1, 1, 20, 30, 9), (16, 16, 16), 1, net3, overlap=0.5)
     assert out2.shape == (1, 3, 45, 70)
     assert out3.shape == (1, 3, 20, 30, 9)
+    # one window covering the input exactly: the sliding window is the network itself
+    x2, x3 = torch.randn(1, 1, 32, 32), torch.randn(1, 1, 16, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(sliding_window_inference(x2, (32, 32), 1, net2, mode="gaussian"), net2(x2), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(sliding_window_inference(x3, (16, 16, 16), 1, net3), net3(x3), atol=1e-5, rtol=1e-4)
 
 
 def test_gate_regularization_sums_the_layers():
