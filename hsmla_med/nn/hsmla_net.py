@@ -221,7 +221,7 @@ class UNetDecoder(nn.Module):
         for level in reversed(range(len(skips))):
             skip = skips[level]
             up = F.interpolate(self.up[level](x), size=skip.shape[2:], mode=self._mode, align_corners=False)
-            x = self.refine[level](up + self.skip[level](skip))
+            x = self.refine[level](up.add_(self.skip[level](skip)))  # in place: see _Residual
         return x
 
 
