@@ -33,6 +33,33 @@ def test_model_table_ratios_on_a_fake_clock(monkeypatch):
     assert rows["HSMLA-B2 (paper head, stride 8)"]["b2_vs_refinement_off"] == ""
 
 
+def test_paired_speedup_is_the_median_of_per_round_ratios(monkeypatch):
+    """Load that drifts between rounds moves the ratio of the medians, not the per-round one: the
+    fake SegFormer-B2 is 10x HSMLA-B2 in two rounds of three and 5x in the third."""
+    clock = [0.0]
+
+    class Fake(torch.nn.Module):
+        def __init__(self, seconds):  # per call: two warm-ups, then the rounds
+            super().__init__()
+            self.seconds = iter(seconds)
+            self.weight = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, x):
+            clock[0] += next(self.seconds)
+            return x
+
+    costs = {
+        "HSMLA-B2": [1, 1, 0.01, 0.04, 0.02],
+        "HSMLA-B2 (refinement off)": [1, 1, 0.01, 0.01, 0.01],
+        "SegFormer-B2": [1, 1, 0.1, 0.4, 0.1],
+    }
+    monkeypatch.setattr(benchmark, "build_models", lambda x: {n: (lambda c=c: Fake(c)) for n, c in costs.items()})
+    monkeypatch.setattr(benchmark.time, "perf_counter", lambda: clock[0])
+    b2 = next(r for r in benchmark.bench_models(size=8, runs=3) if r["model"] == "HSMLA-B2")
+    assert b2["speedup_vs_segformer_b2"] == pytest.approx(0.1 / 0.02)
+    assert b2["speedup_vs_segformer_b2_paired"] == pytest.approx(10.0)
+
+
 def test_bench_models_script_is_the_benchmark():
     import subprocess
     import sys
