@@ -300,8 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layer-channels", type=int, default=128, help="channels of the benchmarked layer")
     parser.add_argument("--head-dim", type=int, default=32, help="head width of the benchmarked layer")
     parser.add_argument(
-        "--only", choices=["models", "layers", "wsi", "endovis", "learning", "gpu"],
-        help="run one table (gpu: networks on a CUDA GPU, inference 2D/3D and training (scripts/bench_kernels.py: the Triton kernels); wsi: whole-slide heatmap throughput; endovis: frames/s of HSMLA-B0 vs SegFormer-B0 on 1024x1280 RGB frames; learning: networks trained and scored on MNI152 grey/white matter; none of these is part of the default run)",
+        "--only", choices=["models", "layers", "wsi", "endovis", "learning", "gpu", "volume"],
+        help="run one table (gpu: networks on a CUDA GPU, inference 2D/3D and training (scripts/bench_kernels.py: the Triton kernels); wsi: whole-slide heatmap throughput against the forward passes alone; volume: peak memory of infer on a 512x512x300 CT; endovis: frames/s of HSMLA-B0 vs SegFormer-B0 on 1024x1280 RGB frames; learning: networks trained and scored on MNI152 grey/white matter; none of these is part of the default run)",
     )
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch CPU threads")
     parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
@@ -326,6 +326,14 @@ def main(argv: list[str] | None = None) -> int:
         print("whole-slide heatmaps, 256 px patches at level 0, batch 32:", flush=True)
         rows = bench_wsi()
         write_csv(args.out / "wsi.csv", rows)
+        print("\n" + markdown(rows) + "\n")
+        return 0
+    if args.only == "volume":
+        from hsmla_med.benchmark_volume import bench_volume
+
+        print("btcv inference on one 512x512x300 CT, 14 classes, HSMLA-B0 (peak resident memory):", flush=True)
+        rows = bench_volume()
+        write_csv(args.out / "volume.csv", rows)
         print("\n" + markdown(rows) + "\n")
         return 0
     if args.only == "learning":

@@ -186,7 +186,7 @@ def run_one(name: str, seed: int, setup: Setup, folder: Path) -> dict:
     row = {
         "network": name, "seed": seed, "steps": setup.steps, "commit": setup.commit, "params_m": _params_m(train / "last.ckpt"),
         "train_s": train_s, "fit_s": (train / "last.ckpt").stat().st_mtime - (train / "config.yaml").stat().st_mtime,
-        "infer_s_per_volume": float(re.search(r" in ([\d.]+) s", printed).group(1)) / volumes,
+        "infer_s_per_volume": float(re.search(r"output file\(s\) in .* \(([\d.]+) s\)", printed).group(1)) / volumes,
     }
     for prefix, split in SPLITS.items():
         row.update(_columns(prefix, scores(setup.data, setup.meta[split], predictions)))

@@ -1,10 +1,13 @@
 """Whole-slide heatmap throughput: HSMLA-B0 / B1 patch classifiers against MONAI's ResNet-18 in
 one run, on synthetic CAMELYON16-format slides of two sizes (the second 4x the area).
 
-Each (model, slide) heatmap runs in a fresh process that reports the wall time of
-``pipelines.camelyon16.heatmap`` (reading patches in tissue, batched forward passes, writing the
-pyramidal TIFF, overlays and JSON) and its peak resident-set growth; streaming keeps that growth
-flat as the slide grows. Random weights; HSMLA taus calibrated to alpha 0.3.
+Each (model, slide, mode) runs in a fresh process that reports its wall time and peak
+resident-set growth. Modes: ``forward`` (the network alone on the slide's patches, read into
+memory beforehand: the ceiling), ``loop-0`` (``camelyon16.infer`` with patches read in the main
+process between forward passes, as the loop before Lightning's predict loop did) and ``loop-W``
+(the same with W DataLoader workers reading ahead). Throughput is patches per second of the
+whole heatmap: reading, classifying and writing the TIFF, overlays and JSON. Random weights;
+HSMLA taus calibrated to alpha 0.3.
 
     hsmla-med bench --only wsi --out bench_out
 """
@@ -51,27 +54,45 @@ def _module(model: str, cache: Path, patch: int, batch: int):
     return module
 
 
-def _child(model: str, slide: str, cache: str, patch: int, batch: int) -> None:
-    """In a fresh process: one heatmap, its seconds and peak resident-set growth (MiB)."""
+def _child(model: str, slide: str, cache: str, patch: int, batch: int, mode: str) -> None:
+    """In a fresh process: one heatmap (or the forward passes alone), its seconds and peak
+    resident-set growth (MiB)."""
     from hsmla_med.pipelines import camelyon16
+    from hsmla_med.pipelines.task import InferenceOptions
 
     module = _module(model, Path(cache), patch, batch)
     with torch.inference_mode():
         module.network(torch.rand(batch, 3, patch, patch))  # thread pools, oneDNN primitives
+    if mode == "forward":
+        read = camelyon16.ReadPatchd(keep=1)
+        grid = camelyon16.slide_patches({"slide": slide, "annotation": None, "label": 0}, module.config["data"])
+        patches = torch.stack([
+            read({"slide": slide, "x": x, "y": y, "level": int(grid["level"]), "size": patch})["image"] for x, y in grid["coords"]
+        ])
     with tempfile.TemporaryDirectory() as out:
         base = _status_kib("VmRSS")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # peak (VmHWM) := current resident set
         start = time.perf_counter()
-        record = camelyon16.heatmap(module, slide, out)
+        if mode == "forward":
+            with torch.inference_mode():
+                for i in range(0, len(patches), batch):
+                    torch.softmax(module.network(patches[i : i + batch]), 1)
+            count = len(patches)
+        else:
+            workers = int(mode.split("-")[1])
+            options = InferenceOptions(batch_size=batch, num_workers=workers, progress=lambda _: None)
+            camelyon16.infer(module, slide, out, options)
+            count = json.loads((Path(out) / f"{Path(slide).stem}.json").read_text())["patches"]
         seconds = time.perf_counter() - start
         peak = _status_kib("VmHWM")
-    print(json.dumps({"patches": record["patches"], "seconds": seconds, "seconds_patches": record["seconds_patches"], "peak_mib": (peak - base) / 1024}))
+    print(json.dumps({"patches": count, "seconds": seconds, "peak_mib": (peak - base) / 1024}))
 
 
-def bench_wsi(patch: int = 256, batch: int = 32, rounds: int = 2) -> list[dict]:
-    """Rows ``model, slide, patches, seconds`` (the whole heatmap), ``patches_per_s`` (reading
-    and classifying patches only), ``peak_mib`` (best of ``rounds`` interleaved runs)."""
+def bench_wsi(patch: int = 256, batch: int = 32, rounds: int = 2, modes: tuple[str, ...] = ("forward", "loop-0", "loop-2")) -> list[dict]:
+    """Rows ``model, slide, mode, patches, seconds, patches_per_s, peak_mib`` (best of
+    ``rounds`` interleaved runs) and ``vs_forward``, the throughput over the same model's
+    ``forward`` throughput on the same slide."""
     from hsmla_med.data.synthetic_wsi import generate_camelyon16
     from hsmla_med.pipelines import camelyon16
 
@@ -85,24 +106,29 @@ def bench_wsi(patch: int = 256, batch: int = 32, rounds: int = 2) -> list[dict]:
             # the patch grid (tissue mask) is computed once here, not inside the timed runs
             camelyon16.slide_patches({"slide": str(slide), "annotation": None, "label": 0}, _data_config(tmp / "cache", patch))
             slides.append((f"{w}x{h}", slide))
-        best: dict[tuple[str, str], dict] = {}
+        best: dict[tuple[str, str, str], dict] = {}
         for _ in range(rounds):
             for name, slide in slides:
                 for model in MODELS:
-                    cmd = [sys.executable, "-m", "hsmla_med.benchmark_wsi", model, str(slide), str(tmp / "cache"), str(patch), str(batch)]
-                    result = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
-                    run = json.loads(result.stdout.strip().splitlines()[-1])
-                    key = (model, name)
-                    if key not in best or run["seconds"] < best[key]["seconds"]:
-                        best[key] = run
-                    print(f"  {model} on {name}: {run['patches']} patches, {run['seconds']:.2f} s, {run['peak_mib']:.0f} MiB", flush=True)
-    return [
-        {"model": model, "slide": name, "patches": r["patches"], "seconds": r["seconds"],
-         "patches_per_s": r["patches"] / r["seconds_patches"], "peak_mib": r["peak_mib"]}
-        for (model, name), r in best.items()
+                    for mode in modes:
+                        cmd = [sys.executable, "-m", "hsmla_med.benchmark_wsi", model, str(slide), str(tmp / "cache"), str(patch), str(batch), mode]
+                        result = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+                        run = json.loads(result.stdout.strip().splitlines()[-1])
+                        key = (model, name, mode)
+                        if key not in best or run["seconds"] < best[key]["seconds"]:
+                            best[key] = run
+                        print(f"  {model} on {name}, {mode}: {run['patches']} patches, {run['seconds']:.2f} s, {run['peak_mib']:.0f} MiB", flush=True)
+    rows = [
+        {"model": model, "slide": name, "mode": mode, "patches": r["patches"], "seconds": r["seconds"],
+         "patches_per_s": r["patches"] / r["seconds"], "peak_mib": r["peak_mib"]}
+        for (model, name, mode), r in best.items()
     ]
+    forward = {(r["model"], r["slide"]): r["patches_per_s"] for r in rows if r["mode"] == "forward"}
+    for r in rows:
+        r["vs_forward"] = r["patches_per_s"] / forward[(r["model"], r["slide"])] if (r["model"], r["slide"]) in forward else ""
+    return rows
 
 
 if __name__ == "__main__":
     torch.set_num_threads(os.cpu_count())
-    _child(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    _child(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])

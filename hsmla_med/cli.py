@@ -52,6 +52,17 @@ def _add_trainer_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--precision", help="auto | 32-true | 16-mixed | bf16-mixed")
 
 
+def _add_prediction_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto")
+    g = p.add_argument_group("many cases: Lightning's predict loop, each output written once by the process that owns its case")
+    g.add_argument("--devices", type=int, help="processes per node, one per device (with --strategy ddp)")
+    g.add_argument("--strategy", choices=["auto", "ddp"], default="auto", help="ddp: split the cases over --devices x --num-nodes processes (also under torchrun or SLURM)")
+    g.add_argument("--num-nodes", type=int, default=1, help="nodes of a multi-node run")
+    g.add_argument("--precision", choices=["auto", "32-true", "16-mixed", "bf16-mixed"], default="auto", help="auto: mixed precision on CUDA, float32 on the CPU")
+    g.add_argument("--shard", help="I/N: only shard I (from 0) of N of the sorted cases, for array jobs; outputs that exist are skipped")
+    g.add_argument("--num-workers", type=int, default=0, help="DataLoader workers reading and preprocessing inputs (default 0: in the main process)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hsmla-med",
@@ -83,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tta", action="store_true", help="mirroring test-time augmentation")
     p.add_argument("--overlap", type=float, help="sliding-window overlap in [0, 1) (default: the checkpoint's, 0.5)")
     p.add_argument("--crop", choices=["auto", "none"], default="auto", help="endovis: auto crops frames of the challenge's raw size as in training and uses other sizes whole; none never crops")
-    p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto")
+    p.add_argument("--save-probabilities", action="store_true", help="btcv: also write OUTPUT/<case>.npz, the class probabilities (float16) in the input's grid")
+    _add_prediction_options(p)
 
     p = sub.add_parser("evaluate", help="metrics of a checkpoint on a dataset's validation cases", description="Dice and HD95 of a checkpoint on the validation cases; writes OUTPUT/metrics.json.")
     _add_task_options(p)
@@ -99,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="folder for the heatmaps")
     p.add_argument("--level", type=int, help="pyramid level of the patches (default: the checkpoint's training level)")
     p.add_argument("--batch-size", type=int, help="patches per forward pass (default: the checkpoint's, 64)")
-    p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto")
+    _add_prediction_options(p)
 
     # its options are the benchmark's own (hsmla-med bench --help), passed through unparsed
     sub.add_parser("bench", help="benchmarks of HSMLA networks vs SegFormer, SwinUNETR and UNet (CPU; --only gpu on a CUDA GPU)", add_help=False)
@@ -200,21 +212,34 @@ def _writable_folder(path: str | Path, option: str) -> Path:
 
 
 def _options(args, **extra):
+    from hsmla_med.engine.prediction import Shard
     from hsmla_med.pipelines.task import InferenceOptions
 
-    return InferenceOptions(device=_device(args.device), tta=getattr(args, "tta", False), overlap=getattr(args, "overlap", None), **extra)
+    return InferenceOptions(
+        device=_device(args.device), tta=getattr(args, "tta", False), overlap=getattr(args, "overlap", None), devices=args.devices,
+        strategy=args.strategy, num_nodes=args.num_nodes, precision=args.precision, shard=Shard.parse(args.shard),
+        num_workers=args.num_workers, **extra,
+    )
 
 
 def _infer(args) -> list[Path]:
     task = get_task(args.task)
-    options = _options(args, crop=args.crop)
+    options = _options(args, crop=args.crop, save_probabilities=args.save_probabilities)
     output = _writable_folder(args.output, "--output")
     module, _ = task.load(args.checkpoint)
     started = time.perf_counter()
     written = task.predict(module, args.input, output, options)
-    print(f"wrote {len(written)} file(s) into {output} in {time.perf_counter() - started:.1f} s: "
-          + ", ".join(p.name for p in written[:3]) + (", ..." if len(written) > 3 else ""))
+    _report(f"{len(written)} output file(s) in {output} ({time.perf_counter() - started:.1f} s): "
+            + ", ".join(p.name for p in written[:3]) + (", ..." if len(written) > 3 else ""))
     return written
+
+
+def _report(line: str) -> None:
+    """Printed by the first process only (the others of a DDP prediction have their own lines)."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    if rank_zero_only.rank == 0:
+        print(line)
 
 
 def _wsi_heatmap(args) -> list[Path]:
@@ -223,7 +248,7 @@ def _wsi_heatmap(args) -> list[Path]:
     output = _writable_folder(args.output, "--output")
     module, _ = task.load(args.checkpoint)
     written = task.predict(module, args.slide, output, options)
-    print(f"heatmaps of {len(written)} slide(s) in {output}")
+    _report(f"heatmaps of {len(written)} slide(s) in {output}")
     return written
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import torch
+from monai.data import MetaTensor
 from monai.transforms import (
     Compose,
     CropForegroundd,
@@ -36,9 +37,8 @@ from hsmla_med.engine.base import hparams
 from hsmla_med.engine.datamodule import CaseDataModule
 from hsmla_med.engine.segmentation import SegmentationModule
 from hsmla_med.errors import ConfigError, DataError
-from hsmla_med.inference.sliding import predict_volume
 from hsmla_med.io import atomic_path, is_temporary
-from hsmla_med.pipelines.task import InferenceOptions, Task, synthetic_root
+from hsmla_med.pipelines.task import InferenceOptions, Task, input_files, predict_cases, synthetic_root
 
 __all__ = ["TASK", "datalist", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer"]
 
@@ -122,50 +122,76 @@ def held_out(cases: Datalist) -> list[str]:
     return [c["image"] for c in cases.validation + cases.test]
 
 
-def _inputs(path: str | Path) -> list[Path]:
-    path = Path(path)
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.name.endswith((".nii", ".nii.gz")) and not is_temporary(p))
-        if not files:
-            raise DataError(f"{path}: no NIfTI files (.nii, .nii.gz) in the input folder")
-        return files
-    if not path.exists():
-        raise DataError(f"{path}: input not found")
-    return [path]
+def _nifti_files(folder: Path) -> list[Path]:
+    files = sorted(p for p in folder.iterdir() if p.name.endswith((".nii", ".nii.gz")) and not is_temporary(p))
+    if not files:
+        raise DataError(f"{folder}: no NIfTI files (.nii, .nii.gz) in the input folder")
+    return files
 
 
 def infer(
     module: SegmentationModule, inputs: str | Path | Iterable[str | Path], output: str | Path, options: InferenceOptions = InferenceOptions()
 ) -> list[Path]:
     """Segment NIfTI volumes and write ``output/<case>.nii.gz`` label maps (uint8) with exactly
-    each input's shape and affine.
+    each input's shape and affine (and ``<case>.npz`` probabilities with
+    ``options.save_probabilities``), in Lightning's predict loop (:func:`predict_cases`: cases
+    split over processes and shards; cases with a label map are skipped).
 
-    The volume goes through the training preprocessing (RAS, resampling, intensity, foreground
-    crop); class probabilities are mapped back through the inverse transforms (``Invertd``:
-    un-crop, resample to the original grid, original orientation) and only then turned into
-    labels, so boundaries are interpolated as probabilities rather than as label values.
+    Each volume goes through the training preprocessing (RAS, resampling, intensity, foreground
+    crop) in the loader; the class probabilities are mapped back through the inverse transforms
+    (``Invertd``: un-crop, resample to the original grid, original orientation) before the
+    argmax, so boundaries are interpolated as probabilities rather than as label values
+    (:func:`labels_in_input_geometry`).
     """
-    cfg, device = module.config, options.device
-    inf = options.apply(cfg["inference"])
+    cfg = module.config
+    inference = options.apply(cfg["inference"])
     pre = Compose(preprocessing(cfg["data"], cfg["in_channels"], len(module.label_names), keys=("image",)))
     invert = Invertd("pred", transform=pre, orig_keys="image", nearest_interp=False, to_tensor=True)
-    files = [Path(p) for p in ([inputs] if isinstance(inputs, (str, Path)) else inputs)]
-    files = [f for p in files for f in _inputs(p)]
-    module = module.to(device).eval()
-    written = []
-    for i, file in enumerate(files, 1):
-        shape, affine = read_header(file)
-        options.progress(f"[{i}/{len(files)}] {file.name} {shape}")
-        data = pre({"image": str(file)})
-        with torch.inference_mode():
-            image = data["image"].unsqueeze(0).to(device)
-            probs = predict_volume(module.network, image, inf["roi_size"], cfg["spatial_dims"], inf["overlap"], inf["sw_batch_size"], inf["tta"], inf["slab"])
-        data["pred"] = probs[0].cpu()
-        labels = invert(data)["pred"].argmax(0).numpy().astype(np.uint8)
+    output = Path(output)
+    items = [
+        {"name": case_name(f), "image": str(f), "source": str(f), "output": output / f"{case_name(f)}.nii.gz", "inference": inference}
+        for f in input_files(inputs, _nifti_files)
+    ]
+
+    def write(case: dict) -> list[Path]:
+        source = Path(case["source"])
+        shape, _ = read_header(source)
+        labels, probabilities = labels_in_input_geometry(case, invert, options.save_probabilities)
         if labels.shape != tuple(shape[:3]):
-            raise RuntimeError(f"{file}: inverted prediction has shape {labels.shape}, expected {shape[:3]}")
-        written.append(write_labels(Path(output) / f"{case_name(file)}.nii.gz", labels, file))
-    return written
+            raise RuntimeError(f"{source}: inverted prediction has shape {labels.shape}, expected {shape[:3]}")
+        written = []
+        if probabilities is not None:
+            written.append(output / f"{case['name']}.npz")
+            with atomic_path(written[-1]) as tmp, tmp.open("wb") as f:
+                np.savez_compressed(f, probabilities=probabilities)
+        written.append(write_labels(case["output"], labels, source))  # last: it marks the case done
+        options.progress(f"{source.name} {tuple(shape)}: {case['output'].name}")
+        return written
+
+    return predict_cases(module, items, pre, write, options)
+
+
+def labels_in_input_geometry(case: dict, invert: Invertd, probabilities: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+    """The argmax of ``case["probs"]`` (classes on the preprocessed grid) in the input's grid,
+    mapping one class at a time back through ``invert``: two float maps of the input's size at
+    a time instead of one per class (a 512 x 512 x 300 CT with 14 classes: 0.6 GB instead of
+    4.4 GB, before the resampling's own buffers). Ties go to the lower class, as ``argmax``.
+    With ``probabilities`` also every class's probability there, float16 ``(classes, *shape)``.
+    """
+    best = labels = stack = None
+    for c, p in enumerate(case["probs"]):
+        p = invert({"image": case["image"], "pred": MetaTensor(p[None])})["pred"][0]  # a MetaTensor: Invertd reads the image's operations
+        p = p.as_tensor() if hasattr(p, "as_tensor") else p
+        if probabilities:
+            if stack is None:
+                stack = np.empty((len(case["probs"]), *p.shape), np.float16)
+            stack[c] = p.numpy()
+        if best is None:
+            best, labels = p.clone(), torch.zeros(p.shape, dtype=torch.uint8)
+        else:
+            labels[p > best] = c
+            torch.maximum(best, p, out=best)
+    return labels.numpy(), stack
 
 
 def write_labels(path: Path, labels: np.ndarray, reference: Path) -> Path:

@@ -14,12 +14,13 @@ import hashlib
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
-from monai.data import DataLoader
+from monai.data import DataLoader, list_data_collate
 from monai.transforms import Compose, MapTransform, RandFlipd, RandRotate90d, RandScaleIntensityd, RandShiftIntensityd
 from torch.utils.data import WeightedRandomSampler
 
@@ -35,8 +36,7 @@ from hsmla_med.errors import DataError
 from hsmla_med.inference.overlays import gate_overlay, heatmap_overlay
 from hsmla_med.io import atomic_path, write_json
 from hsmla_med.metrics.pathology import lesion_labels, slide_score
-from hsmla_med.nn import GatedNetwork
-from hsmla_med.pipelines.task import InferenceOptions, Task, synthetic_root
+from hsmla_med.pipelines.task import InferenceOptions, Task, predict_cases, synthetic_root
 
 __all__ = ["TASK", "LABELS", "find_slides", "datalist", "slide_patches", "datamodule", "module_config", "heatmap", "held_out", "infer"]
 
@@ -159,16 +159,21 @@ def slide_patches(case: dict, data: dict) -> dict:
 class ReadPatchd(MapTransform):
     """Read the patch ``(slide, x, y, level, size)`` of an item as ``image`` ``(3, size, size)``
     float32 in 0..1. Slides are opened lazily, once per process (DataLoader workers included),
-    and only the patch's region is read."""
+    and only the patch's region is read; ``keep`` bounds the handles held open (the least
+    recently used closes first; inference reads slide after slide and keeps one)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: int | None = None) -> None:
         super().__init__(["slide"])
-        self._open: dict[str, object] = {}
+        self.keep = keep
+        self._open: OrderedDict[str, object] = OrderedDict()
 
     def __call__(self, item: dict) -> dict:
         path = item["slide"]
         if path not in self._open:
+            if self.keep is not None and len(self._open) >= self.keep:
+                self._open.popitem(last=False)[1].close()
             self._open[path] = open_slide(path)
+        self._open.move_to_end(path)
         rgb = read_region(self._open[path], int(item["x"]), int(item["y"]), int(item["level"]), int(item["size"]))
         return {**item, "image": torch.from_numpy(np.ascontiguousarray(rgb.transpose(2, 0, 1))).float() / 255.0}
 
@@ -238,85 +243,94 @@ def module_config(config: dict, model: dict, label_names: list[str], in_channels
     return hparams(config, model, label_names, 2, in_channels, dict(config["inference"]), data)
 
 
-def _patch_alpha(network: torch.nn.Module) -> torch.Tensor | None:
-    """Per sample of the last forward: the share of gate tiles above tau, over all HSMLA layers."""
-    if not isinstance(network, GatedNetwork):
-        return None
-    shares = [
-        (layer.last_gate > layer.tau).flatten(1).float().mean(1)
-        for layer in network.hsmla_layers().values()
-        if layer.last_gate is not None
-    ]
-    return torch.stack(shares).mean(0) if shares else None
+class SlideHeatmaps:
+    """The whole-slide heatmaps of one process: each of its slides' patch grid (the tissue mask,
+    computed once, in the main process), the probability and gate maps filled batch by batch as
+    predictions arrive, and a slide's files written as soon as its last patch is in.
 
+    Writes per slide ``<slide>_heatmap.tif`` (pyramidal, 0..255, the slide's physical resolution),
+    ``<slide>_overlay.png``, ``<slide>_gates.png`` and, last, ``<slide>.json`` (slide score,
+    patch count, tissue fraction, seconds since the previous slide of the process finished).
+    """
 
-def heatmap(
-    module: ClassificationModule, slide_path: str | Path, output: str | Path, batch_size: int | None = None, device: str = "cpu",
-    progress: Callable[[int, int], None] | None = None, level: int | None = None,
-) -> dict:
-    """Tumour-probability heatmap of one slide: patches in tissue are streamed in batches
-    through the network; writes ``<slide>_heatmap.tif`` (pyramidal, 0..255, the slide's
-    physical resolution), ``<slide>_overlay.png``, ``<slide>_gates.png`` and, last,
-    ``<slide>.json`` (slide score, patch count, tissue fraction, seconds). Returns the JSON.
-    ``level``: the pyramid level of the patches instead of the checkpoint's (level or mpp)."""
-    started = time.perf_counter()
-    slide_path, output = Path(slide_path), Path(output)
-    data = module.config["data"] if level is None else {**module.config["data"], "level": level, "mpp": None}
-    grid = slide_patches({"slide": str(slide_path), "annotation": None, "label": 0}, data)
-    slide = open_slide(slide_path)
-    level, size = int(grid["level"]), int(data["patch_size"])
-    tissue_ds = float(grid["tissue_downsample"])
-    n = len(grid["coords"])
-    if n == 0:
-        log.warning("%s: no %d-px patch at level %d holds enough tissue (min_tissue %s): the heatmap is empty and the slide scores 0",
-                    slide_path, size, level, data["min_tissue"])
-    # the grid covers the whole slide from its origin, so map cells line up with slide pixels
-    step_level0 = data["stride"] * float(slide.level_downsamples[level])
-    width, height = slide.dimensions
-    prob = np.full((int(np.ceil(height / step_level0)), int(np.ceil(width / step_level0))), np.nan)
-    alpha = prob.copy()
-    network = module.network.to(device).eval()
-    batch_size = batch_size or module.config["inference"]["batch_size"]
-    with torch.inference_mode():
-        for start in range(0, n, batch_size):
-            coords = grid["coords"][start : start + batch_size]
-            patches = np.stack([read_region(slide, int(x), int(y), level, size) for x, y in coords])
-            x = torch.from_numpy(patches.transpose(0, 3, 1, 2).copy()).float().div_(255.0).to(device)
-            p = torch.softmax(network(x).float(), 1)[:, 1].cpu().numpy()
-            rows, cols = grid["rows"][start : start + batch_size], grid["cols"][start : start + batch_size]
-            prob[rows, cols] = p
-            a = _patch_alpha(network)
-            if a is not None:
-                alpha[rows, cols] = a.cpu().numpy()
-            if progress:
-                progress(min(start + batch_size, n), n)
-    streamed = time.perf_counter() - started
-    # k x k heatmap pixels per grid cell, k a power of two taking the long side to >= 1024 px, so
-    # that viewers get a pyramid even for small slides; the pixel size stays physical
-    scale = 2 ** max(0, int(np.ceil(np.log2(1024 / max(prob.shape + (1,))))))
-    mpp = slide_mpp(slide)
-    heat = np.nan_to_num(prob * 255, nan=0).round().astype(np.uint8).repeat(scale, 0).repeat(scale, 1)
-    stem = slide_path.stem
-    write_pyramidal_tiff(output / f"{stem}_heatmap.tif", heat, mpp * step_level0 / scale if mpp else None)
-    # thumbnail padded with glass to the grid's extent (a part of a cell beyond the slide edge)
-    thumb = np.asarray(slide.get_thumbnail((width / tissue_ds, height / tissue_ds)).convert("RGB"))
-    extent = np.round(np.array(prob.shape) * step_level0 / height * thumb.shape[0]).astype(int)
-    thumb = np.pad(thumb, ((0, max(0, extent[0] - thumb.shape[0])), (0, max(0, extent[1] - thumb.shape[1])), (0, 0)), constant_values=255)
-    heatmap_overlay(output / f"{stem}_overlay.png", thumb, prob, title=f"{stem}: tumour probability")
-    gate_overlay(output / f"{stem}_gates.png", thumb, alpha, title=f"{stem}: HSMLA tiles refined")
-    slide.close()
-    record = {
-        "slide": str(slide_path),
-        "score": slide_score(prob, module.config["inference"]["slide_sigma"]),
-        "patches": n,
-        "heatmap_pixels_per_cell": scale,
-        "tissue_fraction": float(grid["tissue_fraction"]),
-        "mean_alpha": float(np.nanmean(alpha)) if np.isfinite(alpha).any() else None,
-        "seconds": time.perf_counter() - started,
-        "seconds_patches": streamed,  # grid, reading and classifying the patches; the rest is writing
-    }
-    write_json(output / f"{stem}.json", record)
-    return record
+    def __init__(self, module: ClassificationModule, output: Path, data: dict, progress: Callable[[str], None]) -> None:
+        self.module, self.output, self.data, self.progress = module, output, data, progress
+        self.slides: list[dict] = []
+        self.clock = time.perf_counter()
+
+    def patches(self, slides: list[dict]) -> list[dict]:
+        """The patches of ``slides`` in order, for the loader (``expand`` of the DataModule)."""
+        patches = []
+        self.slides, self.clock = [], time.perf_counter()
+        for index, item in enumerate(slides):
+            grid = slide_patches({"slide": item["slide"], "annotation": None, "label": 0}, self.data)
+            level, size = int(grid["level"]), int(self.data["patch_size"])
+            slide = open_slide(item["slide"])
+            step = self.data["stride"] * float(slide.level_downsamples[level])  # a grid cell in level-0 pixels
+            width, height = slide.dimensions
+            slide.close()
+            prob = np.full((int(np.ceil(height / step)), int(np.ceil(width / step))), np.nan)
+            self.slides.append({**item, "grid": grid, "step": step, "prob": prob, "alpha": prob.copy(), "left": len(grid["coords"])})
+            patches += [
+                {"slide": item["slide"], "slide_index": index, "x": int(x), "y": int(y), "level": level, "size": size, "row": int(r), "col": int(c)}
+                for (x, y), r, c in zip(grid["coords"], grid["rows"], grid["cols"])
+            ]
+            if not len(grid["coords"]):
+                log.warning("%s: no %d-px patch at level %d holds enough tissue (min_tissue %s): the heatmap is empty and the slide scores 0",
+                            item["slide"], size, level, self.data["min_tissue"])
+                self._finish(self.slides[-1])
+        return patches
+
+    def write(self, prediction: dict) -> list[Path]:
+        """Place a batch's probabilities and gate shares; finish the slides it completes."""
+        written = []
+        index = prediction["slide_index"].numpy()
+        for s in np.unique(index):
+            slide, mine = self.slides[s], index == s
+            rows, cols = prediction["row"].numpy()[mine], prediction["col"].numpy()[mine]
+            slide["prob"][rows, cols] = prediction["prob"].numpy()[mine]
+            if prediction["alpha"] is not None:
+                slide["alpha"][rows, cols] = prediction["alpha"].numpy()[mine]
+            slide["left"] -= int(mine.sum())
+            if slide["left"] == 0:
+                written += self._finish(slide)
+        return written
+
+    def _finish(self, slide: dict) -> list[Path]:
+        prob, alpha, step, grid = slide["prob"], slide["alpha"], slide["step"], slide["grid"]
+        handle = open_slide(slide["slide"])
+        width, height = handle.dimensions
+        # k x k heatmap pixels per grid cell, k a power of two taking the long side to >= 1024 px, so
+        # that viewers get a pyramid even for small slides; the pixel size stays physical
+        scale = 2 ** max(0, int(np.ceil(np.log2(1024 / max(prob.shape + (1,))))))
+        mpp = slide_mpp(handle)
+        heat = np.nan_to_num(prob * 255, nan=0).round().astype(np.uint8).repeat(scale, 0).repeat(scale, 1)
+        stem = Path(slide["slide"]).stem
+        paths = [self.output / f"{stem}_heatmap.tif", self.output / f"{stem}_overlay.png", self.output / f"{stem}_gates.png"]
+        write_pyramidal_tiff(paths[0], heat, mpp * step / scale if mpp else None)
+        # thumbnail padded with glass to the grid's extent (a part of a cell beyond the slide edge)
+        tissue_ds = float(grid["tissue_downsample"])
+        thumb = np.asarray(handle.get_thumbnail((width / tissue_ds, height / tissue_ds)).convert("RGB"))
+        handle.close()
+        extent = np.round(np.array(prob.shape) * step / height * thumb.shape[0]).astype(int)
+        thumb = np.pad(thumb, ((0, max(0, extent[0] - thumb.shape[0])), (0, max(0, extent[1] - thumb.shape[1])), (0, 0)), constant_values=255)
+        heatmap_overlay(paths[1], thumb, prob, title=f"{stem}: tumour probability")
+        gate_overlay(paths[2], thumb, alpha, title=f"{stem}: HSMLA tiles refined")
+        now = time.perf_counter()
+        record = {
+            "slide": slide["slide"],
+            "score": slide_score(prob, self.module.config["inference"]["slide_sigma"]),
+            "patches": len(grid["coords"]),
+            "heatmap_pixels_per_cell": scale,
+            "tissue_fraction": float(grid["tissue_fraction"]),
+            "mean_alpha": float(np.nanmean(alpha)) if np.isfinite(alpha).any() else None,
+            "seconds": now - self.clock,
+        }
+        self.clock = now
+        write_json(slide["output"], record)  # last: it marks the slide done
+        self.progress(f"{Path(slide['slide']).name}: score {record['score']:.3f}, {record['patches']} patches, {record['seconds']:.1f} s")
+        slide.update(prob=None, alpha=None)
+        return [*paths, slide["output"]]
 
 
 def held_out(cases: Datalist) -> list[str]:
@@ -325,12 +339,14 @@ def held_out(cases: Datalist) -> list[str]:
 
 
 def infer(module: ClassificationModule, inputs: str | Path, output: str | Path, options: InferenceOptions = InferenceOptions()) -> list[Path]:
-    """Heatmaps for a slide or a folder of slides (``options``: ``device``, ``batch_size``,
-    ``level``). A slide whose ``<slide>.json`` exists is skipped, so an interrupted run resumes
-    slide by slide (the JSON is written last)."""
-    from tqdm import tqdm
-
-    inputs = Path(inputs)
+    """Tumour-probability heatmaps (:class:`SlideHeatmaps`) of a slide or a folder of slides in
+    Lightning's predict loop (:func:`predict_cases`): slides split over processes and shards;
+    patches read by ``options.num_workers`` DataLoader workers (one OpenSlide handle each), in
+    batches of ``options.batch_size`` (else the checkpoint's), at pyramid level
+    ``options.level`` (else the checkpoint's level or mpp), mixed precision on CUDA. A slide
+    whose ``<slide>.json`` exists is skipped, so an interrupted run resumes slide by slide (the
+    JSON is written last)."""
+    inputs, output = Path(inputs), Path(output)
     if not inputs.exists():
         raise DataError(f"{inputs}: slide or folder not found")
     slides = _slides(inputs) if inputs.is_dir() else [inputs]
@@ -338,21 +354,13 @@ def infer(module: ClassificationModule, inputs: str | Path, output: str | Path, 
         raise DataError(f"{inputs}: no slides ({', '.join(SLIDE_SUFFIXES)}) found")
     if options.tta:
         log.warning("camelyon16: --tta is not used for heatmaps")
-    written = []
-    for i, slide in enumerate(slides, 1):
-        record = Path(output) / f"{slide.stem}.json"
-        if record.is_file():
-            options.progress(f"[{i}/{len(slides)}] {slide.name}: done before ({record}), skipped")
-        else:
-            with tqdm(desc=f"[{i}/{len(slides)}] {slide.name}", unit="patch") as bar:
-                def advance(done: int, total: int) -> None:
-                    bar.total = total
-                    bar.update(done - bar.n)
-
-                summary = heatmap(module, slide, output, options.batch_size, options.device, advance, options.level)
-            options.progress(f"[{i}/{len(slides)}] {slide.name}: score {summary['score']:.3f}, {summary['patches']} patches, {summary['seconds']:.1f} s")
-        written.append(record)
-    return written
+    data = module.config["data"] if options.level is None else {**module.config["data"], "level": options.level, "mpp": None}
+    heatmaps = SlideHeatmaps(module, output, data, options.progress)
+    items = [{"name": slide.stem, "slide": str(slide), "output": output / f"{slide.stem}.json"} for slide in slides]
+    return predict_cases(
+        module, items, ReadPatchd(keep=1), heatmaps.write, options, batch_size=options.batch_size or module.config["inference"]["batch_size"],
+        collate=list_data_collate, expand=heatmaps.patches,
+    )
 
 
 class CAMELYON16(Task):

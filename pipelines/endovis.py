@@ -30,9 +30,8 @@ from hsmla_med.engine.base import hparams, plain
 from hsmla_med.engine.datamodule import CaseDataModule
 from hsmla_med.engine.segmentation import FrameSegmentationModule
 from hsmla_med.errors import ConfigError, DataError
-from hsmla_med.inference.sliding import predict_volume
 from hsmla_med.io import atomic_path
-from hsmla_med.pipelines.task import InferenceOptions, Task, synthetic_root
+from hsmla_med.pipelines.task import InferenceOptions, Task, predict_cases, synthetic_root
 
 __all__ = ["TASK", "datalist", "transforms", "datamodule", "module_config", "held_out", "infer", "inference_box"]
 
@@ -140,11 +139,28 @@ def inference_box(shape: tuple[int, int], crop, mode: str, path: Path) -> tuple[
     return crop_box(shape, crop, path)
 
 
+class FrameForInference:
+    """Loader transform of an inference item: its frame's :func:`inference_box`, resized to the
+    network's input (``data.size``), with the box and the frame's shape for the writer."""
+
+    def __init__(self, crop, mode: str, size) -> None:
+        self.crop, self.mode = crop, mode
+        self.resize = Resized("image", spatial_size=size, mode="area")
+
+    def __call__(self, item: dict) -> dict:
+        whole, _, shape = load_frame(item["frame"], None)
+        top, left, h, w = inference_box(shape, self.crop, self.mode, Path(item["frame"]))
+        image = plain(self.resize({"image": whole[:, top : top + h, left : left + w]})["image"])
+        return {**item, "image": image, "box": (top, left, h, w), "shape": tuple(int(v) for v in shape)}
+
+
 def infer(
     module: FrameSegmentationModule, inputs: str | Path | Iterable[str | Path], output: str | Path, options: InferenceOptions = InferenceOptions()
 ) -> list[Path]:
     """Segment frames of any size and write one PNG mask per frame (uint8 class index,
-    :data:`PROBLEMS` order) at the input frame's size, and report frames per second.
+    :data:`PROBLEMS` order) at the input frame's size, and report frames per second; in
+    Lightning's predict loop (:func:`predict_cases`: frames split over processes and shards,
+    frames with a mask skipped).
 
     ``inputs``: frame PNGs, folders of them, video folders or a dataset root
     (:func:`~hsmla_med.data.endovis.find_frames`). Each frame is cropped as :func:`inference_box`
@@ -154,33 +170,32 @@ def infer(
     with background (0) outside it, so the mask overlays the input frame pixel for pixel.
     ``options.tta`` averages over mirrored frames.
     """
-    cfg, device = module.config, options.device
-    inf = options.apply(cfg["inference"])
+    cfg, output = module.config, Path(output)
+    inference = options.apply(cfg["inference"])
     frames = [f for p in ([inputs] if isinstance(inputs, (str, Path)) else inputs) for f in find_frames(p)]
-    resize = Resized("image", spatial_size=cfg["data"]["size"], mode="area")
-    module = module.to(device).eval()
-    written, network_s, started = [], 0.0, time.perf_counter()
+    items = []
     for frame in frames:
-        whole, _, shape = load_frame(frame, None)
-        top, left, h, w = inference_box(shape, cfg["data"]["crop"], options.crop, frame)
-        image = whole[:, top : top + h, left : left + w]
-        with torch.inference_mode():
-            x = plain(resize({"image": image})["image"])[None, ..., None].to(device)
-            tic = time.perf_counter()
-            probs = predict_volume(module.network, x, inf["roi_size"], 2, inf["overlap"], inf["sw_batch_size"], inf["tta"], 1)[..., 0]
-            labels = F.interpolate(probs, size=(h, w), mode="bilinear", align_corners=False).argmax(1)[0]
-            network_s += time.perf_counter() - tic
-        mask = np.zeros(shape, np.uint8)
-        mask[top : top + h, left : left + w] = labels.to(torch.uint8).cpu().numpy()
-        path = output_path(frame, Path(output))
-        with atomic_path(path) as tmp:
-            Image.fromarray(mask).save(tmp)
-        written.append(path)
-    total = time.perf_counter() - started
-    options.progress(
-        f"endovis: {len(frames)} frame(s), {len(frames) / total:.2f} frames/s "
-        f"({len(frames) / max(network_s, 1e-9):.2f} frames/s network only, {device}, input {cfg['data']['size']})"
-    )
+        path = output_path(frame, output)
+        items.append({"name": str(path.relative_to(output)), "frame": str(frame), "output": path, "inference": inference})
+
+    predicted = []
+
+    def write(case: dict) -> list[Path]:
+        predicted.append(case["name"])
+        top, left, h, w = case["box"]
+        labels = F.interpolate(case["probs"][None], size=(h, w), mode="bilinear", align_corners=False).argmax(1)[0]
+        mask = np.zeros(case["shape"], np.uint8)
+        mask[top : top + h, left : left + w] = labels.to(torch.uint8).numpy()
+        case["output"].parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(case["output"]) as tmp:
+            Image.fromarray(mask).save(tmp, format="PNG")
+        return [case["output"]]
+
+    started = time.perf_counter()
+    written = predict_cases(module, items, FrameForInference(cfg["data"]["crop"], options.crop, cfg["data"]["size"]), write, options)
+    seconds = time.perf_counter() - started
+    options.progress(f"endovis: {len(predicted)} frame(s) segmented by this process, {len(predicted) / seconds:.2f} frames/s "
+                     f"({options.device}, input {cfg['data']['size']})")
     return written
 
 

@@ -31,14 +31,14 @@ from hsmla_med.engine.base import hparams
 from hsmla_med.engine.datamodule import CaseDataModule
 from hsmla_med.engine.detection import DetectionModule, scan_candidates
 from hsmla_med.errors import DataError
-from hsmla_med.inference.sliding import predict_volume
-from hsmla_med.io import atomic_path
-from hsmla_med.pipelines.task import InferenceOptions, Task, synthetic_root
+from hsmla_med.io import atomic_path, is_temporary
+from hsmla_med.pipelines.task import InferenceOptions, Task, input_files, predict_cases, synthetic_root
 
 __all__ = ["TASK", "LABELS", "datalist", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer"]
 
 LABELS = ["background", "nodule"]
 SUBMISSION = "submission.csv"
+CANDIDATES = "candidates"  # one CSV per scan, merged into SUBMISSION
 
 
 def _csv(root: Path, name: str) -> Path | None:
@@ -124,42 +124,53 @@ def held_out(cases: Datalist) -> list[list[str]]:
     return [[c["image"] for c in cases.validation]]
 
 
-def _inputs(path: str | Path) -> list[Path]:
-    path = Path(path)
-    if path.is_dir():
-        return list(find_scans(path).values())
-    if not path.is_file():
-        raise DataError(f"{path}: input not found")
-    return [path]
-
-
 def infer(
     module: DetectionModule, inputs: str | Path | Iterable[str | Path], output: str | Path, options: InferenceOptions = InferenceOptions()
 ) -> list[Path]:
     """Detect nodules in MetaImage scans (a ``.mhd``, a folder searched recursively, or a list of
     either) and write ``output/submission.csv`` in LUNA16's format
     (``seriesuid,coordX,coordY,coordZ,probability``, world millimetres), at most
-    ``inference.max_candidates`` rows per scan, most probable first."""
-    cfg, device = module.config, options.device
-    inf = options.apply(cfg["inference"])
-    pre = Compose(preprocessing(cfg["data"], label=False))
-    files = [Path(p) for p in ([inputs] if isinstance(inputs, (str, Path)) else inputs)]
-    files = [f for p in files for f in _inputs(p)]
-    module = module.to(device).eval()
-    rows = []
-    for i, file in enumerate(files, 1):
-        image = pre({"image": str(file)})["image"]
-        with torch.inference_mode():
-            probs = predict_volume(module.network, image[None].to(device), inf["roi_size"], cfg["spatial_dims"], inf["overlap"], inf["sw_batch_size"], inf["tta"], inf["slab"])
-        found = scan_candidates(probs[0, 1].float().cpu().numpy(), image.affine, inf, voxel_to_lps)
-        options.progress(f"[{i}/{len(files)}] {file.name}: {len(found)} candidate(s)")
-        rows += [[file.stem, *np.round(c[:3], 3).tolist(), round(float(c[3]), 5)] for c in found]
-    path = Path(output) / SUBMISSION
+    ``inference.max_candidates`` rows per scan, most probable first.
+
+    Runs in Lightning's predict loop (:func:`predict_cases`: scans split over processes and
+    shards). Each scan's candidates go to ``output/candidates/<seriesuid>.csv`` as soon as it is
+    done, and a scan whose file exists is skipped; at the end the first process merges every
+    file there into the submission, so a resumed or sharded run's submission holds all scans.
+    """
+    cfg = module.config
+    inference = options.apply(cfg["inference"])
+    folder = Path(output) / CANDIDATES
+    items = [
+        {"name": f.stem, "image": str(f), "output": folder / f"{f.stem}.csv", "inference": inference}
+        for f in input_files(inputs, lambda root: list(find_scans(root).values()))
+    ]
+
+    def write(case: dict) -> list[Path]:
+        found = scan_candidates(case["probs"][1].numpy(), case["image"].affine, inference, voxel_to_lps)
+        rows = [[case["name"], *np.round(c[:3], 3).tolist(), round(float(c[3]), 5)] for c in found]
+        folder.mkdir(parents=True, exist_ok=True)
+        _write_csv(case["output"], rows)
+        options.progress(f"{case['name']}: {len(found)} candidate(s)")
+        return [case["output"]]
+
+    def merge() -> list[Path]:
+        rows = []
+        for part in sorted(folder.glob("*.csv")) if folder.is_dir() else []:
+            if not is_temporary(part):
+                with part.open(newline="") as f:
+                    rows += list(csv.reader(f))[1:]
+        path = Path(output) / SUBMISSION
+        _write_csv(path, rows)
+        return [path]
+
+    return predict_cases(module, items, Compose(preprocessing(cfg["data"], label=False)), write, options, finish=merge)
+
+
+def _write_csv(path: Path, rows: list[list]) -> None:
     with atomic_path(path) as tmp, tmp.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow([*COLUMNS[:4], "probability"])
         writer.writerows(rows)
-    return [path]
 
 
 class NoduleModule(DetectionModule):

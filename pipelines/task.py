@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -22,11 +22,52 @@ import lightning as L
 
 from hsmla_med.data.datalist import Datalist
 from hsmla_med.engine.base import GatedModule
-from hsmla_med.errors import InputError
+from hsmla_med.engine.prediction import PredictionDataModule, Shard, pending, run_prediction
+from hsmla_med.errors import DataError, InputError
 
-__all__ = ["Task", "InferenceOptions", "synthetic_root"]
+__all__ = ["Task", "InferenceOptions", "input_files", "predict_cases", "synthetic_root"]
 
 log = logging.getLogger("hsmla_med")
+
+
+def input_files(inputs: str | Path | Iterable[str | Path], in_folder: Callable[[Path], list[Path]]) -> list[Path]:
+    """The input files of ``infer --input`` (a file, a folder or a list of them): a file as
+    given, a folder through the task's ``in_folder``; a missing path is one
+    :class:`~hsmla_med.errors.DataError`."""
+    files = []
+    for path in [inputs] if isinstance(inputs, (str, Path)) else inputs:
+        path = Path(path)
+        if path.is_dir():
+            files += in_folder(path)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise DataError(f"{path}: input not found")
+    return files
+
+
+def predict_cases(
+    module: GatedModule,
+    items: list[dict],
+    transform: Callable | None,
+    write: Callable[[dict], list[Path]],
+    options: InferenceOptions,
+    finish: Callable[[], list[Path]] | None = None,
+    **loader,
+) -> list[Path]:
+    """Predict this job's shard of ``items`` (see :mod:`hsmla_med.engine.prediction`), skipping
+    cases whose output exists, on ``options``' devices and processes. Returns, on the first
+    process, every item's ``output`` (all exist then) and what ``finish`` wrote; on any other,
+    what the process wrote itself."""
+    items = options.shard.select(items)
+    todo = pending(items)
+    if len(todo) < len(items):
+        options.progress(f"{len(items) - len(todo)} of {len(items)} case(s) done before: skipped")
+    data = PredictionDataModule(todo, transform, num_workers=options.num_workers, **loader)
+    written, finished, first = run_prediction(
+        module, data, write, options.device, options.devices, options.strategy, options.num_nodes, options.precision, finish
+    )
+    return [Path(item["output"]) for item in items] + finished if first else written
 
 
 def synthetic_root(data: dict, task: str, files: str, nature: str) -> Path:
@@ -50,6 +91,12 @@ class InferenceOptions:
         level: pyramid level of the patches (whole-slide heatmaps).
         crop: ``auto`` crops only frames of the challenge's raw size to the training crop,
             ``none`` never crops (EndoVis frames).
+        devices, strategy, num_nodes: processes per node, Lightning strategy (``ddp``) and
+            nodes of the predict loop; each process predicts its share of the cases.
+        precision: ``auto`` (mixed precision on CUDA, float32 on the CPU) or a Lightning value.
+        shard: this job's :class:`~hsmla_med.engine.prediction.Shard` of the cases.
+        num_workers: DataLoader workers that read and preprocess the inputs.
+        save_probabilities: also write the class probabilities (volumes: ``<case>.npz``).
         progress: called with one line per input.
     """
 
@@ -59,6 +106,13 @@ class InferenceOptions:
     batch_size: int | None = None
     level: int | None = None
     crop: str = "auto"
+    devices: int | None = None
+    strategy: str = "auto"
+    num_nodes: int = 1
+    precision: str = "auto"
+    shard: Shard = Shard()
+    num_workers: int = 0
+    save_probabilities: bool = False
     progress: Callable[[str], None] = field(default=print, compare=False)
 
     def __post_init__(self) -> None:
@@ -70,6 +124,12 @@ class InferenceOptions:
             raise InputError(f"--level must be a pyramid level >= 0, got {self.level}")
         if self.crop not in ("auto", "none"):
             raise InputError(f"--crop must be auto or none, got {self.crop!r}")
+        if self.devices is not None and self.devices < 1:
+            raise InputError(f"--devices must be a positive number of processes, got {self.devices}")
+        if self.num_nodes < 1:
+            raise InputError(f"--num-nodes must be positive, got {self.num_nodes}")
+        if self.num_workers < 0:
+            raise InputError(f"--num-workers must be >= 0, got {self.num_workers}")
 
     def apply(self, inference: dict) -> dict:
         """A checkpoint's ``inference`` settings with this run's ``tta`` and ``overlap``."""

@@ -154,3 +154,45 @@ def test_train_through_the_cli(slides, tmp_path, capsys):
         assert "tumor_001.xml: malformed ASAP XML" in capsys.readouterr().err
     finally:
         bad.write_text(saved)
+
+
+def test_slide_without_a_tissue_patch_warns_and_scores_zero(slides, tmp_path, caplog):
+    """A slide smaller than one patch: one warning naming the slide, an all-zero heatmap and a
+    score of 0 in its JSON (not a silent 0)."""
+    config = _config(slides, patch_size=2048, stride=2048)  # the synthetic slides are 1536 x 1024
+    slide = camelyon16.datalist(config).test[0]["slide"]
+    module = ClassificationModule(camelyon16.module_config(config, {"variant": "b0"}, camelyon16.LABELS), network=DarkIsTumour())
+    with caplog.at_level("WARNING"):
+        [record] = camelyon16.infer(module, slide, tmp_path, InferenceOptions(progress=lambda _: None))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and slide in warnings[0] and "heatmap is empty" in warnings[0]
+    info = json.loads(record.read_text())
+    assert info["patches"] == 0 and info["score"] == 0
+    heat = openslide.OpenSlide(str(tmp_path / f"{record.stem}_heatmap.tif"))
+    assert np.asarray(heat.read_region((0, 0), 0, heat.dimensions).convert("L")).max() == 0
+
+
+def test_heatmaps_from_loader_workers_equal_the_main_process(slides, tmp_path):
+    """Two slides read by two DataLoader workers in batches that span both slides: the same
+    heatmaps and scores as reading in the main process, each slide's files written once."""
+    config = _config(slides)
+    module = ClassificationModule(camelyon16.module_config(config, {"variant": "b0"}, camelyon16.LABELS), network=DarkIsTumour())
+    folder = slides / "data" / "testing" / "images"
+    quiet = {"progress": lambda _: None, "batch_size": 7}
+    main_process = camelyon16.infer(module, folder, tmp_path / "w0", InferenceOptions(**quiet))
+    workers = camelyon16.infer(module, folder, tmp_path / "w2", InferenceOptions(num_workers=2, **quiet))
+    assert [p.name for p in workers] == [p.name for p in main_process] and len(workers) == 2
+    for a, b in zip(main_process, workers):
+        first, second = json.loads(a.read_text()), json.loads(b.read_text())
+        assert first["score"] == second["score"] and first["patches"] == second["patches"] > 0
+        read = lambda p: np.asarray(openslide.OpenSlide(str(p)).read_region((0, 0), 0, openslide.OpenSlide(str(p)).dimensions))  # noqa: E731
+        np.testing.assert_array_equal(read(a.with_name(f"{a.stem}_heatmap.tif")), read(b.with_name(f"{b.stem}_heatmap.tif")))
+
+
+def test_read_patch_keeps_at_most_keep_slides_open(slides):
+    reader = camelyon16.ReadPatchd(keep=1)
+    tumour, normal = (next((slides / "data" / "training" / kind).glob("*.tif")) for kind in ("tumor", "normal"))
+    for path in (tumour, normal, tumour):
+        patch = reader({"slide": str(path), "x": 0, "y": 0, "level": 0, "size": 16})["image"]
+        assert patch.shape == (3, 16, 16) and patch.dtype == torch.float32
+        assert list(reader._open) == [str(path)]

@@ -201,3 +201,43 @@ def test_best_checkpoint_is_written_by_model_checkpoint_alone(tmp_path, dataset,
     bar = printed.out + printed.err
     if trainer.get("max_steps"):  # the bar counts steps up to max_steps, not epochs up to -1
         assert "5/5" in bar and "/-" not in bar
+
+
+def test_progress_bar_rate_counts_this_epochs_steps_over_this_epochs_time(monkeypatch):
+    """With ``max_steps`` the training bar counts optimizer steps; its rate (tqdm's
+    ``(n - initial) / (now - start_t)``) must be the true step rate in every epoch. A fake clock
+    advances one second per training step, so the rate is exactly 1 step/s; before the fix the
+    second epoch read a negative or inflated rate (Lightning's reset kept the old start)."""
+    import lightning as L
+    import tqdm.std
+
+    from hsmla_med.engine.callbacks import StepProgressBar
+
+    clock = [1000.0]
+    monkeypatch.setattr(tqdm.std, "time", lambda: clock[0])
+    rates = []
+
+    class Probe(StepProgressBar):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            super().on_train_batch_end(trainer, module, outputs, batch, batch_idx)
+            bar = self.train_progress_bar
+            rates.append((trainer.current_epoch, bar.total, (bar.n - bar.initial) / (bar._time() - bar.start_t)))
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            clock[0] += 1.0
+            return self.layer(batch).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    data = torch.utils.data.DataLoader(torch.randn(8, 2), batch_size=2)  # 4 steps per epoch
+    trainer = L.Trainer(max_steps=10, callbacks=[Probe()], logger=False, enable_checkpointing=False, enable_model_summary=False, accelerator="cpu")
+    trainer.fit(Tiny(), data)
+    assert {epoch for epoch, _, _ in rates} == {0, 1, 2}
+    assert all(total == 10 for _, total, _ in rates)
+    assert [rate for _, _, rate in rates] == pytest.approx([1.0] * 10)

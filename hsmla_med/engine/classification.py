@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from hsmla_med.engine.base import GatedModule, item_keys, plain
+from hsmla_med.nn import GatedNetwork
 from hsmla_med.metrics.pathology import auc, detect_lesions, lesion_froc, slide_score
 
 __all__ = ["ClassificationModule", "slide_maps"]
@@ -63,6 +64,15 @@ class ClassificationModule(GatedModule):
     def task_loss(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
         return self.loss(logits, plain(batch["label"]).long().reshape(-1))
 
+    def predict_step(self, batch: dict, batch_idx: int = 0) -> dict:
+        """A batch of whole-slide patches (``image``, ``slide_index``, ``row``, ``col``) -> their
+        tumour ``prob`` and ``alpha`` (share of gate tiles refined, ``None`` without gates), on
+        the CPU with the patches' places."""
+        prob = torch.softmax(self.network(plain(batch["image"])).float(), dim=1)[:, 1]
+        alpha = patch_alpha(self.network)
+        place = {k: torch.as_tensor(batch[k]).reshape(-1).cpu() for k in ("slide_index", "row", "col")}
+        return {**place, "prob": prob.cpu(), "alpha": None if alpha is None else alpha.float().cpu()}
+
     def validation_records(self, batch: dict) -> list[dict]:
         prob = torch.softmax(self.network(plain(batch["image"])).float(), dim=1)[:, 1].cpu().tolist()
         ints = lambda k: torch.as_tensor(batch[k]).reshape(-1).long().tolist()  # noqa: E731
@@ -85,3 +95,15 @@ class ClassificationModule(GatedModule):
             "slides": len(maps),
             "cases": len(records),
         }
+
+
+def patch_alpha(network: nn.Module) -> torch.Tensor | None:
+    """Per sample of the last forward: the share of gate tiles above tau, over all HSMLA layers."""
+    if not isinstance(network, GatedNetwork):
+        return None
+    shares = [
+        (layer.last_gate > layer.tau).flatten(1).float().mean(1)
+        for layer in network.hsmla_layers().values()
+        if layer.last_gate is not None
+    ]
+    return torch.stack(shares).mean(0) if shares else None

@@ -44,9 +44,10 @@ class SegmentationModule(GatedModule):
     def task_loss(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
         return self.loss(logits, plain(batch["label"]))
 
-    def predict_probabilities(self, image: torch.Tensor) -> torch.Tensor:
-        """Class probabilities of whole volumes ``(B, C, H, W, D)`` by sliding windows."""
-        inference = self.config["inference"]
+    def predict_probabilities(self, image: torch.Tensor, inference: dict | None = None) -> torch.Tensor:
+        """Class probabilities of whole volumes ``(B, C, H, W, D)`` by sliding windows, with the
+        checkpoint's ``inference`` settings or the given ones."""
+        inference = inference or self.config["inference"]
         return predict_volume(
             self.network,
             image,
@@ -57,6 +58,13 @@ class SegmentationModule(GatedModule):
             tta=inference["tta"],
             slab=inference["slab"],
         )
+
+    def predict_step(self, batch: dict, batch_idx: int = 0) -> dict:
+        """One case of :class:`~hsmla_med.engine.prediction.PredictionDataModule`: ``image``
+        ``(C, *spatial)`` and ``inference`` (the run's settings) -> the case with ``probs``
+        ``(classes, *spatial)``, float32 on the CPU, where the task's writer maps them back."""
+        probs = self.predict_probabilities(plain(batch["image"])[None], batch["inference"])[0]
+        return {**batch, "probs": probs.float().cpu()}
 
     def validation_records(self, batch: dict) -> list[dict]:
         image, label = batch["image"], batch["label"]
@@ -86,10 +94,10 @@ class FrameSegmentationModule(SegmentationModule):
     :class:`SegmentationModule`, with ``slab`` 1 (a frame is one slice).
     """
 
-    def predict_probabilities(self, image: torch.Tensor) -> torch.Tensor:
+    def predict_probabilities(self, image: torch.Tensor, inference: dict | None = None) -> torch.Tensor:
         """Class probabilities ``(B, classes, H, W)`` of frames ``(B, C, H, W)``: a frame is a
         volume of one slice to :meth:`SegmentationModule.predict_probabilities`."""
-        return super().predict_probabilities(image[..., None])[..., 0]
+        return super().predict_probabilities(image[..., None], inference)[..., 0]
 
     def validation_records(self, batch: dict) -> list[dict]:
         pred = self.predict_probabilities(plain(batch["image"])).argmax(dim=1, keepdim=True)

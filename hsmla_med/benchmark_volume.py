@@ -1,0 +1,94 @@
+"""Peak memory of volume inference on a CT-sized volume: ``btcv.infer`` on one 512 x 512 x 300
+CT (0.8 x 0.8 x 2.5 mm, int16), 14 classes, HSMLA-B0 with random weights, the task's default
+preprocessing, in fresh processes.
+
+Two inversions of the class probabilities to the input's grid, otherwise the same run:
+``all-classes`` (every class's probability mapped back at once, then the argmax: what ``infer``
+did before) and ``per-class`` (:func:`pipelines.btcv.labels_in_input_geometry`, the default).
+Reports each one's wall time, peak resident set (``VmHWM``) and whether the label maps are
+identical.
+
+    hsmla-med bench --only volume --out bench_out
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+SHAPE, SPACING, CLASSES = (512, 512, 300), (0.8, 0.8, 2.5), 14
+MODES = ("all-classes", "per-class")
+
+
+def _volume(path: Path) -> Path:
+    """A CT-like int16 volume: body ellipse of soft tissue, brighter organs, air outside."""
+    import nibabel as nib
+
+    x, y = np.meshgrid(np.linspace(-1, 1, SHAPE[0]), np.linspace(-1, 1, SHAPE[1]), indexing="ij")
+    body = (x / 0.85) ** 2 + (y / 0.65) ** 2 < 1
+    organs = ((x - 0.3) ** 2 + (y + 0.1) ** 2 < 0.06) | ((x + 0.35) ** 2 + y**2 < 0.04)
+    slab = np.where(body, np.where(organs, 150, 40), -1000).astype(np.int16)
+    noise = np.random.default_rng(0).normal(0, 20, (SHAPE[0], SHAPE[1], 8)).astype(np.int16)
+    volume = np.repeat(slab[..., None], SHAPE[2], axis=2) + np.tile(noise, (1, 1, SHAPE[2] // 8 + 1))[..., : SHAPE[2]]
+    nib.save(nib.Nifti1Image(volume, np.diag([*SPACING, 1.0])), str(path))
+    return path
+
+
+def _all_classes(case: dict, invert, probabilities: bool = False):
+    """The former inversion: every class's probability in the input's grid, then the argmax."""
+    pred = invert({"image": case["image"], "pred": case["probs"]})["pred"]
+    return pred.argmax(0).numpy().astype(np.uint8), None
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _child(volume: str, out: str, mode: str) -> None:
+    import torch
+
+    from hsmla_med.config import merge_config, model_config, task_config
+    from hsmla_med.engine.segmentation import SegmentationModule
+    from hsmla_med.pipelines import btcv
+    from hsmla_med.pipelines.task import InferenceOptions
+
+    torch.manual_seed(0)
+    config = merge_config(task_config("btcv"), {})
+    module = SegmentationModule(btcv.module_config(config, model_config("b0"), [f"class{i}" for i in range(CLASSES)])).eval()
+    if mode == "all-classes":
+        btcv.labels_in_input_geometry = _all_classes
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # peak (VmHWM) := current resident set
+    start = time.perf_counter()
+    btcv.infer(module, volume, out, InferenceOptions(device="cpu", progress=lambda _: None))
+    print(json.dumps({"seconds": time.perf_counter() - start, "peak_gib": _status_kib("VmHWM") / 2**20}))
+
+
+def bench_volume() -> list[dict]:
+    """Rows ``mode, seconds, peak_gib, labels_equal`` (labels compared with ``all-classes``)."""
+    import nibabel as nib
+
+    rows, labels = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        volume = _volume(Path(tmp) / "ct.nii.gz")
+        for mode in MODES:
+            out = Path(tmp) / mode
+            result = subprocess.run([sys.executable, "-m", "hsmla_med.benchmark_volume", str(volume), str(out), mode],
+                                    capture_output=True, text=True, check=True)
+            run = json.loads(result.stdout.strip().splitlines()[-1])
+            labels[mode] = np.asarray(nib.load(str(out / "ct.nii.gz")).dataobj)
+            rows.append({"mode": mode, "seconds": run["seconds"], "peak_gib": run["peak_gib"],
+                         "labels_equal": bool(np.array_equal(labels[mode], labels[MODES[0]]))})
+            print(f"  {mode}: {run['seconds']:.1f} s, peak {run['peak_gib']:.2f} GiB", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], sys.argv[2], sys.argv[3])

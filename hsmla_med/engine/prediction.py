@@ -1,0 +1,180 @@
+"""Prediction through Lightning's predict loop, for every task: the cases of one run split across
+processes (DDP, several nodes, ``torchrun``/SLURM launches) and across independent jobs
+(``--shard I/N``), each output written once by the process that owns its case, finished cases
+skipped, so a killed run resumes where it stopped (docs/design.md §4).
+
+A task describes its cases as *items* (dicts with at least ``name``, unique in the run, and
+``output``, the file whose presence means the case is done and which is written last); a
+:class:`PredictionDataModule` turns a process's share of them into batches with the task's
+loading transform (in DataLoader workers); the module's ``predict_step`` runs the network; a
+:class:`PredictionWriter` hands each prediction to the task's ``write`` function on the process
+that computed it. Lightning's own ``BasePredictionWriter`` and predict loop do the rest; what is
+written here is only the split of whole cases (Lightning's distributed sampler splits the
+loader's samples, and for whole-slide inference a case is a slide of many patches).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import BasePredictionWriter
+from monai.data import DataLoader, Dataset
+
+from hsmla_med.errors import InputError
+
+__all__ = ["Shard", "PredictionDataModule", "PredictionWriter", "pending", "run_prediction", "first"]
+
+log = logging.getLogger("hsmla_med")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Shard ``index`` of ``count`` (``--shard I/N``, 0 <= I < N): the cases whose position in
+    the run's sorted list is ``I`` modulo ``N``, for array jobs without a process group."""
+
+    index: int = 0
+    count: int = 1
+
+    @classmethod
+    def parse(cls, text: str | None) -> Shard:
+        if text is None:
+            return cls()
+        try:
+            index, count = (int(v) for v in str(text).split("/"))
+        except ValueError:
+            raise InputError(f"--shard {text!r}: expected I/N, e.g. 0/4 (shard I of N, counted from 0)") from None
+        if count < 1 or not 0 <= index < count:
+            raise InputError(f"--shard {text!r}: need N >= 1 and 0 <= I < N")
+        return cls(index, count)
+
+    def select(self, items: Sequence[dict]) -> list[dict]:
+        names = [item["name"] for item in items]
+        if len(set(names)) != len(names):
+            duplicate = next(n for n in names if names.count(n) > 1)
+            raise InputError(f"two inputs would write the same output {duplicate!r}; give them different names or separate runs")
+        mine = set(sorted(names)[self.index :: self.count])
+        return [item for item in items if item["name"] in mine]  # in the given order
+
+
+def pending(items: Sequence[dict]) -> list[dict]:
+    """The items whose ``output`` does not exist yet (outputs are written last and atomically,
+    so an existing one is complete)."""
+    return [item for item in items if not Path(item["output"]).exists()]
+
+
+def first(batch: list):
+    """Collate of one-case batches: the case itself (volumes of different sizes do not stack)."""
+    return batch[0]
+
+
+class PredictionDataModule(L.LightningDataModule):
+    """The pending cases of a run; process ``r`` of ``w`` predicts ``items[r::w]`` of rank 0's
+    list (broadcast, so every process splits the same list).
+
+    Args:
+        items: the cases (see the module docstring); with ``expand``, what the loader yields.
+        transform: applied to each item in the loader's workers (reading and preprocessing).
+        batch_size, num_workers, collate: of the DataLoader (default one case per batch).
+        expand: maps a process's share of items to the dataset the loader reads (whole-slide
+            inference: a slide to its patches).
+    """
+
+    def __init__(
+        self,
+        items: Sequence[dict],
+        transform: Callable | None = None,
+        batch_size: int = 1,
+        num_workers: int = 0,
+        collate: Callable = first,
+        expand: Callable[[list[dict]], Sequence] | None = None,
+    ) -> None:
+        super().__init__()
+        self.items, self.transform = list(items), transform
+        self.batch_size, self.num_workers, self.collate, self.expand = batch_size, num_workers, collate, expand
+        self.share: list[dict] = self.items
+
+    def setup(self, stage: str) -> None:
+        trainer = self.trainer
+        if trainer is not None and trainer.world_size > 1:
+            self.items = trainer.strategy.broadcast(self.items, src=0)
+            self.share = self.items[trainer.global_rank :: trainer.world_size]
+        else:
+            self.share = self.items
+
+    def predict_dataloader(self) -> DataLoader:
+        data = self.expand(self.share) if self.expand else self.share
+        return DataLoader(
+            Dataset(data, self.transform), batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
+            collate_fn=self.collate, persistent_workers=False,
+        )
+
+
+class PredictionWriter(BasePredictionWriter):
+    """Hands every prediction to ``write`` (returns the paths it wrote) on the process that
+    computed it, batch by batch, so nothing waits for the end of the run."""
+
+    def __init__(self, write: Callable[[dict], list[Path]]) -> None:
+        super().__init__(write_interval="batch")
+        self.write = write
+        self.written: list[Path] = []
+
+    def write_on_batch_end(self, trainer, module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0) -> None:
+        self.written += self.write(prediction)
+
+
+def _accelerator(device: str) -> tuple[str, int | list[int]]:
+    """Lightning's ``accelerator`` and ``devices`` for ``--device``: ``cuda:N`` is GPU ``N``."""
+    kind, _, index = device.partition(":")
+    return ("gpu", [int(index)]) if index else ("gpu" if kind == "cuda" else "cpu", 1)
+
+
+def run_prediction(
+    module: L.LightningModule,
+    data: PredictionDataModule,
+    write: Callable[[dict], list[Path]],
+    device: str = "cpu",
+    devices: int | None = None,
+    strategy: str = "auto",
+    num_nodes: int = 1,
+    precision: str = "auto",
+    finish: Callable[[], list[Path]] | None = None,
+) -> tuple[list[Path], list[Path], bool]:
+    """Predict ``data`` with ``module`` in Lightning's predict loop, writing as it goes.
+
+    ``device`` (``cpu``, ``cuda``, ``cuda:N``) with ``devices`` (processes per node; default 1),
+    ``strategy`` and ``num_nodes`` pass to the ``Trainer``; ``precision`` ``auto`` is mixed
+    precision on CUDA (bf16 where supported) and float32 on the CPU. After every process is done,
+    the first runs ``finish`` (merging per-case files, say).
+
+    Returns the paths this process wrote, those ``finish`` wrote (on the first process; else
+    none) and whether this is the first process (the one that reports).
+    """
+    from hsmla_med.engine.run import _precision
+
+    accelerator, default_devices = _accelerator(device)
+    trainer = L.Trainer(
+        accelerator=accelerator,
+        devices=devices or default_devices,
+        strategy=strategy,
+        num_nodes=num_nodes,
+        precision=_precision({"precision": precision, "accelerator": accelerator}),
+        logger=False,
+        callbacks=[writer := PredictionWriter(write)],
+        use_distributed_sampler=False,  # whole cases per process: PredictionDataModule splits them
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    if data.items:
+        trainer.predict(module, datamodule=data, return_predictions=False)
+    else:
+        log.info("nothing to predict: every output exists")
+    if trainer.world_size > 1:
+        trainer.strategy.barrier("prediction-written")
+    finished = finish() if trainer.is_global_zero and finish is not None else []
+    return writer.written, finished, trainer.is_global_zero
+
