@@ -277,8 +277,9 @@ def test_checkpoint_with_foreign_objects_is_refused_without_torch_advice(capsys,
 
 
 def test_infer_ignores_temporaries_of_killed_runs(tmp_path):
-    from hsmla_med.pipelines.btcv import _inputs
+    from hsmla_med.pipelines.btcv import _nifti_files
+    from hsmla_med.pipelines.task import input_files
 
     case = write_nifti(tmp_path / "in" / "case1.nii.gz", np.zeros((4, 4, 4), np.float32), np.eye(4))
     (tmp_path / "in" / ".case2.4242.tmp.nii.gz").write_bytes(b"half")
-    assert _inputs(tmp_path / "in") == [case]
+    assert input_files(tmp_path / "in", _nifti_files) == [case]
