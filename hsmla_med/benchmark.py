@@ -162,6 +162,26 @@ def time_models(models: dict[str, torch.nn.Module], x: torch.Tensor, runs: int) 
     return rows, times
 
 
+def _wsi(args) -> list[dict]:
+    from hsmla_med.benchmark_wsi import bench_wsi
+
+    return bench_wsi()
+
+
+def _volume(args) -> list[dict]:
+    from hsmla_med.benchmark_volume import bench_volume
+
+    return bench_volume()
+
+
+# --only NAME -> (what the table holds, the function making its rows); each writes NAME.csv
+_TABLES = {
+    "wsi": ("whole-slide heatmaps, 256 px patches at level 0, batch 32:", _wsi),
+    "volume": ("btcv inference on one 512x512x300 CT, 14 classes, HSMLA-B0 (peak resident memory):", _volume),
+    "endovis": ("EndoVis 2017 frames, 1024x1280 RGB (the standard crop), batch 1, 3 -> 8 channels:", lambda args: bench_endovis(args.runs)),
+}
+
+
 def bench_endovis(runs: int, size: tuple[int, int] = (1024, 1280), classes: int = 8) -> list[dict]:
     """EndoVis 2017 frame rate: HSMLA-B0 (tau calibrated to alpha 0.3) and SegFormer-B0 on one
     RGB frame of the standard crop ``size`` (H, W), 3 -> ``classes`` channels (8: the type task,
@@ -320,32 +340,17 @@ def main(argv: list[str] | None = None) -> int:
     tuned = tune_cpu_allocator()
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"{args.threads} threads, heap top pad {'on' if tuned else 'off'} (hsmla_med.runtime)")
-    if args.only == "wsi":
-        from hsmla_med.benchmark_wsi import bench_wsi
-
-        print("whole-slide heatmaps, 256 px patches at level 0, batch 32:", flush=True)
-        rows = bench_wsi()
-        write_csv(args.out / "wsi.csv", rows)
-        print("\n" + markdown(rows) + "\n")
-        return 0
-    if args.only == "volume":
-        from hsmla_med.benchmark_volume import bench_volume
-
-        print("btcv inference on one 512x512x300 CT, 14 classes, HSMLA-B0 (peak resident memory):", flush=True)
-        rows = bench_volume()
-        write_csv(args.out / "volume.csv", rows)
+    if args.only in _TABLES:
+        title, table = _TABLES[args.only]
+        print(title, flush=True)
+        rows = table(args)
+        write_csv(args.out / f"{args.only}.csv", rows)
         print("\n" + markdown(rows) + "\n")
         return 0
     if args.only == "learning":
         return benchmark_learning.run(args)
     if args.only == "gpu":
         return benchmark_gpu.run(args)
-    if args.only == "endovis":
-        print("EndoVis 2017 frames, 1024x1280 RGB (the standard crop), batch 1, 3 -> 8 channels:", flush=True)
-        rows = bench_endovis(args.runs)
-        write_csv(args.out / "endovis.csv", rows)
-        print("\n" + markdown(rows) + "\n")
-        return 0
     models = layers = []
     if args.only != "layers":
         print(f"networks at {args.size}x{args.size}, batch 1:", flush=True)

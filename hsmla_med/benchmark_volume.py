@@ -42,7 +42,9 @@ def _volume(path: Path) -> Path:
 
 def _all_classes(case: dict, invert, probabilities: bool = False):
     """The former inversion: every class's probability in the input's grid, then the argmax."""
-    pred = invert({"image": case["image"], "pred": case["probs"]})["pred"]
+    from monai.data import MetaTensor
+
+    pred = invert({"image": case["image"], "pred": MetaTensor(case["probs"])})["pred"]
     return pred.argmax(0).numpy().astype(np.uint8), None
 
 
@@ -64,6 +66,7 @@ def _child(volume: str, out: str, mode: str) -> None:
     module = SegmentationModule(btcv.module_config(config, model_config("b0"), [f"class{i}" for i in range(CLASSES)])).eval()
     if mode == "all-classes":
         btcv.labels_in_input_geometry = _all_classes
+    Path(out).mkdir(parents=True, exist_ok=True)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # peak (VmHWM) := current resident set
     start = time.perf_counter()
@@ -80,8 +83,9 @@ def bench_volume() -> list[dict]:
         volume = _volume(Path(tmp) / "ct.nii.gz")
         for mode in MODES:
             out = Path(tmp) / mode
-            result = subprocess.run([sys.executable, "-m", "hsmla_med.benchmark_volume", str(volume), str(out), mode],
-                                    capture_output=True, text=True, check=True)
+            result = subprocess.run([sys.executable, "-m", "hsmla_med.benchmark_volume", str(volume), str(out), mode], capture_output=True, text=True)
+            if result.returncode:
+                raise RuntimeError(f"volume benchmark, {mode}:\n{result.stderr[-3000:]}")
             run = json.loads(result.stdout.strip().splitlines()[-1])
             labels[mode] = np.asarray(nib.load(str(out / "ct.nii.gz")).dataobj)
             rows.append({"mode": mode, "seconds": run["seconds"], "peak_gib": run["peak_gib"],
