@@ -1,7 +1,7 @@
 """Prediction through Lightning's predict loop, for every task: the cases of one run split across
 processes (DDP, several nodes, ``torchrun``/SLURM launches) and across independent jobs
 (``--shard I/N``), each output written once by the process that owns its case, finished cases
-skipped, so a killed run resumes where it stopped (docs/design.md §4).
+skipped, so a killed run resumes where it stopped (docs/design.md §7.1).
 
 A task describes its cases as *items* (dicts with at least ``name``, unique in the run, and
 ``output``, the file whose presence means the case is done and which is written last); a
@@ -16,6 +16,7 @@ loader's samples, and for whole-slide inference a case is a slide of many patche
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,8 +54,8 @@ class Shard:
 
     def select(self, items: Sequence[dict]) -> list[dict]:
         names = [item["name"] for item in items]
-        if len(set(names)) != len(names):
-            duplicate = next(n for n in names if names.count(n) > 1)
+        duplicate = next((name for name, n in Counter(names).items() if n > 1), None)
+        if duplicate is not None:
             raise InputError(f"two inputs would write the same output {duplicate!r}; give them different names or separate runs")
         mine = set(sorted(names)[self.index :: self.count])
         return [item for item in items if item["name"] in mine]  # in the given order
