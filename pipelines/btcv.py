@@ -16,12 +16,10 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import torch
-from monai.data import MetaTensor
 from monai.transforms import (
     Compose,
     CropForegroundd,
     EnsureTyped,
-    Invertd,
     NormalizeIntensityd,
     Orientationd,
     ScaleIntensityRanged,
@@ -37,6 +35,7 @@ from hsmla_med.engine.base import hparams
 from hsmla_med.engine.datamodule import CaseDataModule
 from hsmla_med.engine.segmentation import SegmentationModule
 from hsmla_med.errors import ConfigError, DataError
+from hsmla_med.inference.geometry import invert
 from hsmla_med.io import atomic_path, is_temporary
 from hsmla_med.pipelines.task import InferenceOptions, Task, input_files, predict_cases, synthetic_root
 
@@ -90,7 +89,7 @@ def preprocessing(data: dict, in_channels: int, num_classes: int, keys: Sequence
         LoadCased(keys, ensure_channel_first=True, image_only=True),
         CheckCased(in_channels, num_classes),
         Orientationd(keys, axcodes="RAS", labels=(("L", "R"), ("P", "A"), ("I", "S"))),  # NIfTI world: RAS+
-        Spacingd(keys, pixdim=data["spacing"], mode=interp),
+        Spacingd(keys, pixdim=data["spacing"], mode=interp, dtype=torch.float32),
         crop,
         normalise,
         EnsureTyped(keys, dtype=[torch.float32 if k == "image" else torch.int64 for k in keys], track_meta=True),
@@ -139,14 +138,14 @@ def infer(
 
     Each volume goes through the training preprocessing (RAS, resampling, intensity, foreground
     crop) in the loader; the class probabilities are mapped back through the inverse transforms
-    (``Invertd``: un-crop, resample to the original grid, original orientation) before the
-    argmax, so boundaries are interpolated as probabilities rather than as label values
+    (un-crop, resample to the original grid, original orientation: MONAI's inverses, with the
+    resampling axis by axis, :func:`~hsmla_med.inference.geometry.invert`) before the argmax,
+    so boundaries are interpolated as probabilities rather than as label values
     (:func:`labels_in_input_geometry`).
     """
     cfg = module.config
     inference = options.apply(cfg["inference"])
     pre = Compose(preprocessing(cfg["data"], cfg["in_channels"], len(module.label_names), keys=("image",)))
-    invert = Invertd("pred", transform=pre, orig_keys="image", nearest_interp=False, to_tensor=True)
     output = Path(output)
     items = [
         {"name": case_name(f), "image": str(f), "source": str(f), "output": output / f"{case_name(f)}.nii.gz", "inference": inference}
@@ -156,7 +155,7 @@ def infer(
     def write(case: dict) -> list[Path]:
         source = Path(case["source"])
         shape, _ = read_header(source)
-        labels, probabilities = labels_in_input_geometry(case, invert, options.save_probabilities)
+        labels, probabilities = labels_in_input_geometry(case, pre, options.save_probabilities)
         if labels.shape != tuple(shape[:3]):
             raise RuntimeError(f"{source}: inverted prediction has shape {labels.shape}, expected {shape[:3]}")
         written = []
@@ -171,23 +170,23 @@ def infer(
     return predict_cases(module, items, pre, write, options)
 
 
-def labels_in_input_geometry(case: dict, invert: Invertd, probabilities: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
-    """The argmax of ``case["probs"]`` (classes on the preprocessed grid) in the input's grid,
-    mapping one class at a time back through ``invert``: two float maps of the input's size at
-    a time instead of one per class (a 512 x 512 x 300 CT with 14 classes: 0.6 GB instead of
-    4.4 GB, before the resampling's own buffers). Ties go to the lower class, as ``argmax``.
-    With ``probabilities`` also every class's probability there, float16 ``(classes, *shape)``.
+def labels_in_input_geometry(case: dict, transform: Compose, probabilities: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+    """The argmax of ``case["probs"]`` (classes on the grid of ``case["image"]``, the output of
+    ``transform``) in the input's grid, mapping one class at a time back through
+    :func:`~hsmla_med.inference.geometry.invert`: two float maps of the input's size at a time
+    instead of one per class (a 512 x 512 x 300 CT with 14 classes: 0.6 GB instead of 4.4 GB).
+    Ties go to the lower class, as ``argmax``. With ``probabilities`` also every class's
+    probability there, float16 ``(classes, *shape)``.
     """
     best = labels = stack = None
     for c, p in enumerate(case["probs"]):
-        p = invert({"image": case["image"], "pred": MetaTensor(p[None])})["pred"][0]  # a MetaTensor: Invertd reads the image's operations
-        p = p.as_tensor() if hasattr(p, "as_tensor") else p
+        p = invert(p[None], case["image"], transform)[0]
         if probabilities:
             if stack is None:
                 stack = np.empty((len(case["probs"]), *p.shape), np.float16)
             stack[c] = p.numpy()
         if best is None:
-            best, labels = p.clone(), torch.zeros(p.shape, dtype=torch.uint8)
+            best, labels = p.clone(), torch.zeros(p.shape, dtype=torch.uint8)  # p may share the probabilities' memory
         else:
             labels[p > best] = c
             torch.maximum(best, p, out=best)

@@ -75,8 +75,10 @@ def test_shards_cover_every_case_exactly_once():
 
 
 def test_labels_one_class_at_a_time_equal_the_argmax_of_every_class(tmp_path):
-    """The bounded-memory inversion against inverting all classes at once, on an LPS volume
-    with anisotropic voxels (reorientation and resampling both inverted)."""
+    """The bounded-memory inversion against MONAI's ``Invertd`` of all classes at once, then the
+    argmax, on an LPS volume with anisotropic voxels (reorientation and resampling both
+    inverted). The resampling differs by float rounding, so labels may differ only where the
+    two best classes are within that rounding of each other."""
     data = make_dataset(tmp_path / "data", cases=1, shape=(30, 27, 7), affines=[np.diag([-1.0, -1.2, 3.0, 1.0])])
     pre = Compose(btcv.preprocessing({**task_config("btcv")["data"], "spacing": [1.5, 1.5, 2.0]}, 1, 3, keys=("image",)))
     invert = Invertd("pred", transform=pre, orig_keys="image", nearest_interp=False, to_tensor=True)
@@ -84,9 +86,12 @@ def test_labels_one_class_at_a_time_equal_the_argmax_of_every_class(tmp_path):
     probs = torch.softmax(torch.randn(3, *case["image"].shape[1:]) * 3, 0)
     probs[1, :2] = probs[2, :2] = probs[0, :2]  # ties: the lower class wins, as argmax
     case["probs"] = probs
-    labels, stack = btcv.labels_in_input_geometry(case, invert, probabilities=True)
+    labels, stack = btcv.labels_in_input_geometry(case, pre, probabilities=True)
     whole = invert({"image": case["image"], "pred": MetaTensor(probs)})["pred"]
-    np.testing.assert_array_equal(labels, whole.argmax(0).numpy())
+    top2 = whole.as_tensor().topk(2, dim=0).values
+    near_tie = (top2[0] - top2[1] < 1e-5).numpy()
+    differ = labels != whole.argmax(0).numpy()
+    assert not (differ & ~near_tie).any() and differ.sum() <= 0.001 * differ.size
     assert labels.shape == (30, 27, 7) and stack.shape == (3, 30, 27, 7) and stack.dtype == np.float16
     np.testing.assert_allclose(stack, whole.numpy(), atol=1e-3)
 

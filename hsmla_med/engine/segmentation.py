@@ -9,7 +9,7 @@ from monai.losses import DiceCELoss
 from torch import nn
 
 from hsmla_med.engine.base import GatedModule, item_keys, plain
-from hsmla_med.inference.sliding import predict_volume
+from hsmla_med.inference.sliding import accumulation_device, predict_volume
 from hsmla_med.metrics import case_scores, frame_scores, summarize, summarize_frames
 
 __all__ = ["SegmentationModule", "FrameSegmentationModule", "voxel_spacing"]
@@ -46,7 +46,8 @@ class SegmentationModule(GatedModule):
 
     def predict_probabilities(self, image: torch.Tensor, inference: dict | None = None) -> torch.Tensor:
         """Class probabilities of whole volumes ``(B, C, H, W, D)`` by sliding windows, with the
-        checkpoint's ``inference`` settings or the given ones."""
+        checkpoint's ``inference`` settings or the given ones; on the CPU where they would not
+        fit the GPU (:func:`~hsmla_med.inference.sliding.accumulation_device`)."""
         inference = inference or self.config["inference"]
         return predict_volume(
             self.network,
@@ -57,6 +58,7 @@ class SegmentationModule(GatedModule):
             sw_batch_size=inference["sw_batch_size"],
             tta=inference["tta"],
             slab=inference["slab"],
+            device=accumulation_device(image, len(self.label_names)),
         )
 
     def predict_step(self, batch: dict, batch_idx: int = 0) -> dict:

@@ -10,11 +10,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import logging
+import math
+
 import torch
 from monai.inferers import SliceInferer, SlidingWindowInferer
 from torch import nn
 
-__all__ = ["predict_volume"]
+__all__ = ["predict_volume", "accumulation_device"]
+
+log = logging.getLogger("hsmla_med")
+
+#: share of the GPU's free memory that a volume's class maps (output and blending weights) may take
+#: before they are accumulated on the CPU instead
+GPU_SHARE = 0.5
 
 
 def predict_volume(
@@ -26,6 +35,7 @@ def predict_volume(
     sw_batch_size: int = 4,
     tta: bool = False,
     slab: int = 8,
+    device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Class probabilities ``(B, classes, H, W, D)`` for volumes ``(B, C, H, W, D)``.
 
@@ -43,6 +53,9 @@ def predict_volume(
         slab: for a 2D network, a multiplier of ``sw_batch_size``: each forward pass takes
             ``sw_batch_size * slab`` one-slice windows (as many slices as the former windows of
             ``slab`` slices did).
+        device: where the windows' outputs are accumulated (MONAI's ``device``; the network
+            runs where ``image`` is, MONAI's ``sw_device``): ``cpu`` for a volume whose class
+            maps do not fit the GPU (:func:`accumulation_device`); default ``image``'s device.
     """
     if spatial_dims == 2:
         # SliceInferer's windows are one slice of the last axis (spatial_dim=2: D) thick, so
@@ -50,11 +63,12 @@ def predict_volume(
         # (The former slab-thick windows used a 3D Gaussian, clamped at 1e-3 of its peak, which
         # blended a slab's outer slices almost uniformly in-plane: results differed by slice.)
         inferer: SlidingWindowInferer = SliceInferer(
-            spatial_dim=2, roi_size=tuple(roi_size), sw_batch_size=sw_batch_size * slab, overlap=overlap, mode="gaussian"
+            spatial_dim=2, roi_size=tuple(roi_size), sw_batch_size=sw_batch_size * slab, overlap=overlap, mode="gaussian",
+            sw_device=image.device, device=device,
         )
         axes: tuple[int, ...] = (2, 3)
     elif spatial_dims == 3:
-        inferer = SlidingWindowInferer(tuple(roi_size), sw_batch_size, overlap=overlap, mode="gaussian")
+        inferer = SlidingWindowInferer(tuple(roi_size), sw_batch_size, overlap=overlap, mode="gaussian", sw_device=image.device, device=device)
         axes = (2, 3, 4)
     else:
         raise ValueError(f"spatial_dims must be 2 or 3, got {spatial_dims}")
@@ -62,8 +76,32 @@ def predict_volume(
     probs = None
     for flip in flips:
         x = torch.flip(image, flip) if flip else image
-        logits = inferer(x, network)
-        p = torch.softmax(logits.float(), dim=1)
+        p = _softmax_(inferer(x, network).float())
         p = torch.flip(p, flip) if flip else p
-        probs = p if probs is None else probs + p
-    return probs / len(flips)
+        probs = p if probs is None else probs.add_(p)
+    return probs.div_(len(flips)) if len(flips) > 1 else probs
+
+
+def _softmax_(logits: torch.Tensor) -> torch.Tensor:
+    """Softmax over classes (dim 1) in the logits' own memory: a volume's class maps are the
+    largest tensors of inference (14 classes of a resampled CT: 0.9 GB), and ``torch.softmax``
+    would hold a second copy."""
+    logits.sub_(logits.amax(1, keepdim=True)).exp_()
+    return logits.div_(logits.sum(1, keepdim=True))
+
+
+def accumulation_device(image: torch.Tensor, classes: int) -> torch.device:
+    """Where :func:`predict_volume` should accumulate the class maps of ``image``
+    ``(B, C, *spatial)``: its own device, unless it is a GPU whose free memory holds less than
+    ``1 / GPU_SHARE`` times the maps (float32 output and weights, ``classes + 1`` channels per
+    voxel); then the CPU, and the GPU runs only the windows (nnU-Net does the same for large
+    volumes)."""
+    if image.device.type != "cuda":
+        return image.device
+    need = image.shape[0] * (classes + 1) * math.prod(image.shape[2:]) * 4
+    free, _ = torch.cuda.mem_get_info(image.device)
+    if need <= GPU_SHARE * free:
+        return image.device
+    log.info("class maps of %s voxels need %.1f GiB, %.1f GiB free on %s: accumulating on the CPU", tuple(image.shape[2:]), need / 2**30, free / 2**30, image.device)
+    return torch.device("cpu")
+

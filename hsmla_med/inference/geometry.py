@@ -1,0 +1,92 @@
+"""Predictions back in an input's own grid: the inverse of a preprocessing ``Compose`` for one
+channel at a time, with the resampling of ``Spacingd`` done axis by axis.
+
+MONAI's ``Invertd`` undoes the preprocessing through each transform's ``inverse``. Its
+resampling (``SpatialResample`` -> ``AffineTransform``) builds a sampling grid of three float
+coordinates per output voxel for every call (0.94 GB for a 512 x 512 x 300 CT, and 4.5 s per
+class on two cores). ``Spacingd`` only changes voxel sizes: the map from the input's voxel
+indices to the resampled ones is diagonal, and linear interpolation then separates into one 1D
+pass per axis, which needs no grid and takes a fraction of the time. MONAI has no separable
+resampler, so :func:`separable_resample` is written here; every other inverse, and a spacing
+inverse that is not axis-aligned or not linear, is MONAI's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from copy import deepcopy
+
+import numpy as np
+import torch
+from monai.data import MetaTensor
+from monai.transforms import Compose, InvertibleTransform, Spacingd
+from monai.utils import TraceKeys
+
+__all__ = ["invert", "separable_resample"]
+
+AXIS_TOLERANCE = 1e-6  # off-diagonal voxel-map entries below this count as axis-aligned
+
+
+def separable_resample(x: torch.Tensor, scale: np.ndarray, offset: np.ndarray, size: tuple[int, ...], padding_mode: str = "border") -> torch.Tensor:
+    """Linear interpolation of ``x`` ``(C, *spatial)`` at output voxel ``i`` from input voxel
+    coordinate ``scale * i + offset`` (voxel centres at integer indices), per axis; ``size`` is
+    the output's spatial shape. ``padding_mode`` ``border`` repeats the edge voxels beyond the
+    input, ``zeros`` fades to zero over the half voxel past it, as ``grid_sample`` does with
+    ``align_corners=False``. Equals MONAI's ``SpatialResample`` (bilinear) on a diagonal map up
+    to float rounding."""
+    # the axis that shrinks most first: later passes then run over fewer voxels
+    for axis in sorted(range(1, x.dim()), key=lambda a: size[a - 1] / x.shape[a]):
+        s, t, n, length = scale[axis - 1], offset[axis - 1], size[axis - 1], x.shape[axis]
+        coord = torch.arange(n, dtype=torch.float64) * float(s) + float(t)
+        low = torch.floor(coord)
+        weight = (coord - low).to(x.dtype)
+        low = low.long()
+        high = low + 1
+        shape = [1] * x.dim()
+        shape[axis] = n
+        lo = x.index_select(axis, low.clamp(0, length - 1))
+        hi = x.index_select(axis, high.clamp(0, length - 1))
+        if padding_mode == "zeros":  # samples outside [0, length - 1] are zero
+            lo.mul_(((low >= 0) & (low < length)).to(x.dtype).view(shape))
+            hi.mul_(((high >= 0) & (high < length)).to(x.dtype).view(shape))
+        x = lo.lerp_(hi, weight.view(shape))
+        del hi
+    return x
+
+
+def _undo_spacing(t: Spacingd, key: Hashable, img: MetaTensor) -> MetaTensor | None:
+    """``t``'s inverse on ``img`` by :func:`separable_resample` (the record popped), or ``None``
+    (nothing popped) where the voxel map is not axis-aligned or the interpolation not linear."""
+    resample = t.spacing_transform.sp_resample
+    record = resample.get_most_recent_transform(img, check=True)
+    info = record[TraceKeys.EXTRA_INFO]
+    if info["mode"] != "bilinear" or info["padding_mode"] not in ("border", "zeros") or info["align_corners"] is True:
+        return None
+    original = np.asarray(info["src_affine"], dtype=np.float64)
+    xform = np.linalg.solve(np.asarray(img.affine, dtype=np.float64), original)  # input voxel -> resampled voxel
+    if xform.shape != (4, 4) or np.abs(xform[:3, :3] - np.diag(np.diag(xform[:3, :3]))).max() > AXIS_TOLERANCE:
+        return None
+    resample.pop_transform(img, check=False)
+    size = tuple(int(s) for s in record[TraceKeys.ORIG_SIZE])
+    out = separable_resample(img.as_tensor(), np.diag(xform)[:3], xform[:3, 3], size, info["padding_mode"])
+    out = MetaTensor(out, meta=img.meta, applied_operations=img.applied_operations)
+    out.affine = torch.as_tensor(original)
+    return out
+
+
+def invert(pred: torch.Tensor, image: MetaTensor, transform: Compose, key: Hashable = "image") -> torch.Tensor:
+    """``pred`` ``(C, *spatial)``, on the grid of ``image`` (the output of ``transform`` under
+    ``key``), mapped back to the grid ``transform`` started from: what ``Invertd("pred",
+    transform, orig_keys=key, nearest_interp=False)`` returns, with ``Spacingd``'s inverse by
+    :func:`separable_resample` where it is axis-aligned and bilinear. A plain tensor."""
+    data = {key: MetaTensor(pred, meta=deepcopy(image.meta), applied_operations=deepcopy(image.applied_operations))}
+    for t in reversed(transform.flatten().transforms):
+        if not isinstance(t, InvertibleTransform):
+            continue
+        undone = _undo_spacing(t, key, data[key]) if isinstance(t, Spacingd) else None
+        if undone is not None:
+            data[key] = undone
+        else:
+            data = t.inverse(data)
+    out = data[key]
+    return out.as_tensor() if isinstance(out, MetaTensor) else torch.as_tensor(out)
