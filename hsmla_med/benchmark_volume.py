@@ -11,11 +11,16 @@ from ``all-classes`` (random weights give near-uniform probabilities, so near-ti
 rounding can flip are far more common than with a trained network).
 
     hsmla-med bench --only volume --out bench_out
+
+``--only processes``: ``hsmla-med infer`` over 8 synthetic BTCV volumes in one process and in
+two DDP processes (gloo, one thread each) on the CPU: wall times and whether every label map is
+byte-identical.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -100,6 +105,52 @@ def bench_volume() -> list[dict]:
             rows.append({"mode": mode, "seconds": run["seconds"], "peak_gib": run["peak_gib"],
                          "voxels_differing": differing, "fraction_differing": differing / labels[mode].size})
             print(f"  {mode}: {run['seconds']:.1f} s, peak {run['peak_gib']:.2f} GiB", flush=True)
+    return rows
+
+
+def _checkpoint(path: Path) -> Path:
+    """A BTCV checkpoint of HSMLA-B0 with random weights (what ``load_module`` reads)."""
+    import torch
+
+    from hsmla_med.config import merge_config, model_config, task_config
+    from hsmla_med.engine.segmentation import SegmentationModule
+    from hsmla_med.data.synthetic_btcv import BTCV_LABELS
+    from hsmla_med.pipelines import btcv
+
+    torch.manual_seed(0)
+    config = merge_config(task_config("btcv"), {})
+    module = SegmentationModule(btcv.module_config(config, model_config("b0"), list(BTCV_LABELS.values())))
+    torch.save({"hyper_parameters": module.config, "state_dict": module.state_dict(), "epoch": 0, "global_step": 0}, path)
+    return path
+
+
+def bench_processes(cases: int = 8, shape: tuple[int, int, int] = (192, 192, 64)) -> list[dict]:
+    """Rows ``processes, threads_each, seconds, identical``: ``hsmla-med infer`` of ``cases``
+    synthetic volumes in one process (two threads) and in two DDP processes (one thread each),
+    each in a fresh process tree; ``identical``: every label map byte-equal to one process's."""
+    import nibabel as nib
+
+    from hsmla_med.data.synthetic_btcv import generate_btcv
+
+    runs = [(1, 2, []), (2, 1, ["--devices", "2", "--strategy", "ddp"])]
+    rows, labels = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        generate_btcv(tmp / "data", num_train=cases, num_validation=0, num_test=0, shape=shape, seed=0)
+        checkpoint = _checkpoint(tmp / "b0.ckpt")
+        for processes, threads, extra in runs:
+            out = tmp / f"out{processes}"
+            cmd = [sys.executable, "-m", "hsmla_med.cli", "infer", "--task", "btcv",
+                   "--checkpoint", str(checkpoint), "--input", str(tmp / "data" / "imagesTr"), "--output", str(out), "--precision", "32-true", *extra]
+            start = time.perf_counter()
+            result = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+            seconds = time.perf_counter() - start
+            if result.returncode:
+                raise RuntimeError(f"infer with {processes} process(es):\n{result.stderr[-3000:]}")
+            labels[processes] = {p.name: np.asarray(nib.load(str(p)).dataobj).tobytes() for p in sorted(out.glob("*.nii.gz"))}
+            rows.append({"processes": processes, "threads_each": threads, "cases": len(labels[processes]), "seconds": seconds,
+                         "identical": labels[processes] == labels[1]})
+            print(f"  {processes} process(es): {seconds:.1f} s", flush=True)
     return rows
 
 
