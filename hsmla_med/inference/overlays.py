@@ -7,9 +7,10 @@ check that the expensive attention went to the suspicious tissue. Both colour th
 and pictures of different slides compare directly), leave patch-less cells (NaN) transparent so
 the tissue stays visible, and add a labelled colour bar.
 
-Rendering uses matplotlib's object API with an Agg canvas, not pyplot: no global backend or
-figure state is touched, so it works headless and beside other plotting code. Files are written
-atomically (:func:`hsmla_med.io.atomic_path`).
+The title and colour bar are drawn with matplotlib's object API on an Agg canvas, not pyplot: no
+global backend or figure state is touched, so it works headless and beside other plotting code.
+The picture itself is blended in NumPy at its drawn size and pasted into the rendered figure, and
+PIL writes the PNG, atomically (:func:`hsmla_med.io.atomic_path`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.cm import ScalarMappable
 from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
+from PIL import Image
 
 from hsmla_med.io import atomic_path
 
@@ -36,7 +38,8 @@ MARGIN, BAR, GAP, BAR_TEXT, TITLE = 0.15, 0.25, 0.15, 0.9, 0.45
 
 
 def _resize_nearest(values: np.ndarray, height: int, width: int) -> np.ndarray:
-    """``(h, w)`` map -> ``(height, width)``, each output pixel taking the cell under its centre."""
+    """``(h, w, ...)`` map -> ``(height, width, ...)``, each output pixel taking the cell under
+    its centre."""
     rows = ((np.arange(height) + 0.5) * values.shape[0] / height).astype(int)
     cols = ((np.arange(width) + 0.5) * values.shape[1] / width).astype(int)
     return values[np.minimum(rows, values.shape[0] - 1)][:, np.minimum(cols, values.shape[1] - 1)]
@@ -64,24 +67,33 @@ def _overlay(path, thumbnail, values, title: str, alpha: float, cmap_name: str, 
     fig_w = MARGIN + img_w + GAP + BAR + BAR_TEXT
     fig_h = MARGIN + img_h + max(MARGIN, title_h)
 
-    fig = Figure(figsize=(fig_w, fig_h), dpi=DPI, facecolor="white")
-    FigureCanvasAgg(fig)
-    ax = fig.add_axes((MARGIN / fig_w, MARGIN / fig_h, img_w / fig_w, img_h / fig_h))
-    ax.set_axis_off()
-    ax.imshow(thumbnail, interpolation="nearest")
-    # masked (NaN) cells take the colormap's "bad" colour, here fully transparent
-    cmap = colormaps[cmap_name].with_extremes(bad=(0.0, 0.0, 0.0, 0.0))
+    cmap = colormaps[cmap_name]
     norm = Normalize(vmin=0.0, vmax=1.0)
-    resized = np.ma.masked_invalid(_resize_nearest(values, height, width))
-    ax.imshow(resized, cmap=cmap, norm=norm, alpha=alpha, interpolation="nearest")
-    if title:
+    # the picture is blended here at its drawn size and pasted pixel for pixel into the rendered
+    # figure: Agg resampling two translucent imshow layers took seconds per overlay at 2048 px
+    rows, cols = round(img_h * DPI), round(img_w * DPI)
+    tissue = _resize_nearest(thumbnail, rows, cols).astype(np.float32)
+    colour = _resize_nearest(cmap(np.nan_to_num(values), bytes=True)[..., :3], rows, cols).astype(np.float32)
+    weight = _resize_nearest(np.where(np.isnan(values), 0.0, alpha).astype(np.float32), rows, cols)[..., None]  # NaN: thumbnail alone
+    picture = np.rint(tissue * (1 - weight) + colour * weight).astype(np.uint8)
+
+    fig = Figure(figsize=(fig_w, fig_h), dpi=DPI, facecolor="white")
+    canvas = FigureCanvasAgg(fig)
+    if title:  # an empty axes over the picture carries the title where imshow's would be
+        ax = fig.add_axes((MARGIN / fig_w, MARGIN / fig_h, img_w / fig_w, img_h / fig_h))
+        ax.set_axis_off()
         ax.set_title(title)
     cax = fig.add_axes(((MARGIN + img_w + GAP) / fig_w, MARGIN / fig_h, BAR / fig_w, img_h / fig_h))
     # the legend shows the full-strength colours, not the translucent ones blended over tissue
     fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), cax=cax, label=label, ticks=np.linspace(0, 1, 6))
 
+    canvas.draw()
+    rendered = np.asarray(canvas.buffer_rgba())[..., :3].copy()
+    top, left = rendered.shape[0] - round(MARGIN * DPI) - rows, round(MARGIN * DPI)
+    rendered[top : top + rows, left : left + cols] = picture
     with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=DPI, facecolor="white")
+        # zlib level 1: a third of the default's encoding time for a few percent more bytes
+        Image.fromarray(rendered).save(tmp, format="PNG", compress_level=1)
     return Path(path)
 
 
