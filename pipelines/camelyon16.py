@@ -175,7 +175,8 @@ class ReadPatchd(MapTransform):
             self._open[path] = open_slide(path)
         self._open.move_to_end(path)
         rgb = read_region(self._open[path], int(item["x"]), int(item["y"]), int(item["level"]), int(item["size"]))
-        return {**item, "image": torch.from_numpy(np.ascontiguousarray(rgb.transpose(2, 0, 1))).float() / 255.0}
+        # channels-last view, converted once: the networks run channels-last anyway
+        return {**item, "image": torch.from_numpy(rgb).permute(2, 0, 1).float().div_(255.0)}
 
 
 def _items(cases: list[dict], config: dict) -> list[dict]:

@@ -124,6 +124,8 @@ def read_region(slide: openslide.OpenSlide, x0: int, y0: int, level: int, size: 
         rgba = np.asarray(slide.read_region((int(x0), int(y0)), level, (int(width), int(height))))
     except openslide.OpenSlideError as err:
         raise DataError(f"{_name(slide)}: cannot read region at ({x0}, {y0}) of level {level} ({err})") from None
+    if rgba[..., 3].min() == 255:  # inside the scanned area (nearly every patch): nothing to composite
+        return np.ascontiguousarray(rgba[..., :3])
     alpha = rgba[..., 3:].astype(np.uint16)  # OpenSlide un-premultiplies: colour * alpha + white * (255 - alpha)
     return ((rgba[..., :3] * alpha + 255 * (255 - alpha) + 127) // 255).astype(np.uint8)
 
