@@ -196,3 +196,25 @@ def test_read_patch_keeps_at_most_keep_slides_open(slides):
         patch = reader({"slide": str(path), "x": 0, "y": 0, "level": 0, "size": 16})["image"]
         assert patch.shape == (3, 16, 16) and patch.dtype == torch.float32
         assert list(reader._open) == [str(path)]
+
+
+@pytest.mark.parametrize("device, precision", [
+    ("cpu", "bf16-mixed"),
+    pytest.param("cuda", "16-mixed", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")),
+])
+def test_mixed_precision_heatmaps_match_float32(slides, tmp_path, device, precision):
+    """An HSMLA-B0 classifier (random weights) under autocast: slide scores within 0.02 and
+    heatmap pixels within 0.05 (13 of 255) of float32's."""
+    torch.manual_seed(0)
+    module = ClassificationModule(camelyon16.module_config(_config(slides), {"variant": "b0"}, camelyon16.LABELS))
+    slide = next((slides / "data" / "testing" / "images").glob("*.tif"))
+    quiet = {"progress": lambda _: None, "batch_size": 16}
+    full = camelyon16.infer(module, slide, tmp_path / "f32", InferenceOptions(precision="32-true", **quiet))
+    mixed = camelyon16.infer(module, slide, tmp_path / "mixed", InferenceOptions(device=device, precision=precision, **quiet))
+    [first], [second] = full, mixed
+    assert json.loads(first.read_text())["patches"] == json.loads(second.read_text())["patches"] > 0
+    assert abs(json.loads(first.read_text())["score"] - json.loads(second.read_text())["score"]) < 0.02
+    tiffs = [openslide.OpenSlide(str(p.with_name(f"{p.stem}_heatmap.tif"))) for p in (first, second)]
+    heat = [np.asarray(t.read_region((0, 0), 0, t.dimensions))[..., 0] for t in tiffs]
+    assert np.abs(heat[0].astype(int) - heat[1].astype(int)).max() <= 13
+

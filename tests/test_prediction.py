@@ -45,7 +45,7 @@ def _infer(ckpt, inputs, out, *extra, subprocess_env=None) -> str:
         return ""
     result = subprocess.run([sys.executable, "-m", "hsmla_med.cli", *argv], cwd=ROOT, capture_output=True, text=True, env=subprocess_env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
+    return result.stdout + result.stderr
 
 
 def _labels(folder: Path) -> dict[str, np.ndarray]:
@@ -135,7 +135,25 @@ def test_two_processes_write_each_case_once_and_match_one(trained, tmp_path):
     # each process reports the cases it wrote: together all eight, none twice
     written = [line.split()[0] for line in out.splitlines() if line.startswith("img") and ".nii.gz" in line]
     assert sorted(written) == sorted(_labels(one)) and len(written) == 8
+    assert "GPU available" not in out and "LeafSpec" not in out  # Lightning's set-up notes are not ours to print
     assert not [p for p in two.iterdir() if "tmp" in p.name]
+
+
+# mixed precision: bfloat16 autocast on the CPU here; float16 on CUDA where a GPU is lent
+MIXED = [("cpu", "bf16-mixed"), pytest.param("cuda", "16-mixed", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
+
+
+@pytest.mark.parametrize("device, precision", MIXED)
+def test_mixed_precision_volumes_match_float32(trained, tmp_path, device, precision):
+    """Probabilities (the saved ``.npz``) within 0.05 of float32's, labels on >= 98% of voxels."""
+    ckpt, images = trained
+    _infer(ckpt, images, tmp_path / "f32", "--precision", "32-true", "--save-probabilities")
+    _infer(ckpt, images, tmp_path / "mixed", "--device", device, "--precision", precision, "--save-probabilities")
+    for name, labels in _labels(tmp_path / "f32").items():
+        stem = name.removesuffix(".nii.gz")
+        full, mixed = (np.load(tmp_path / run / f"{stem}.npz")["probabilities"].astype(np.float32) for run in ("f32", "mixed"))
+        assert np.abs(full - mixed).max() < 0.05, stem
+        assert (_labels(tmp_path / "mixed")[name] == labels).mean() >= 0.98, stem
 
 
 def test_luna16_candidates_per_scan_and_merge_after_resume(tmp_path):

@@ -16,8 +16,10 @@ loader's samples, and for whole-slide inference a case is a slide of many patche
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,6 +129,22 @@ class PredictionWriter(BasePredictionWriter):
         self.written += self.write(prediction)
 
 
+@contextmanager
+def _quiet_lightning() -> Iterator[None]:
+    """Lightning's set-up notes ("GPU available: ...", a logging tip, the DDP banner) and its
+    pytree deprecation under torch 2.13 are printed on every run; ``infer`` reports its own
+    lines instead. Warnings and errors still show."""
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    level = rank_zero.level
+    rank_zero.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+            yield
+    finally:
+        rank_zero.setLevel(level)
+
+
 def _accelerator(device: str) -> tuple[str, int | list[int]]:
     """Lightning's ``accelerator`` and ``devices`` for ``--device``: ``cuda:N`` is GPU ``N``."""
     kind, _, index = device.partition(":")
@@ -157,23 +175,24 @@ def run_prediction(
     from hsmla_med.engine.run import _precision
 
     accelerator, default_devices = _accelerator(device)
-    trainer = L.Trainer(
-        accelerator=accelerator,
-        devices=devices or default_devices,
-        strategy=strategy,
-        num_nodes=num_nodes,
-        precision=_precision({"precision": precision, "accelerator": accelerator}),
-        logger=False,
-        callbacks=[writer := PredictionWriter(write)],
-        use_distributed_sampler=False,  # whole cases per process: PredictionDataModule splits them
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
-    if data.items:
-        trainer.predict(module, datamodule=data, return_predictions=False)
-    else:
-        log.info("nothing to predict: every output exists")
+    with _quiet_lightning():
+        trainer = L.Trainer(
+            accelerator=accelerator,
+            devices=devices or default_devices,
+            strategy=strategy,
+            num_nodes=num_nodes,
+            precision=_precision({"precision": precision, "accelerator": accelerator}),
+            logger=False,
+            callbacks=[writer := PredictionWriter(write)],
+            use_distributed_sampler=False,  # whole cases per process: PredictionDataModule splits them
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        )
+        if data.items:
+            trainer.predict(module, datamodule=data, return_predictions=False)
+        else:
+            log.info("nothing to predict: every output exists")
     if trainer.world_size > 1:
         trainer.strategy.barrier("prediction-written")
     finished = finish() if trainer.is_global_zero and finish is not None else []
