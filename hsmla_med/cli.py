@@ -32,6 +32,7 @@ _EPILOG = """examples:
   hsmla-med wsi-heatmap --checkpoint runs/c16/best.ckpt --slide /data/CAMELYON16/testing/images --output heatmaps
   hsmla-med train --task luna16 --data-dir /data/LUNA16 --output runs/luna
   hsmla-med infer --task luna16 --checkpoint runs/luna/best.ckpt --input /data/LUNA16/subset9 --output luna_preds
+  hsmla-med export --checkpoint runs/b1/best.ckpt --format onnx --output export/b1    # also torchscript | bundle
   hsmla-med bench --only models
 """
 
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     tasks = {name: get_task(name) for name in TASKS}
     p = sub.add_parser("infer", help="run a checkpoint on new inputs", description="Run a checkpoint on new inputs. " + "; ".join(f"{n}: {t.outputs}" for n, t in tasks.items()) + ".")
     _add_task_options(p, data=False)
-    p.add_argument("--checkpoint", required=True, help="a checkpoint written by train (best.ckpt or last.ckpt)")
+    p.add_argument("--checkpoint", required=True, help="a checkpoint written by train (best.ckpt or last.ckpt), or a network of hsmla-med export: model.ts or a bundle folder")
     p.add_argument("--input", required=True, help="a file or a folder: " + "; ".join(f"{t.inputs} ({n})" for n, t in tasks.items()))
     p.add_argument("--output", required=True, help="folder for the predictions")
     p.add_argument("--tta", action="store_true", help="mirroring test-time augmentation")
@@ -112,6 +113,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--level", type=int, help="pyramid level of the patches (default: the checkpoint's training level)")
     p.add_argument("--batch-size", type=int, help="patches per forward pass (default: the checkpoint's, 64)")
     _add_prediction_options(p)
+
+    p = sub.add_parser("export", help="export a checkpoint's network: ONNX, TorchScript or a MONAI Bundle",
+                       description="Export the network of a checkpoint for deployment (docs/deployment.md): --format onnx writes OUTPUT/model.onnx "
+                       "(opset 18, batch axis dynamic), torchscript OUTPUT/model.ts (traced; hsmla-med infer --checkpoint takes it), bundle a MONAI "
+                       "Bundle in OUTPUT (configs/, models/model.ts, models/model.pt, docs/README.md; tasks btcv and endovis). The spatial size is "
+                       "fixed: the checkpoint's sliding-window size unless --input-size. Each graph is checked against the PyTorch network "
+                       "(max |logit difference| <= 1e-4) before it is written; OUTPUT/export.json records the figures.")
+    p.add_argument("--checkpoint", required=True, help="a checkpoint written by train (best.ckpt or last.ckpt)")
+    p.add_argument("--format", required=True, choices=["onnx", "torchscript", "bundle"], help="onnx | torchscript | bundle")
+    p.add_argument("--output", required=True, help="folder for the exported files")
+    p.add_argument("--input-size", type=int, nargs="+", metavar="N", help="spatial size of the exported graph, H W (2D) or H W D (3D); default: the checkpoint's sliding-window size")
 
     # its options are the benchmark's own (hsmla-med bench --help), passed through unparsed
     sub.add_parser("bench", help="benchmarks of HSMLA networks vs SegFormer, SwinUNETR and UNet (CPU; --only gpu on a CUDA GPU)", add_help=False)
@@ -234,6 +246,16 @@ def _infer(args) -> list[Path]:
     return written
 
 
+def _export(args) -> list[Path]:
+    from hsmla_med.export import export, format_report
+
+    output = _writable_folder(args.output, "--output")
+    written, report = export(args.checkpoint, args.format, output, args.input_size)
+    print(format_report(report))
+    print(f"{len(written)} file(s) in {output}: " + ", ".join(str(p.relative_to(output)) for p in written))
+    return written
+
+
 def _report(line: str) -> None:
     """Printed by the first process only (the others of a DDP prediction have their own lines)."""
     from lightning.fabric.utilities.rank_zero import rank_zero_only
@@ -342,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         "infer": lambda: _infer(args),
         "evaluate": lambda: _evaluate(args),
         "wsi-heatmap": lambda: _wsi_heatmap(args),
+        "export": lambda: _export(args),
         "bench": lambda: _bench(args),
         "demo": lambda: _demo(args),
     }

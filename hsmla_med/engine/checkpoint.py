@@ -1,4 +1,5 @@
-"""Checkpoint files that survive any kill: written beside their final name and renamed.
+"""Checkpoint files that survive any kill: written beside their final name and renamed; and
+inference from an exported network (a TorchScript file or a MONAI Bundle of ``hsmla-med export``).
 
 Lightning's own :class:`~lightning.pytorch.plugins.io.TorchCheckpointIO` writes through an fsspec
 transaction: a temporary file in ``$TMPDIR``, then moved onto the checkpoint's name. When
@@ -8,7 +9,10 @@ file, and a kill during that copy leaves ``last.ckpt`` empty or truncated in pla
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +21,12 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from hsmla_med.errors import DataError
 from hsmla_med.io import atomic_path
 
-__all__ = ["AtomicCheckpointIO"]
+__all__ = ["AtomicCheckpointIO", "EXPORT_META", "FORMAT_VERSION", "exported_file", "load_exported", "read_hparams"]
+
+#: extra file of an exported TorchScript network holding its checkpoint's hyper-parameters
+EXPORT_META = "hsmla_med.json"
+#: version of that file's layout
+FORMAT_VERSION = 1
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -68,3 +77,81 @@ def _fsync_folder(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def read_hparams(path: str | Path) -> dict:
+    """The hyper-parameters of a checkpoint written by ``train`` (``weights_only=True``), or a
+    :class:`~hsmla_med.errors.DataError` naming the file."""
+    import torch
+
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: checkpoint not found")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return checkpoint["hyper_parameters"]
+    except pickle.UnpicklingError:
+        raise DataError(f"{path}: holds Python objects beyond tensors and plain values; refused, since loading them could run code") from None
+    except Exception as err:
+        raise DataError(f"{path}: not a readable hsmla-med checkpoint ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
+
+
+def exported_file(path: str | Path) -> Path | None:
+    """The TorchScript file behind ``infer --checkpoint PATH`` when ``PATH`` is an exported
+    network: a bundle folder (its ``models/model.ts``) or a TorchScript archive (a zip with
+    ``code/``, which ``torch.save`` checkpoints lack); ``None`` for anything else."""
+    path = Path(path)
+    if path.is_dir():
+        ts = path / "models" / "model.ts"
+        if not ts.is_file():
+            raise DataError(f"{path}: a folder, but not a bundle of hsmla-med export (no models/model.ts)")
+        return ts
+    if not path.is_file() or not zipfile.is_zipfile(path):
+        return None
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (OSError, zipfile.BadZipFile):
+        return None
+    return path if any(n.split("/")[1:2] == ["code"] for n in names) else None
+
+
+def load_exported(path: str | Path, module_class, task: str | None = None, inference: dict | None = None):
+    """The task module around an exported TorchScript network (``path``: a ``.ts`` file or a
+    bundle folder of ``hsmla-med export``), rebuilt from the hyper-parameters it carries
+    (:data:`EXPORT_META`): eval mode, CPU. ``task`` refuses a network of another task;
+    ``inference`` overrides the checkpoint's inference settings (``tta``). Returns the module
+    and ``{"epoch": None, "step": None, "exported": file}``.
+
+    The network takes windows of its exported size only (``inference.roi_size``, which the
+    sliding window feeds); its HSMLA layers run the dense backend.
+    """
+    import torch
+
+    path = Path(path)
+    ts = exported_file(path)
+    if ts is None:
+        raise DataError(f"{path}: not a TorchScript file of hsmla-med export")
+    extra = {EXPORT_META: ""}
+    try:
+        network = torch.jit.load(str(ts), map_location="cpu", _extra_files=extra)
+    except Exception as err:
+        raise DataError(f"{ts}: not a readable TorchScript file ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
+    try:
+        meta = json.loads(extra[EXPORT_META] or "null")
+        config = meta["hparams"]
+        int(meta["format_version"])
+    except (ValueError, TypeError, KeyError):
+        raise DataError(f"{ts}: a TorchScript file without hsmla-med's {EXPORT_META} (export it with hsmla-med export)") from None
+    if meta["format_version"] > FORMAT_VERSION:
+        raise DataError(f"{ts}: exported by a newer hsmla-med (format {meta['format_version']}, this one reads {FORMAT_VERSION})")
+    written_by = config.get("task")
+    if task is not None and written_by != task:
+        raise DataError(f"{path}: an exported {written_by} network, not one of task {task}; use --task {written_by}")
+    config = {**config, "inference": {**config["inference"], **(inference or {})}}
+    try:
+        module = module_class(config, network=network)
+    except (KeyError, TypeError, ValueError) as err:
+        raise DataError(f"{ts}: its hyper-parameters are incomplete or invalid ({type(err).__name__}: {err})") from None
+    module.eval()
+    return module, {"epoch": None, "step": None, "exported": str(ts)}

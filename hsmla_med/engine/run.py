@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning_utilities.core.imports import module_available
 
 from hsmla_med.engine.callbacks import MetricsWriter, StepProgressBar, ValidateFinalStep
-from hsmla_med.engine.checkpoint import AtomicCheckpointIO
+from hsmla_med.engine.checkpoint import AtomicCheckpointIO, exported_file, load_exported
 from hsmla_med.errors import ConfigError, DataError, InputError
 from hsmla_med.io import remove_stale_temporaries
 
@@ -143,13 +143,17 @@ def evaluate(module: L.LightningModule, datamodule: L.LightningDataModule, train
 def load_module(
     path: str | Path, module_class: type[L.LightningModule], task: str | None = None, inference: dict | None = None
 ) -> tuple[L.LightningModule, dict]:
-    """Rebuild a module from a Lightning checkpoint, loaded with ``weights_only=True``.
+    """Rebuild a module from a Lightning checkpoint, loaded with ``weights_only=True``, or
+    around an exported TorchScript network (a ``.ts`` file or a bundle folder of ``hsmla-med
+    export``: :func:`~hsmla_med.engine.checkpoint.load_exported`).
 
     ``task``: refuse a checkpoint that another task wrote (its hyper-parameters name the task);
     ``inference``: settings of this run over the checkpoint's ``inference`` section (``tta``).
     Returns the module (eval mode, CPU) and the checkpoint's ``epoch``/``global_step``.
     """
     path = Path(path)
+    if exported_file(path) is not None:  # hsmla-med export's TorchScript file or bundle folder
+        return load_exported(path, module_class, task, inference)
     if not path.is_file():
         raise DataError(f"{path}: checkpoint not found")
     try:

@@ -1,0 +1,253 @@
+"""Export of a checkpoint's network for deployment: ONNX, TorchScript and a MONAI Bundle
+(docs/deployment.md).
+
+Every format carries the network alone (logits of one window, ``(batch, in_channels, *size)`` ->
+``(batch, classes, *size)``), with the HSMLA layers on the ``dense`` backend: the linear
+attention plus ``[M > tau] * M * R`` with ``R`` evaluated for every token, one static-shape graph
+of matrix products and masks that tracers and ONNX runtimes run, and the same function as the
+gated inference path (docs/design.md §2.6). The exported graph is checked against the PyTorch
+network (default backend: the C kernels on the CPU) before it is renamed onto its final name;
+the figures go into ``export.json`` beside it.
+
+What is dynamic: the batch axis (ONNX and TorchScript). The spatial size is the one exported
+(default: the checkpoint's sliding-window size, which is what :func:`hsmla_med.inference.sliding.predict_volume`
+feeds the network; MONAI pads smaller inputs up to it): the dense refinement's window masks and
+the edge-tile arithmetic are fixed per size.
+
+A TorchScript file carries the checkpoint's hyper-parameters as the extra file
+``hsmla_med.json``, so ``hsmla-med infer --checkpoint model.ts`` (or a bundle folder) rebuilds
+the task module around it (:func:`hsmla_med.engine.checkpoint.load_exported`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from hsmla_med.engine.checkpoint import EXPORT_META, FORMAT_VERSION, read_hparams
+from hsmla_med.errors import InputError
+from hsmla_med.io import atomic_path, write_json
+
+__all__ = [
+    "FORMATS", "EXPORT_BACKEND", "TOLERANCE", "OPSET", "BUNDLE_TASKS", "load_checkpoint", "deployable_network",
+    "export_onnx", "export_torchscript", "write_bundle", "export", "input_size", "parity_inputs",
+]
+
+log = logging.getLogger("hsmla_med")
+
+FORMATS = ("onnx", "torchscript", "bundle")
+#: the HSMLA backend of exported graphs (static shapes, no data-dependent tile lists)
+EXPORT_BACKEND = "dense"
+#: largest absolute difference of logits (float32) between an exported graph and PyTorch
+TOLERANCE = 1e-4
+#: ONNX opset of the exported graphs (>= 17: LayerNormalization; 18: the dynamo exporter's own)
+OPSET = 18
+#: tasks with a volume or frame output, for which a MONAI Bundle is written
+BUNDLE_TASKS = ("btcv", "endovis")
+#: batch sizes of the parity check (1 and 3: the exported batch axis is dynamic)
+PARITY_BATCHES = (1, 3)
+
+
+def load_checkpoint(path: str | Path):
+    """``(task, module)`` of a checkpoint written by ``train``: the task named by its
+    hyper-parameters, the module in eval mode on the CPU (``weights_only=True``)."""
+    from hsmla_med.pipelines import TASKS, get_task
+
+    config = read_hparams(path)
+    name = config.get("task") if isinstance(config, dict) else None
+    if name not in TASKS:
+        raise InputError(f"--checkpoint {path}: not an hsmla-med checkpoint of a known task (task {name!r})")
+    task = get_task(name)
+    module, _ = task.load(path)
+    return task, module
+
+
+def deployable_network(network: nn.Module) -> nn.Module:
+    """A float32 CPU copy of ``network`` in eval mode whose HSMLA layers run
+    :data:`EXPORT_BACKEND` (a network without HSMLA layers, a MONAI one, is copied as it is)."""
+    from hsmla_med.nn import BACKENDS, GatedNetwork
+
+    net = copy.deepcopy(network).float().cpu().eval()
+    if isinstance(net, GatedNetwork) and net.hsmla_layers():
+        if EXPORT_BACKEND not in BACKENDS:
+            raise RuntimeError(f"HSMLA backend {EXPORT_BACKEND!r} is missing from hsmla_med.nn.BACKENDS {BACKENDS}; export needs it")
+        net.set_backend(EXPORT_BACKEND)
+    # parameters keep requires_grad: the layers' caches of derived weights (folded batch norm,
+    # fused gate kernels) key on data pointers, which export's fake tensors lack, and are skipped
+    # for weights that require gradients
+    return net
+
+
+def input_size(module, size: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The spatial size of the exported graph: ``size`` (``--input-size``), else the
+    checkpoint's sliding-window size (``inference.roi_size``)."""
+    dims = module.config["spatial_dims"]
+    if size is None:
+        size = module.config["inference"].get("roi_size")
+        if size is None:
+            raise InputError("--input-size: the checkpoint has no sliding-window size (inference.roi_size); give the network's input size")
+    size = tuple(int(s) for s in size)
+    if len(size) != dims or any(s < 1 for s in size):
+        raise InputError(f"--input-size {' '.join(map(str, size))}: the network is {dims}D; give {dims} positive sizes")
+    return size
+
+
+def parity_inputs(in_channels: int, size: Sequence[int], batches: Sequence[int] = PARITY_BATCHES, seed: int = 0) -> list[torch.Tensor]:
+    """Seeded standard-normal inputs ``(b, in_channels, *size)``, one per batch size."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, in_channels, *size, generator=g) for b in batches]
+
+
+@torch.no_grad()
+def _reference(network: nn.Module, inputs: list[torch.Tensor]) -> list[np.ndarray]:
+    network = copy.deepcopy(network).float().cpu().eval()  # its own default backend (C kernels on the CPU)
+    return [network(x).float().numpy() for x in inputs]
+
+
+def _max_diff(outputs: list[np.ndarray], reference: list[np.ndarray]) -> float:
+    return max(float(np.abs(o - r).max()) for o, r in zip(outputs, reference))
+
+
+def _check(kind: str, diff: float, tolerance: float) -> None:
+    if not diff <= tolerance:
+        raise RuntimeError(f"{kind} export: the exported graph's logits differ from PyTorch's by {diff:.3g} (tolerance {tolerance:g}); nothing written")
+
+
+def export_onnx(network: nn.Module, size: Sequence[int], in_channels: int, path: str | Path, metadata: dict | None = None,
+                reference: list[np.ndarray] | None = None, tolerance: float = TOLERANCE) -> dict:
+    """Write ``network`` as ONNX (opset :data:`OPSET`, weights inside the file, dynamic batch,
+    input ``image``, output ``logits``) to ``path``, atomically; ``metadata`` goes into the
+    model's ``metadata_props`` as JSON under ``hsmla_med``. Checked with ``onnx.checker`` and
+    against the PyTorch network under onnxruntime (CPU) on :func:`parity_inputs`; returns
+    ``{"max_abs_diff", "seconds", "size"}``."""
+    import onnx
+    import onnxruntime as ort
+
+    path = Path(path)
+    net = deployable_network(network)
+    inputs = parity_inputs(in_channels, size)
+    reference = reference if reference is not None else _reference(network, inputs)
+    example = torch.randn(2, in_channels, *size)  # batch 2: a batch of 1 would be specialised
+    started = time.perf_counter()
+    with warnings.catch_warnings(), atomic_path(path) as tmp:
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            net, (example,), dynamo=True, opset_version=OPSET, input_names=["image"], output_names=["logits"],
+            dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=4096)},), external_data=False, verbose=False,
+        )
+        program.save(str(tmp), external_data=False)
+        model = onnx.load(str(tmp))
+        if metadata is not None:
+            onnx.helper.set_model_props(model, {"hsmla_med": json.dumps(metadata)})
+        onnx.checker.check_model(model)
+        onnx.save(model, str(tmp))
+        session = ort.InferenceSession(str(tmp), providers=["CPUExecutionProvider"])
+        diff = _max_diff([session.run(None, {"image": x.numpy()})[0] for x in inputs], reference)
+        _check("ONNX", diff, tolerance)
+    return {"max_abs_diff": diff, "seconds": round(time.perf_counter() - started, 2), "size": list(size), "opset": OPSET}
+
+
+def trace(network: nn.Module, size: Sequence[int], in_channels: int) -> torch.jit.ScriptModule:
+    """``torch.jit.trace`` of :func:`deployable_network` at ``size`` (batch dynamic)."""
+    net = deployable_network(network)
+    example = torch.randn(2, in_channels, *size)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # TracerWarnings: shape checks that hold for the traced size
+        return torch.jit.trace(net, example, check_trace=False)
+
+
+def export_torchscript(network: nn.Module, size: Sequence[int], in_channels: int, path: str | Path, metadata: dict | None = None,
+                       reference: list[np.ndarray] | None = None, tolerance: float = TOLERANCE) -> dict:
+    """Write ``network`` traced to TorchScript at ``size`` (batch dynamic) to ``path``,
+    atomically, with ``metadata`` as the extra file ``hsmla_med.json``; checked against the
+    PyTorch network on :func:`parity_inputs` after loading it back. Returns ``{"max_abs_diff",
+    "seconds", "size"}``."""
+    path = Path(path)
+    inputs = parity_inputs(in_channels, size)
+    reference = reference if reference is not None else _reference(network, inputs)
+    started = time.perf_counter()
+    traced = trace(network, size, in_channels)
+    with atomic_path(path) as tmp:
+        torch.jit.save(traced, str(tmp), _extra_files={EXPORT_META: json.dumps(metadata or {})})
+        loaded = torch.jit.load(str(tmp), map_location="cpu")
+        with torch.no_grad():
+            diff = _max_diff([loaded(x).numpy() for x in inputs], reference)
+        _check("TorchScript", diff, tolerance)
+    return {"max_abs_diff": diff, "seconds": round(time.perf_counter() - started, 2), "size": list(size)}
+
+
+def export_metadata(module, size: Sequence[int], checkpoint: str | Path | None = None) -> dict:
+    """What an exported file carries about its checkpoint: the hyper-parameters (with the
+    sliding-window size set to the exported size), the export backend and format version."""
+    config = copy.deepcopy(dict(module.config))
+    config["inference"] = {**config["inference"], "roi_size": list(size)}
+    import hsmla_med
+
+    return {
+        "format_version": FORMAT_VERSION,
+        "hparams": config,
+        "input_size": list(size),
+        "backend": EXPORT_BACKEND,
+        "checkpoint": None if checkpoint is None else Path(checkpoint).name,
+        "hsmla_med_version": getattr(hsmla_med, "__version__", None),
+        "torch_version": torch.__version__,
+    }
+
+
+def write_bundle(task, module, output: str | Path, size: Sequence[int] | None = None, checkpoint: str | Path | None = None) -> tuple[list[Path], dict]:
+    """A MONAI Bundle of ``module`` in ``output``: ``configs/metadata.json``,
+    ``configs/inference.json``, ``models/model.ts``, ``models/model.pt`` (the network's state
+    dict), ``docs/README.md`` (:mod:`hsmla_med.export.bundle`). Returns the written paths and the
+    TorchScript parity report."""
+    from hsmla_med.export import bundle
+
+    if task.name not in BUNDLE_TASKS:
+        raise InputError(f"--format bundle: task {task.name} has no volume or frame output; bundles are written for {', '.join(BUNDLE_TASKS)}")
+    output = Path(output)
+    size = input_size(module, size)
+    meta = export_metadata(module, size, checkpoint)
+    report = export_torchscript(module.network, size, module.config["in_channels"], output / "models" / "model.ts", meta)
+    with atomic_path(output / "models" / "model.pt") as tmp:
+        torch.save(module.network.state_dict(), tmp)
+    written = [output / "models" / "model.ts", output / "models" / "model.pt"]
+    written += bundle.write_configs(task.name, module.config, size, output)
+    return written, report
+
+
+def export(checkpoint: str | Path, fmt: str, output: str | Path, size: Sequence[int] | None = None) -> tuple[list[Path], dict]:
+    """``hsmla-med export``: the network of ``checkpoint`` in format ``fmt`` (:data:`FORMATS`)
+    into the folder ``output`` (``model.onnx``, ``model.ts`` or a bundle), plus
+    ``export.json`` (parity and timing). Returns the written paths and the report."""
+    if fmt not in FORMATS:
+        raise InputError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
+    task, module = load_checkpoint(checkpoint)
+    output = Path(output)
+    if fmt == "bundle":
+        written, report = write_bundle(task, module, output, size, checkpoint)
+    else:
+        size = input_size(module, size)
+        meta = export_metadata(module, size, checkpoint)
+        path = output / ("model.onnx" if fmt == "onnx" else "model.ts")
+        writer = export_onnx if fmt == "onnx" else export_torchscript
+        report = writer(module.network, size, module.config["in_channels"], path, meta)
+        written = [path]
+    report = {"format": fmt, "task": task.name, "checkpoint": str(checkpoint), "backend": EXPORT_BACKEND, "tolerance": TOLERANCE,
+              "parity_batches": list(PARITY_BATCHES), **report}
+    write_json(output / "export.json", report)
+    return written + [output / "export.json"], report
+
+
+def format_report(report: dict) -> str:
+    """One line for the command line."""
+    size = "x".join(map(str, report["size"]))
+    return (f"{report['format']}: {report['task']} network at {size} (batch dynamic), max |logit difference| vs PyTorch "
+            f"{report['max_abs_diff']:.2e} (tolerance {report['tolerance']:g}), {report['seconds']:.1f} s")

@@ -1,0 +1,272 @@
+"""The configs and README of a MONAI Bundle of ``hsmla-med export --format bundle``.
+
+The bundle's network is the TorchScript file ``models/model.ts``: the bundle runs with MONAI
+alone (``python -m monai.bundle run``), no ``hsmla_med`` import, as MONAI Deploy and the Model
+Zoo's runners expect. ``models/model.pt`` (the state dict) and the config item
+``network_def_hsmla`` rebuild the PyTorch network where ``hsmla_med`` is installed.
+
+The transforms are those of ``hsmla-med infer``, written as MONAI's own: for BTCV
+(:func:`hsmla_med.pipelines.btcv.preprocessing`) load, RAS orientation, resampling to the
+checkpoint's spacing, foreground crop, intensity normalisation, then the sliding window
+(:func:`hsmla_med.inference.sliding.predict_volume`: ``SliceInferer`` for a 2D network, Gaussian
+blending), softmax, ``Invertd`` of every class's probability and the argmax (what
+:func:`hsmla_med.pipelines.btcv.labels_in_input_geometry` computes), saved as uint8 NIfTI in the
+input's geometry. The Otsu intensity kinds (``zscore_foreground``, ``percentile``) have no MONAI
+equivalent and name ``hsmla_med``'s transforms. EndoVis: the frame cropped to the training
+window, resized to the network's size (area), the probabilities resized back (bilinear) and
+padded with background outside the crop, saved as PNG.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import monai
+import numpy
+import torch
+
+from hsmla_med.io import atomic_path
+
+__all__ = ["write_configs", "inference_config", "metadata"]
+
+BUNDLE_VERSION = "0.1.0"
+SCHEMA = "https://github.com/Project-MONAI/MONAI-extra-test-data/releases/download/0.8.1/meta_schema_20220324.json"
+
+
+def _common(config: dict, size, extra_imports: list[str] | None = None) -> dict:
+    return {
+        "imports": ["$import glob", "$import os", "$import numpy", "$import torch", *(extra_imports or [])],
+        "bundle_root": ".",
+        "output_dir": "$@bundle_root + '/eval'",
+        "dataset_dir": "$@bundle_root + '/data'",
+        "save_execute_config": False,
+        "device": "$torch.device('cuda:0' if torch.cuda.is_available() else 'cpu')",
+        # the TorchScript network: windows of its exported size, batch dynamic
+        "network_def": "$torch.jit.load(@bundle_root + '/models/model.ts', map_location='cpu')",
+        "network": "$@network_def.to(@device)",
+        # the same network rebuilt by hsmla_med (installed) from the state dict models/model.pt
+        "network_def_hsmla": {
+            "_target_": "hsmla_med.config.build_network",
+            "config": copy.deepcopy(config["network"]),
+            "spatial_dims": config["spatial_dims"],
+            "in_channels": config["in_channels"],
+            "out_channels": len(config["label_names"]),
+        },
+        "network_hsmla": "$[@network_def_hsmla.load_state_dict(torch.load(@bundle_root + '/models/model.pt', map_location='cpu', weights_only=True)), @network_def_hsmla.eval().to(@device)][1]",
+    }
+
+
+def _btcv_intensity(data: dict) -> tuple[dict, dict]:
+    """The foreground crop and the normalisation of ``data.intensity``, as in
+    :func:`hsmla_med.pipelines.btcv._intensity`."""
+    spec = data["intensity"]
+    kind = spec["kind"]
+    crop = {"_target_": "CropForegroundd", "keys": "image", "source_key": "image", "allow_smaller": True}
+    if kind == "ct_window":
+        a_min, a_max = float(spec["a_min"]), float(spec["a_max"])
+        crop["select_fn"] = f"$lambda x: x > {a_min!r}"
+        return crop, {"_target_": "ScaleIntensityRanged", "keys": "image", "a_min": a_min, "a_max": a_max, "b_min": 0.0, "b_max": 1.0, "clip": True}
+    if kind == "zscore":
+        crop["select_fn"] = "$lambda x: x != 0"
+        return crop, {"_target_": "NormalizeIntensityd", "keys": "image", "nonzero": True, "channel_wise": True}
+    from hsmla_med.pipelines.btcv import OTSU_MARGIN
+
+    crop.update(select_fn="$hsmla_med.data.intensity.otsu_foreground", margin=OTSU_MARGIN)
+    if kind == "zscore_foreground":
+        return crop, {"_target_": "hsmla_med.data.intensity.ForegroundZScored", "keys": "image"}
+    if kind == "percentile":
+        return crop, {"_target_": "hsmla_med.data.intensity.ForegroundPercentiled", "keys": "image", "lower": spec["lower"], "upper": spec["upper"]}
+    raise ValueError(f"data.intensity.kind {kind!r} has no bundle form")
+
+
+def _btcv(config: dict, size) -> dict:
+    data, inference = config["data"], config["inference"]
+    crop, normalise = _btcv_intensity(data)
+    needs_hsmla = normalise["_target_"].startswith("hsmla_med")
+    if config["spatial_dims"] == 2:
+        inferer = {"_target_": "SliceInferer", "spatial_dim": 2, "roi_size": list(size), "sw_batch_size": int(inference["sw_batch_size"]) * int(inference["slab"]),
+                   "overlap": float(inference["overlap"]), "mode": "gaussian"}
+    else:
+        inferer = {"_target_": "SlidingWindowInferer", "roi_size": list(size), "sw_batch_size": int(inference["sw_batch_size"]),
+                   "overlap": float(inference["overlap"]), "mode": "gaussian"}
+    return {
+        **_common(config, size, ["$import hsmla_med.data.intensity"] if needs_hsmla else None),
+        "datalist": "$list(sorted(glob.glob(@dataset_dir + '/*.nii.gz') + glob.glob(@dataset_dir + '/*.nii')))",
+        "preprocessing": {
+            "_target_": "Compose",
+            "transforms": [
+                {"_target_": "LoadImaged", "keys": "image", "ensure_channel_first": True, "image_only": True},
+                {"_target_": "Orientationd", "keys": "image", "axcodes": "RAS", "labels": [["L", "R"], ["P", "A"], ["I", "S"]]},
+                {"_target_": "Spacingd", "keys": "image", "pixdim": list(data["spacing"]), "mode": "bilinear", "dtype": "$torch.float32"},
+                crop,
+                normalise,
+                {"_target_": "EnsureTyped", "keys": "image", "dtype": "$torch.float32", "track_meta": True},
+            ],
+        },
+        "dataset": {"_target_": "Dataset", "data": "$[{'image': i} for i in @datalist]", "transform": "@preprocessing"},
+        "dataloader": {"_target_": "DataLoader", "dataset": "@dataset", "batch_size": 1, "shuffle": False, "num_workers": 0},
+        "inferer": inferer,
+        "postprocessing": {
+            "_target_": "Compose",
+            "transforms": [
+                {"_target_": "Activationsd", "keys": "pred", "softmax": True},
+                # every class's probability back to the input's grid, then the argmax
+                {"_target_": "Invertd", "keys": "pred", "transform": "@preprocessing", "orig_keys": "image", "nearest_interp": False, "to_tensor": True},
+                {"_target_": "AsDiscreted", "keys": "pred", "argmax": True},
+                {"_target_": "SaveImaged", "keys": "pred", "output_dir": "@output_dir", "output_postfix": "", "output_ext": ".nii.gz",
+                 "output_dtype": "$numpy.uint8", "resample": False, "separate_folder": False, "squeeze_end_dims": True, "print_log": False},
+            ],
+        },
+        "evaluator": {"_target_": "SupervisedEvaluator", "device": "@device", "val_data_loader": "@dataloader", "network": "@network",
+                      "inferer": "@inferer", "postprocessing": "@postprocessing", "amp": False},
+        "initialize": ["$monai.utils.set_determinism(seed=0)", "$setattr(torch.backends.cudnn, 'benchmark', False)"],
+        "run": ["$@evaluator.run()"],
+    }
+
+
+def _endovis(config: dict, size) -> dict:
+    data, inference = config["data"], config["inference"]
+    top, left, height, width = (int(v) for v in data["crop"]) if data["crop"] is not None else (0, 0, None, None)
+    crop = [] if height is None else [{"_target_": "SpatialCropd", "keys": "image", "roi_start": [top, left], "roi_end": [top + height, left + width]}]
+    return {
+        **_common(config, size),
+        "datalist": "$list(sorted(p for p in glob.glob(@dataset_dir + '/**/*.png', recursive=True) if '_labels' not in p and 'ground_truth' not in p))",
+        "preprocessing": {
+            "_target_": "Compose",
+            "transforms": [
+                {"_target_": "LoadImaged", "keys": "image", "reader": "PILReader", "reverse_indexing": False, "image_only": True},
+                {"_target_": "EnsureChannelFirstd", "keys": "image", "channel_dim": -1},
+                {"_target_": "Lambdad", "keys": "image", "func": "$lambda x: x[:3]"},  # RGBA frames lose their alpha channel
+                *crop,
+                {"_target_": "ScaleIntensityRanged", "keys": "image", "a_min": 0.0, "a_max": 255.0, "b_min": 0.0, "b_max": 1.0},
+                {"_target_": "Resized", "keys": "image", "spatial_size": list(size), "mode": "area"},
+                {"_target_": "EnsureTyped", "keys": "image", "dtype": "$torch.float32", "track_meta": True},
+            ],
+        },
+        "dataset": {"_target_": "Dataset", "data": "$[{'image': i} for i in @datalist]", "transform": "@preprocessing"},
+        "dataloader": {"_target_": "DataLoader", "dataset": "@dataset", "batch_size": 1, "shuffle": False, "num_workers": 0},
+        "inferer": {"_target_": "SimpleInferer"},
+        "postprocessing": {
+            "_target_": "Compose",
+            "transforms": [
+                {"_target_": "Activationsd", "keys": "pred", "softmax": True},
+                # the probabilities resized back (bilinear, as hsmla-med infer) and padded with
+                # zeros outside the crop (background after the argmax)
+                {"_target_": "Invertd", "keys": "pred", "transform": "@preprocessing", "orig_keys": "image", "nearest_interp": False, "to_tensor": True},
+                {"_target_": "AsDiscreted", "keys": "pred", "argmax": True},
+                {"_target_": "SaveImaged", "keys": "pred", "output_dir": "@output_dir", "output_postfix": "", "output_ext": ".png",
+                 "output_dtype": "$numpy.uint8", "resample": False, "separate_folder": False, "data_root_dir": "@dataset_dir",
+                 "writer": "PILWriter", "squeeze_end_dims": True, "print_log": False},
+            ],
+        },
+        "evaluator": {"_target_": "SupervisedEvaluator", "device": "@device", "val_data_loader": "@dataloader", "network": "@network",
+                      "inferer": "@inferer", "postprocessing": "@postprocessing", "amp": False},
+        "initialize": ["$monai.utils.set_determinism(seed=0)"],
+        "run": ["$@evaluator.run()"],
+        "_note": f"frames are cropped to rows {top}.., columns {left}.. as in training (hsmla-med infer --crop auto on the challenge's raw frames); "
+                 f"overlap {inference.get('overlap')} is unused: the window is the whole resized frame",
+    }
+
+
+def inference_config(task: str, config: dict, size) -> dict:
+    """``configs/inference.json`` of a bundle of ``task``'s module ``config``."""
+    return {"btcv": _btcv, "endovis": _endovis}[task](config, size)
+
+
+def metadata(task: str, config: dict, size) -> dict:
+    """``configs/metadata.json`` (MONAI's meta schema 20220324)."""
+    labels = list(config["label_names"])
+    channels = {str(i): name for i, name in enumerate(labels)}
+    spatial_dims = config["spatial_dims"]
+    if task == "btcv":
+        description = ("HSMLA segmentation of CT/MRI volumes (NIfTI), trained with hsmla-med on task btcv; "
+                       f"{'slice-wise 2D' if spatial_dims == 2 else '3D'} network, sliding-window inference, labels written in each input's geometry.")
+        image = {"type": "image", "format": "hounsfield" if config["data"]["intensity"]["kind"] == "ct_window" else "magnitude", "modality": "CT" if config["data"]["intensity"]["kind"] == "ct_window" else "MR",
+                 "num_channels": config["in_channels"], "channel_def": {"0": "image"}}
+        out_type, out_format = "image", "segmentation"
+    else:
+        description = "HSMLA segmentation of surgical instrument frames (EndoVis 2017 PNG), trained with hsmla-med on task endovis."
+        image = {"type": "image", "format": "RGB", "modality": "regular", "num_channels": config["in_channels"], "channel_def": {"0": "R", "1": "G", "2": "B"}}
+        out_type, out_format = "image", "segmentation"
+    image.update(spatial_shape=list(size), dtype="float32", value_range=[], is_patch_data=True)
+    return {
+        "schema": SCHEMA,
+        "version": BUNDLE_VERSION,
+        "changelog": {BUNDLE_VERSION: "exported by hsmla-med export --format bundle"},
+        "monai_version": monai.__version__,
+        "pytorch_version": torch.__version__.split("+")[0],
+        "numpy_version": numpy.__version__,
+        "optional_packages_version": {"nibabel": _version("nibabel"), "pillow": _version("PIL")},
+        "required_packages_version": {},
+        "name": f"hsmla_{task}_segmentation",
+        "task": f"{task} segmentation",
+        "description": description,
+        "authors": "hsmla-med",
+        "copyright": "see the training data's licence",
+        "network_data_format": {
+            "inputs": {"image": image},
+            "outputs": {"pred": {"type": out_type, "format": out_format, "num_channels": len(labels), "spatial_shape": list(size),
+                                 "dtype": "float32", "value_range": [], "is_patch_data": True, "channel_def": channels}},
+        },
+        "hsmla_med": {"task": task, "label_names": labels, "spatial_dims": spatial_dims, "data": config["data"], "inference": config["inference"]},
+    }
+
+
+def _version(module: str) -> str:
+    from importlib import import_module
+
+    return str(getattr(import_module(module), "__version__", ""))
+
+
+def _readme(task: str, config: dict, size) -> str:
+    labels = ", ".join(f"{i} {n}" for i, n in enumerate(config["label_names"]))
+    inputs = "a folder of NIfTI volumes (`*.nii.gz`, `*.nii`)" if task == "btcv" else "a folder of PNG frames (searched recursively; label folders skipped)"
+    outputs = ("`OUT/<case>.nii.gz`, uint8 labels in each input's shape and affine" if task == "btcv"
+               else "`OUT/<path relative to IN>.png`, uint8 class index at each frame's size, background outside the crop")
+    return f"""# HSMLA {task} segmentation (exported by `hsmla-med export --format bundle`)
+
+Labels: {labels}.
+
+## Run
+
+From this folder, with MONAI and PyTorch installed (no `hsmla_med` needed{' for the ct_window and zscore intensities' if task == 'btcv' else ''}):
+
+```bash
+python -m monai.bundle run --config_file configs/inference.json --meta_file configs/metadata.json \\
+    --dataset_dir IN --output_dir OUT
+python -m monai.bundle verify_net_in_out network_def --meta_file configs/metadata.json --config_file configs/inference.json
+```
+
+Inputs: {inputs}. Outputs: {outputs}. From another folder add `--bundle_root PATH/TO/BUNDLE`.
+`--device "$torch.device('cpu')"` forces the CPU.
+
+## Files
+
+- `models/model.ts`: the network as TorchScript (logits of windows of {'x'.join(map(str, size))}, batch dynamic);
+  its HSMLA layers run the dense form of the gated refinement, `O_lin + [M > tau] * M * R`, the same
+  function as the PyTorch model (checked within 1e-4 at export).
+- `models/model.pt`: the network's state dict for `hsmla_med` (config item `network_hsmla`).
+- `configs/inference.json`: the transforms of `hsmla-med infer` as MONAI's own; `hsmla-med infer
+  --checkpoint THIS_FOLDER` runs the same network through hsmla-med's own pipeline.
+
+## Data
+
+Trained on the data named by the checkpoint; see its licence. Not for clinical use.
+"""
+
+
+def write_configs(task: str, config: dict, size, output: str | Path) -> list[Path]:
+    """Write ``configs/inference.json``, ``configs/metadata.json`` and ``docs/README.md`` into
+    the bundle folder ``output``, atomically; returns their paths."""
+    output = Path(output)
+    files = {
+        output / "configs" / "inference.json": json.dumps(inference_config(task, config, size), indent=2) + "\n",
+        output / "configs" / "metadata.json": json.dumps(metadata(task, config, size), indent=2) + "\n",
+        output / "docs" / "README.md": _readme(task, config, size),
+    }
+    for path, text in files.items():
+        with atomic_path(path) as tmp:
+            tmp.write_text(text)
+    return list(files)
