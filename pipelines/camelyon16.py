@@ -16,6 +16,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -252,12 +253,16 @@ class SlideHeatmaps:
     Writes per slide ``<slide>_heatmap.tif`` (pyramidal, 0..255, the slide's physical resolution),
     ``<slide>_overlay.png``, ``<slide>_gates.png`` and, last, ``<slide>.json`` (slide score,
     patch count, tissue fraction, seconds since the previous slide of the process finished).
+    A finished slide's files are written by a background thread while the network goes on with
+    the next slide's patches; :meth:`flush` waits for them at the end of the run.
     """
 
     def __init__(self, module: ClassificationModule, output: Path, data: dict, progress: Callable[[str], None]) -> None:
         self.module, self.output, self.data, self.progress = module, output, data, progress
         self.slides: list[dict] = []
         self.clock = time.perf_counter()
+        self._files = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heatmap-files")
+        self._pending: list[Future] = []
 
     def patches(self, slides: list[dict]) -> list[dict]:
         """The patches of ``slides`` in order, for the loader (``expand`` of the DataModule)."""
@@ -294,8 +299,19 @@ class SlideHeatmaps:
                 slide["alpha"][rows, cols] = prediction["alpha"].numpy()[mine]
             slide["left"] -= int(mine.sum())
             if slide["left"] == 0:
-                written += self._finish(slide)
-        return written
+                self._pending.append(self._files.submit(self._finish, slide))
+        return written + self._written()
+
+    def flush(self) -> list[Path]:
+        """Wait for every slide's files; the paths written since the last call."""
+        return self._written(wait=True)
+
+    def _written(self, wait: bool = False) -> list[Path]:
+        """The paths of the background writes that are done (all of them with ``wait``); a
+        failed write raises here."""
+        done = [f for f in self._pending if wait or f.done()]
+        self._pending = [f for f in self._pending if f not in done]
+        return [path for f in done for path in f.result()]
 
     def _finish(self, slide: dict) -> list[Path]:
         prob, alpha, step, grid = slide["prob"], slide["alpha"], slide["step"], slide["grid"]
@@ -359,8 +375,8 @@ def infer(module: ClassificationModule, inputs: str | Path, output: str | Path, 
     heatmaps = SlideHeatmaps(module, output, data, options.progress)
     items = [{"name": slide.stem, "slide": str(slide), "output": output / f"{slide.stem}.json"} for slide in slides]
     return predict_cases(
-        module, items, ReadPatchd(keep=1), heatmaps.write, options, batch_size=options.batch_size or module.config["inference"]["batch_size"],
-        collate=list_data_collate, expand=heatmaps.patches,
+        module, items, ReadPatchd(keep=1), heatmaps.write, options, flush=heatmaps.flush,
+        batch_size=options.batch_size or module.config["inference"]["batch_size"], collate=list_data_collate, expand=heatmaps.patches,
     )
 
 

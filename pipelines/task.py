@@ -53,19 +53,21 @@ def predict_cases(
     write: Callable[[dict], list[Path]],
     options: InferenceOptions,
     finish: Callable[[], list[Path]] | None = None,
+    flush: Callable[[], list[Path]] | None = None,
     **loader,
 ) -> list[Path]:
     """Predict this job's shard of ``items`` (see :mod:`hsmla_med.engine.prediction`), skipping
     cases whose output exists, on ``options``' devices and processes. Returns, on the first
     process, every item's ``output`` (all exist then) and what ``finish`` wrote; on any other,
-    what the process wrote itself."""
+    what the process wrote itself. ``flush`` (optional) waits for writes that ``write`` left to
+    a background thread and returns their paths."""
     items = options.shard.select(items)
     todo = pending(items)
     if len(todo) < len(items):
         options.progress(f"{len(items) - len(todo)} of {len(items)} case(s) done before: skipped")
     data = PredictionDataModule(todo, transform, num_workers=options.num_workers, **loader)
     written, finished, first = run_prediction(
-        module, data, write, options.device, options.devices, options.strategy, options.num_nodes, options.precision, finish
+        module, data, write, options.device, options.devices, options.strategy, options.num_nodes, options.precision, finish, flush
     )
     return [Path(item["output"]) for item in items] + finished if first else written
 

@@ -189,6 +189,20 @@ def test_heatmaps_from_loader_workers_equal_the_main_process(slides, tmp_path):
         np.testing.assert_array_equal(read(a.with_name(f"{a.stem}_heatmap.tif")), read(b.with_name(f"{b.stem}_heatmap.tif")))
 
 
+def test_a_failed_background_write_fails_the_run_and_marks_nothing_done(slides, tmp_path, monkeypatch):
+    """Slide files are written by a background thread; its failure reaches the caller, and the
+    slide's JSON (written last, the resume marker) does not exist."""
+    def full_disk(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(camelyon16, "write_pyramidal_tiff", full_disk)
+    module = ClassificationModule(camelyon16.module_config(_config(slides), {"variant": "b0"}, camelyon16.LABELS), network=DarkIsTumour())
+    slide = next((slides / "data" / "testing" / "images").glob("*.tif"))
+    with pytest.raises(OSError, match="No space left"):
+        camelyon16.infer(module, slide, tmp_path / "out", InferenceOptions(progress=lambda _: None, batch_size=7))
+    assert not list((tmp_path / "out").glob("*.json"))
+
+
 def test_read_patch_keeps_at_most_keep_slides_open(slides):
     reader = camelyon16.ReadPatchd(keep=1)
     tumour, normal = (next((slides / "data" / "training" / kind).glob("*.tif")) for kind in ("tumor", "normal"))

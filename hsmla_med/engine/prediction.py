@@ -118,15 +118,20 @@ class PredictionDataModule(L.LightningDataModule):
 
 class PredictionWriter(BasePredictionWriter):
     """Hands every prediction to ``write`` (returns the paths it wrote) on the process that
-    computed it, batch by batch, so nothing waits for the end of the run."""
+    computed it, batch by batch, so nothing waits for the end of the run; at the end of the
+    loop ``flush`` (if any) waits for writes left to a background thread."""
 
-    def __init__(self, write: Callable[[dict], list[Path]]) -> None:
+    def __init__(self, write: Callable[[dict], list[Path]], flush: Callable[[], list[Path]] | None = None) -> None:
         super().__init__(write_interval="batch")
-        self.write = write
+        self.write, self.flush = write, flush
         self.written: list[Path] = []
 
     def write_on_batch_end(self, trainer, module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0) -> None:
         self.written += self.write(prediction)
+
+    def on_predict_end(self, trainer, module) -> None:
+        if self.flush is not None:
+            self.written += self.flush()
 
 
 @contextmanager
@@ -161,13 +166,15 @@ def run_prediction(
     num_nodes: int = 1,
     precision: str = "auto",
     finish: Callable[[], list[Path]] | None = None,
+    flush: Callable[[], list[Path]] | None = None,
 ) -> tuple[list[Path], list[Path], bool]:
     """Predict ``data`` with ``module`` in Lightning's predict loop, writing as it goes.
 
     ``device`` (``cpu``, ``cuda``, ``cuda:N``) with ``devices`` (processes per node; default 1),
     ``strategy`` and ``num_nodes`` pass to the ``Trainer``; ``precision`` ``auto`` is mixed
     precision on CUDA (bf16 where supported) and float32 on the CPU. After every process is done,
-    the first runs ``finish`` (merging per-case files, say).
+    the first runs ``finish`` (merging per-case files, say). ``flush``: see
+    :class:`PredictionWriter`.
 
     Returns the paths this process wrote, those ``finish`` wrote (on the first process; else
     none) and whether this is the first process (the one that reports).
@@ -183,7 +190,7 @@ def run_prediction(
             num_nodes=num_nodes,
             precision=_precision({"precision": precision, "accelerator": accelerator}),
             logger=False,
-            callbacks=[writer := PredictionWriter(write)],
+            callbacks=[writer := PredictionWriter(write, flush)],
             use_distributed_sampler=False,  # whole cases per process: PredictionDataModule splits them
             enable_progress_bar=False,
             enable_model_summary=False,
