@@ -32,7 +32,7 @@ from hsmla_med.io import atomic_path
 __all__ = ["write_configs", "inference_config", "metadata"]
 
 BUNDLE_VERSION = "0.1.0"
-SCHEMA = "https://github.com/Project-MONAI/MONAI-extra-test-data/releases/download/0.8.1/meta_schema_20220324.json"
+SCHEMA = "https://github.com/Project-MONAI/MONAI-extra-test-data/releases/download/0.8.1/meta_schema_20240725.json"
 
 
 def _common(config: dict, size, extra_imports: list[str] | None = None) -> dict:
@@ -45,7 +45,9 @@ def _common(config: dict, size, extra_imports: list[str] | None = None) -> dict:
         "device": "$torch.device('cuda:0' if torch.cuda.is_available() else 'cpu')",
         # the TorchScript network: windows of its exported size, batch dynamic
         "network_def": "$torch.jit.load(@bundle_root + '/models/model.ts', map_location='cpu')",
-        "network": "$@network_def.to(@device)",
+        "network": "$@network_def.to(@device).eval()",
+        # one case: the window logits of the whole input, on the CPU (no ignite evaluator needed)
+        "predict": "$lambda item: {**item, 'pred': @inferer(item['image'][None].to(@device), @network)[0].cpu()}",
         # the same network rebuilt by hsmla_med (installed) from the state dict models/model.pt
         "network_def_hsmla": {
             "_target_": "hsmla_med.config.build_network",
@@ -106,7 +108,6 @@ def _btcv(config: dict, size) -> dict:
             ],
         },
         "dataset": {"_target_": "Dataset", "data": "$[{'image': i} for i in @datalist]", "transform": "@preprocessing"},
-        "dataloader": {"_target_": "DataLoader", "dataset": "@dataset", "batch_size": 1, "shuffle": False, "num_workers": 0},
         "inferer": inferer,
         "postprocessing": {
             "_target_": "Compose",
@@ -119,54 +120,58 @@ def _btcv(config: dict, size) -> dict:
                  "output_dtype": "$numpy.uint8", "resample": False, "separate_folder": False, "squeeze_end_dims": True, "print_log": False},
             ],
         },
-        "evaluator": {"_target_": "SupervisedEvaluator", "device": "@device", "val_data_loader": "@dataloader", "network": "@network",
-                      "inferer": "@inferer", "postprocessing": "@postprocessing", "amp": False},
-        "initialize": ["$monai.utils.set_determinism(seed=0)", "$setattr(torch.backends.cudnn, 'benchmark', False)"],
-        "run": ["$@evaluator.run()"],
+        "initialize": ["$monai.utils.set_determinism(seed=0)", "$torch.set_grad_enabled(False)"],
+        "run": ["$[@postprocessing(@predict(item)) for item in @dataset]"],
     }
 
 
 def _endovis(config: dict, size) -> dict:
-    data, inference = config["data"], config["inference"]
-    top, left, height, width = (int(v) for v in data["crop"]) if data["crop"] is not None else (0, 0, None, None)
-    crop = [] if height is None else [{"_target_": "SpatialCropd", "keys": "image", "roi_start": [top, left], "roi_end": [top + height, left + width]}]
+    """EndoVis frames as :func:`hsmla_med.pipelines.endovis.infer` with ``--crop auto``: the
+    training crop for frames large enough for it, frames of exactly the crop's size and of
+    other sizes whole (:func:`hsmla_med.pipelines.endovis.inference_box`); area resize to the
+    network's size; probabilities resized back bilinearly and placed in the frame with
+    background outside the box; one PNG per frame, named as ``infer`` names them."""
+    data = config["data"]
+    if data["crop"] is None:
+        box = "$lambda shape: (0, 0, int(shape[0]), int(shape[1]))"
+    else:
+        top, left, height, width = (int(v) for v in data["crop"])
+        box = (f"$lambda shape: (0, 0, int(shape[0]), int(shape[1])) if tuple(shape) != ({height}, {width}) and "
+               f"(shape[0] < {top + height} or shape[1] < {left + width}) else ((0, 0, {height}, {width}) if tuple(shape) == ({height}, {width}) "
+               f"else ({top}, {left}, {height}, {width}))")
+    h, w = (int(v) for v in size)
     return {
-        **_common(config, size),
-        "datalist": "$list(sorted(p for p in glob.glob(@dataset_dir + '/**/*.png', recursive=True) if '_labels' not in p and 'ground_truth' not in p))",
+        **_common(config, size, ["$import re", "$from PIL import Image as PILImage"]),
+        "datalist": "$sorted(p for p in glob.glob(@dataset_dir + '/**/*.png', recursive=True) if 'ground_truth' not in p and not os.path.basename(p).startswith('.'))",
+        # (top, left, height, width) of the part of a frame of shape (H, W) that is segmented
+        "box": box,
+        "read": "$lambda f: torch.from_numpy(numpy.asarray(PILImage.open(f).convert('RGB')).transpose(2, 0, 1).copy()).float().div_(255.0)",
+        "cut": "$lambda d, x, b: {**d, 'shape': tuple(x.shape[1:]), 'box': b, 'image': x[:, b[0]:b[0] + b[2], b[1]:b[1] + b[3]]}",
+        "load": "$lambda d: (lambda x: @cut(d, x, @box(x.shape[1:])))(@read(d['image']))",
         "preprocessing": {
             "_target_": "Compose",
             "transforms": [
-                {"_target_": "LoadImaged", "keys": "image", "reader": "PILReader", "reverse_indexing": False, "image_only": True},
-                {"_target_": "EnsureChannelFirstd", "keys": "image", "channel_dim": -1},
-                {"_target_": "Lambdad", "keys": "image", "func": "$lambda x: x[:3]"},  # RGBA frames lose their alpha channel
-                *crop,
-                {"_target_": "ScaleIntensityRanged", "keys": "image", "a_min": 0.0, "a_max": 255.0, "b_min": 0.0, "b_max": 1.0},
-                {"_target_": "Resized", "keys": "image", "spatial_size": list(size), "mode": "area"},
-                {"_target_": "EnsureTyped", "keys": "image", "dtype": "$torch.float32", "track_meta": True},
+                "@load",
+                {"_target_": "Resized", "keys": "image", "spatial_size": [h, w], "mode": "area"},
+                {"_target_": "EnsureTyped", "keys": "image", "dtype": "$torch.float32", "track_meta": False},
             ],
         },
-        "dataset": {"_target_": "Dataset", "data": "$[{'image': i} for i in @datalist]", "transform": "@preprocessing"},
-        "dataloader": {"_target_": "DataLoader", "dataset": "@dataset", "batch_size": 1, "shuffle": False, "num_workers": 0},
+        "dataset": {"_target_": "Dataset", "data": "$[{'image': i, 'frame': i} for i in @datalist]", "transform": "@preprocessing"},
+        # the window is the whole resized frame
         "inferer": {"_target_": "SimpleInferer"},
+        "output_path": ("$lambda f: os.path.join(@output_dir, *([os.path.basename(os.path.dirname(os.path.dirname(f)))] "
+                        "if os.path.basename(os.path.dirname(f)) == 'left_frames' and re.match(r'^instrument_dataset_(\\d+)$', "
+                        "os.path.basename(os.path.dirname(os.path.dirname(f)))) else []), os.path.splitext(os.path.basename(f))[0] + '.png')"),
+        "mask": ("$lambda d: torch.nn.functional.pad(torch.nn.functional.interpolate(d['pred'][None].float(), size=d['box'][2:], mode='bilinear', "
+                 "align_corners=False).argmax(1)[0].to(torch.uint8), (d['box'][1], d['shape'][1] - d['box'][1] - d['box'][3], d['box'][0], "
+                 "d['shape'][0] - d['box'][0] - d['box'][2]))"),
+        "save": "$lambda d: (os.makedirs(os.path.dirname(@output_path(d['frame'])), exist_ok=True), PILImage.fromarray(@mask(d).numpy()).save(@output_path(d['frame'])))",
         "postprocessing": {
             "_target_": "Compose",
-            "transforms": [
-                {"_target_": "Activationsd", "keys": "pred", "softmax": True},
-                # the probabilities resized back (bilinear, as hsmla-med infer) and padded with
-                # zeros outside the crop (background after the argmax)
-                {"_target_": "Invertd", "keys": "pred", "transform": "@preprocessing", "orig_keys": "image", "nearest_interp": False, "to_tensor": True},
-                {"_target_": "AsDiscreted", "keys": "pred", "argmax": True},
-                {"_target_": "SaveImaged", "keys": "pred", "output_dir": "@output_dir", "output_postfix": "", "output_ext": ".png",
-                 "output_dtype": "$numpy.uint8", "resample": False, "separate_folder": False, "data_root_dir": "@dataset_dir",
-                 "writer": "PILWriter", "squeeze_end_dims": True, "print_log": False},
-            ],
+            "transforms": [{"_target_": "Activationsd", "keys": "pred", "softmax": True}, "@save"],
         },
-        "evaluator": {"_target_": "SupervisedEvaluator", "device": "@device", "val_data_loader": "@dataloader", "network": "@network",
-                      "inferer": "@inferer", "postprocessing": "@postprocessing", "amp": False},
-        "initialize": ["$monai.utils.set_determinism(seed=0)"],
-        "run": ["$@evaluator.run()"],
-        "_note": f"frames are cropped to rows {top}.., columns {left}.. as in training (hsmla-med infer --crop auto on the challenge's raw frames); "
-                 f"overlap {inference.get('overlap')} is unused: the window is the whole resized frame",
+        "initialize": ["$monai.utils.set_determinism(seed=0)", "$torch.set_grad_enabled(False)"],
+        "run": ["$[@postprocessing(@predict(item)) for item in @dataset]"],
     }
 
 
@@ -176,7 +181,7 @@ def inference_config(task: str, config: dict, size) -> dict:
 
 
 def metadata(task: str, config: dict, size) -> dict:
-    """``configs/metadata.json`` (MONAI's meta schema 20220324)."""
+    """``configs/metadata.json`` (MONAI's meta schema 20240725)."""
     labels = list(config["label_names"])
     channels = {str(i): name for i, name in enumerate(labels)}
     spatial_dims = config["spatial_dims"]
@@ -198,8 +203,7 @@ def metadata(task: str, config: dict, size) -> dict:
         "monai_version": monai.__version__,
         "pytorch_version": torch.__version__.split("+")[0],
         "numpy_version": numpy.__version__,
-        "optional_packages_version": {"nibabel": _version("nibabel"), "pillow": _version("PIL")},
-        "required_packages_version": {},
+        "required_packages_version": _required(task, config),
         "name": f"hsmla_{task}_segmentation",
         "task": f"{task} segmentation",
         "description": description,
@@ -212,6 +216,18 @@ def metadata(task: str, config: dict, size) -> dict:
         },
         "hsmla_med": {"task": task, "label_names": labels, "spatial_dims": spatial_dims, "data": config["data"], "inference": config["inference"]},
     }
+
+
+def _required(task: str, config: dict) -> dict:
+    """Packages beyond MONAI and PyTorch that the bundle's inference needs."""
+    if task == "endovis":
+        return {"pillow": _version("PIL")}
+    packages = {"nibabel": _version("nibabel")}
+    if config["data"]["intensity"]["kind"] not in ("ct_window", "zscore"):
+        import hsmla_med
+
+        packages["hsmla-med"] = getattr(hsmla_med, "__version__", "")
+    return packages
 
 
 def _version(module: str) -> str:
