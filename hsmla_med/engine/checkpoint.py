@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -134,7 +135,9 @@ def load_exported(path: str | Path, module_class, task: str | None = None, infer
         raise DataError(f"{path}: not a TorchScript file of hsmla-med export")
     extra = {EXPORT_META: ""}
     try:
-        network = torch.jit.load(str(ts), map_location="cpu", _extra_files=extra)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.jit.load. is deprecated", category=DeprecationWarning)
+            network = torch.jit.load(str(ts), map_location="cpu", _extra_files=extra)
     except Exception as err:
         raise DataError(f"{ts}: not a readable TorchScript file ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
     try:

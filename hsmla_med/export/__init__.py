@@ -27,6 +27,8 @@ import logging
 import time
 import warnings
 from collections.abc import Sequence
+from contextlib import contextmanager, redirect_stdout
+from io import StringIO
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +89,23 @@ def deployable_network(network: nn.Module) -> nn.Module:
     return net
 
 
+@contextmanager
+def _clean_caches():
+    """Empty the ``lru_cache``s of :mod:`hsmla_med.nn.functional` (window masks, tile tables)
+    before and after ``torch.export``: a mask first built during export is a fake tensor, and a
+    cached one would poison later eager calls at that size."""
+    from hsmla_med.nn import functional as HF
+
+    caches = [f for f in vars(HF).values() if callable(getattr(f, "cache_clear", None))]
+    for f in caches:
+        f.cache_clear()
+    try:
+        yield
+    finally:
+        for f in caches:
+            f.cache_clear()
+
+
 def input_size(module, size: Sequence[int] | None = None) -> tuple[int, ...]:
     """The spatial size of the exported graph: ``size`` (``--input-size``), else the
     checkpoint's sliding-window size (``inference.roi_size``)."""
@@ -140,10 +159,11 @@ def export_onnx(network: nn.Module, size: Sequence[int], in_channels: int, path:
     started = time.perf_counter()
     with warnings.catch_warnings(), atomic_path(path) as tmp:
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(
-            net, (example,), dynamo=True, opset_version=OPSET, input_names=["image"], output_names=["logits"],
-            dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=4096)},), external_data=False, verbose=False,
-        )
+        with _clean_caches(), _quiet_exporter():
+            program = torch.onnx.export(
+                net, (example,), dynamo=True, opset_version=OPSET, input_names=["image"], output_names=["logits"],
+                dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=4096)},), external_data=False, verbose=False,
+            )
         program.save(str(tmp), external_data=False)
         model = onnx.load(str(tmp))
         if metadata is not None:
@@ -154,6 +174,22 @@ def export_onnx(network: nn.Module, size: Sequence[int], in_channels: int, path:
         diff = _max_diff([session.run(None, {"image": x.numpy()})[0] for x in inputs], reference)
         _check("ONNX", diff, tolerance)
     return {"max_abs_diff": diff, "seconds": round(time.perf_counter() - started, 2), "size": list(size), "opset": OPSET}
+
+
+@contextmanager
+def _quiet_exporter():
+    """The ONNX exporter's progress lines (printed) and its notes on missing torchvision ops
+    (logged) are noise on the command line; errors still raise."""
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.onnx._internal.exporter._registration", "torch._export", "torch.export")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with redirect_stdout(StringIO()):
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def trace(network: nn.Module, size: Sequence[int], in_channels: int) -> torch.jit.ScriptModule:

@@ -1,0 +1,138 @@
+"""hsmla-med export: ONNX and TorchScript graphs equal the PyTorch network within 1e-4 (float32)
+on odd sizes, with a dynamic batch; infer takes the TorchScript file; bad input is one line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from hsmla_med.config import model_config
+from hsmla_med.nn import BACKENDS, HSMLASegNet
+from hsmla_med.pipelines import get_task
+from tests.conftest import cli_error, make_dataset, tiny_config
+
+pytestmark = pytest.mark.skipif("dense" not in BACKENDS, reason="export needs the HSMLA backend 'dense' (hsmla_med.nn.dispatch)")
+
+
+def checkpoint(path, task: str, config: dict, labels: list[str], seed: int = 0):
+    """A checkpoint as ``train`` writes it, untrained, with a classifier scaled up so that the
+    labels vary over the image (a fresh network predicts one class everywhere)."""
+    task = get_task(task)
+    torch.manual_seed(seed)
+    module = task.module_class(task.module_config(config, model_config("b0"), labels))
+    classify = getattr(module.network, "classify", None)
+    if classify is not None:
+        with torch.no_grad():
+            classify.weight.normal_(0.0, 3.0)
+            classify.bias.zero_()
+    torch.save({"hyper_parameters": dict(module.hparams), "state_dict": module.state_dict(), "epoch": 0, "global_step": 0}, path)
+    return path, module
+
+
+@pytest.fixture(scope="module")
+def btcv_ckpt(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("export")
+    return checkpoint(tmp / "btcv.ckpt", "btcv", tiny_config(tmp, tmp / "run"), ["background", "a", "b"])
+
+
+def _logits(network, x):
+    with torch.no_grad():
+        return network.eval()(x).numpy()
+
+
+def test_onnx_and_torchscript_2d_odd_size(btcv_ckpt, tmp_path, capsys):
+    import onnx
+    import onnxruntime as ort
+
+    from hsmla_med.cli import main
+
+    path, module = btcv_ckpt
+    size = (37, 45)
+    for fmt in ("onnx", "torchscript"):
+        assert main(["export", "--checkpoint", str(path), "--format", fmt, "--output", str(tmp_path / fmt), "--input-size", *map(str, size)]) == 0
+        report = json.loads((tmp_path / fmt / "export.json").read_text())
+        assert report["size"] == list(size) and report["backend"] == "dense"
+        assert report["max_abs_diff"] <= 1e-4
+    assert "max |logit difference| vs PyTorch" in capsys.readouterr().out
+    assert not [p for p in tmp_path.rglob(".*tmp*")], "temporaries left behind"
+
+    # independent checks: fresh inputs, batch sizes other than the traced one
+    x = torch.randn(3, 1, *size, generator=torch.Generator().manual_seed(7))
+    ref = _logits(module.network, x)
+    model = onnx.load(str(tmp_path / "onnx" / "model.onnx"))
+    assert model.opset_import[0].version >= 17
+    assert json.loads({p.key: p.value for p in model.metadata_props}["hsmla_med"])["hparams"]["task"] == "btcv"
+    session = ort.InferenceSession(str(tmp_path / "onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
+    assert session.get_inputs()[0].shape[2:] == list(size) and not isinstance(session.get_inputs()[0].shape[0], int)
+    for batch in (x[:1], x):
+        out = session.run(None, {"image": batch.numpy()})[0]
+        assert np.abs(out - ref[: len(batch)]).max() <= 1e-4
+    ts = torch.jit.load(str(tmp_path / "torchscript" / "model.ts"))
+    for batch in (x[:1], x):
+        assert np.abs(_logits(ts, batch) - ref[: len(batch)]).max() <= 1e-4
+
+
+def test_onnx_and_torchscript_3d_odd_size(tmp_path):
+    import onnxruntime as ort
+
+    from hsmla_med.export import export_onnx, export_torchscript
+
+    torch.manual_seed(1)
+    net = HSMLASegNet(3, 1, 3, variant="b0").eval()
+    size = (19, 21, 17)
+    onnx_report = export_onnx(net, size, 1, tmp_path / "m.onnx")
+    ts_report = export_torchscript(net, size, 1, tmp_path / "m.ts")
+    assert onnx_report["max_abs_diff"] <= 1e-4 and ts_report["max_abs_diff"] <= 1e-4
+    x = torch.randn(2, 1, *size)
+    ref = _logits(net, x)  # eager after export: no cached export-time (fake) tensors leak into it
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    assert np.abs(session.run(None, {"image": x.numpy()})[0] - ref).max() <= 1e-4
+    assert np.abs(_logits(torch.jit.load(str(tmp_path / "m.ts")), x) - ref).max() <= 1e-4
+
+
+def test_infer_from_torchscript_equals_checkpoint(btcv_ckpt, tmp_path):
+    import nibabel as nib
+
+    from hsmla_med.cli import main
+
+    path, _ = btcv_ckpt
+    flipped = np.diag([-1.2, 1.5, 2.5, 1.0])
+    data = make_dataset(tmp_path / "data", cases=2, shape=(41, 35, 7), affines=[np.diag([1.5, 1.5, 2.0, 1.0]), flipped])
+    assert main(["export", "--checkpoint", str(path), "--format", "torchscript", "--output", str(tmp_path / "ts")]) == 0
+    for name, ckpt in (("ckpt", path), ("ts", tmp_path / "ts" / "model.ts")):
+        assert main(["infer", "--task", "btcv", "--checkpoint", str(ckpt), "--input", str(data / "imagesTr"), "--output", str(tmp_path / name), "--device", "cpu"]) == 0
+    for f in sorted((tmp_path / "ckpt").glob("*.nii.gz")):
+        a, b = nib.load(f), nib.load(tmp_path / "ts" / f.name)
+        assert len(np.unique(np.asarray(a.dataobj))) > 1
+        np.testing.assert_array_equal(np.asarray(a.dataobj), np.asarray(b.dataobj))
+        np.testing.assert_allclose(a.affine, b.affine)
+
+
+def test_export_errors(btcv_ckpt, tmp_path, capsys):
+    from hsmla_med.engine.checkpoint import exported_file
+
+    path, _ = btcv_ckpt
+    out = str(tmp_path / "out")
+    missing = tmp_path / "none.ckpt"
+    assert f"{missing}: checkpoint not found" in cli_error(capsys, ["export", "--checkpoint", str(missing), "--format", "onnx", "--output", out])
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(b"not a checkpoint")
+    assert f"{bad}: not a readable hsmla-med checkpoint" in cli_error(capsys, ["export", "--checkpoint", str(bad), "--format", "torchscript", "--output", out])
+    assert "--input-size 31: the network is 2D" in cli_error(capsys, ["export", "--checkpoint", str(path), "--format", "torchscript", "--output", out, "--input-size", "31"])
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    assert "--output" in cli_error(capsys, ["export", "--checkpoint", str(path), "--format", "onnx", "--output", str(afile)])
+    c16, _ = checkpoint(tmp_path / "c16.ckpt", "camelyon16", __import__("hsmla_med.config").config.task_config("camelyon16"), ["normal", "tumour"])
+    assert "--format bundle: task camelyon16" in cli_error(capsys, ["export", "--checkpoint", str(c16), "--format", "bundle", "--output", out])
+    # infer: a folder that is no bundle, a TorchScript file without hsmla-med's metadata
+    (tmp_path / "empty").mkdir()
+    line = cli_error(capsys, ["infer", "--task", "btcv", "--checkpoint", str(tmp_path / "empty"), "--input", "x", "--output", out])
+    assert "not a bundle of hsmla-med export" in line
+    foreign = tmp_path / "foreign.ts"
+    torch.jit.save(torch.jit.trace(torch.nn.Conv2d(1, 1, 1), torch.zeros(1, 1, 4, 4)), str(foreign))
+    assert exported_file(foreign) == foreign and exported_file(path) is None
+    assert "without hsmla-med's hsmla_med.json" in cli_error(capsys, ["infer", "--task", "btcv", "--checkpoint", str(foreign), "--input", "x", "--output", out])
+    assert not (tmp_path / "out" / "model.onnx").exists() and not (tmp_path / "out" / "model.ts").exists()
