@@ -186,6 +186,7 @@ _TABLES = {
     "volume": ("btcv inference on one 512x512x300 CT, 14 classes, HSMLA-B0 (peak resident memory):", _volume),
     "processes": ("btcv inference of 8 synthetic volumes, one process vs two DDP processes (CPU, gloo):", _processes),
     "endovis": ("EndoVis 2017 frames, 1024x1280 RGB (the standard crop), batch 1, 3 -> 8 channels:", lambda args: bench_endovis(args.runs)),
+    "export": ("exported ONNX under onnxruntime (CPU) vs PyTorch eager with the C kernels, batch 1, 1 -> 14 channels:", lambda args: __import__("hsmla_med.benchmark_export", fromlist=["bench_export"]).bench_export(args.size, args.runs, args.threads)),
 }
 
 
@@ -327,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layer-channels", type=int, default=128, help="channels of the benchmarked layer")
     parser.add_argument("--head-dim", type=int, default=32, help="head width of the benchmarked layer")
     parser.add_argument(
-        "--only", choices=["models", "layers", "wsi", "endovis", "learning", "gpu", "volume", "processes"],
+        "--only", choices=["models", "layers", "wsi", "endovis", "learning", "gpu", "volume", "processes", "export"],
         help="run one table (gpu: networks on a CUDA GPU, inference 2D/3D and training (scripts/bench_kernels.py: the Triton kernels); wsi: whole-slide heatmap throughput against the forward passes alone; volume: peak memory of infer on a 512x512x300 CT; processes: infer of 8 volumes in one vs two DDP processes; endovis: frames/s of HSMLA-B0 vs SegFormer-B0 on 1024x1280 RGB frames; learning: networks trained and scored on MNI152 grey/white matter; none of these is part of the default run)",
     )
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch CPU threads")
