@@ -48,7 +48,7 @@ def bench_export(size: int = 512, runs: int = 5, threads: int | None = None, net
             net = build_network(model_config(variant), dims, 1, OUT_CHANNELS).eval()
             calibrate_tau(net, x, 0.3)
             path = Path(folder) / f"{variant}_{dims}d.onnx"
-            report = export_onnx(net, x.shape[2:], 1, path)
+            report = export_onnx(net, x.shape[2:], 1, path, tolerance=BENCH_TOLERANCE)
             options = ort.SessionOptions()
             options.intra_op_num_threads = threads
             session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
