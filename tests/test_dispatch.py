@@ -249,3 +249,60 @@ def test_network_set_backend_reaches_the_dispatch():
     net.float().set_backend("auto")
     with torch.no_grad():
         net(x)
+
+
+# -- dense: static shapes for export -------------------------------------------------------------
+
+
+def test_dense_always_runs_with_r_everywhere():
+    for device, dtype, grad in ((CPU, torch.float64, False), (torch.device("meta"), torch.float16, True)):
+        choice = _silently(lambda: select_backend("dense", False, device, dtype, LARGE, grad=grad))
+        assert choice.backend == "dense" and choice.dense
+        assert choice.ops() == (HF.linear_attention, HF.dense_local_refine) and choice.gate_op() is None
+
+
+@pytest.mark.parametrize("spatial", [(13, 10), (6, 7, 5)])
+@pytest.mark.parametrize("routing", ["gate", "all"])
+def test_dense_layer_equals_the_reference(spatial, routing):
+    """float64, fresh random inputs and weights, about half of the tiles active: ``dense`` (``R``
+    everywhere, masked by ``[M > tau] * M``) gives the reference backend's tile schedule output,
+    in inference and in training (the tile schedule computes in float32, hence 1e-6)."""
+    torch.manual_seed(len(spatial) + len(routing))
+    layer = HSMLA(len(spatial), 16, head_dim=8, window=3, block=4, routing=routing).double().eval()
+    torch.nn.init.normal_(layer.gate_weight, std=2.0)
+    x = torch.randn(2, 16, *spatial, dtype=torch.float64)
+    with torch.no_grad():
+        if routing == "gate":
+            layer.calibrate(x, 0.5)
+        outputs = {}
+        for backend in ("reference", "dense"):
+            layer.backend = backend
+            outputs[backend] = (layer(x), layer.last_alpha)
+            if routing == "gate":
+                assert 0.0 < layer.last_alpha < 1.0
+    torch.testing.assert_close(outputs["dense"][0], outputs["reference"][0], rtol=1e-6, atol=1e-6)
+    assert outputs["dense"][1] == outputs["reference"][1]
+    layer.train()
+    grads = {}
+    for backend in ("reference", "dense"):
+        layer.backend = backend
+        layer.zero_grad()
+        out = layer(x)
+        out.square().sum().backward()
+        grads[backend] = (out.detach(), layer.qkv.weight.grad.clone())
+    torch.testing.assert_close(grads["dense"], grads["reference"], rtol=1e-6, atol=1e-6)
+
+
+def test_network_set_backend_dense_equals_the_reference():
+    torch.manual_seed(3)
+    net = HSMLASegNet(2, 1, 2, variant="b0", block=2).double().eval()
+    for layer in net.hsmla_layers().values():
+        torch.nn.init.normal_(layer.gate_weight, std=2.0)
+        layer.tau.fill_(0.5)
+    x = torch.randn(2, 1, 64, 64, dtype=torch.float64)
+    with torch.no_grad():
+        net.set_backend("reference")
+        expected = net(x)
+        net.set_backend("dense")
+        assert {layer.backend for layer in net.hsmla_layers().values()} == {"dense"}
+        torch.testing.assert_close(net(x), expected, rtol=1e-6, atol=1e-6)

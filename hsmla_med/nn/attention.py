@@ -285,7 +285,10 @@ class HSMLA(nn.Module):
             out = out + self._refine_everywhere(choice, local_refine, q, k, v, qh, kh, vh)
             self._alpha = 1.0
         elif self.routing == "gate":
-            tau = float(self.tau)
+            # A 0-d tensor, not float(self.tau): tracing, torch.export and torch.compile keep
+            # it in the graph (float() would be a constant or a graph break); a copy, so that
+            # last_alpha counts against this forward's tau after a later calibration.
+            tau = self.tau.detach().clone()
             self.last_gate, self._gate_tau = gate, tau
             # Active tiles keep the gate weight they had in training (the paper adds R at
             # weight 1): the budget keeps M near rho, so a network trained on M * R saw R at about

@@ -25,8 +25,12 @@ __all__ = ["BACKENDS", "BackendChoice", "select_backend"]
 
 #: ``auto``: at inference the C kernels on the CPU and the Triton kernels on CUDA, the reference
 #: in training, with gradients, or for inputs the kernels do not take; ``reference``, ``cpu`` and
-#: ``triton`` force one, and a forced kernel backend that cannot run raises.
-BACKENDS = ("auto", "reference", "triton", "cpu")
+#: ``triton`` force one, and a forced kernel backend that cannot run raises. ``dense``: the
+#: reference linear attention and ``R`` for every token from
+#: :func:`~hsmla_med.nn.functional.dense_refine`, masked by the gate (``O_lin + [M > tau] * M * R``):
+#: static shapes and no data-dependent indexing, for ONNX/TorchScript export; it always runs,
+#: with work and memory growing as ``N**2`` tokens per map.
+BACKENDS = ("auto", "reference", "triton", "cpu", "dense")
 
 log = logging.getLogger("hsmla_med")
 _warned: set[str] = set()
@@ -46,8 +50,9 @@ class BackendChoice(NamedTuple):
 
     Attributes:
         backend: ``"reference"`` (:mod:`hsmla_med.nn.functional`), ``"cpu"`` (the C refinement
-            kernel and, on maps of whole tiles, the C gate) or ``"triton"`` (the Triton linear
-            attention and 2D refinement kernels).
+            kernel and, on maps of whole tiles, the C gate), ``"triton"`` (the Triton linear
+            attention and 2D refinement kernels) or ``"dense"`` (the reference linear attention
+            and :func:`~hsmla_med.nn.functional.dense_local_refine`: static shapes, for export).
         reason: why, in words.
         dense: the reference computes ``R`` for every token with
             :func:`~hsmla_med.nn.functional.dense_refine` (gradients on a small map) rather
@@ -63,6 +68,8 @@ class BackendChoice(NamedTuple):
         patched module attribute is seen)."""
         if self.backend == "reference":
             return HF.linear_attention, HF.local_refine
+        if self.backend == "dense":
+            return HF.linear_attention, HF.dense_local_refine
         kernels = _kernel_api()
         if self.backend == "cpu":
             return HF.linear_attention, kernels.local_refine_cpu
@@ -108,7 +115,8 @@ def select_backend(
     Rules: ``auto`` takes the reference in training or with gradients, else the C kernels on
     the CPU and the Triton kernels on CUDA where they take the inputs (float32 and
     channels-last for C; float32/16, bfloat16 and ``head_dim <= 128`` for Triton), the
-    reference otherwise. ``reference`` always runs. A forced ``cpu`` or ``triton`` that cannot
+    reference otherwise. ``reference`` and ``dense`` (``R`` for every token, always with
+    ``dense`` set) always run. A forced ``cpu`` or ``triton`` that cannot
     run (gradients, device, dtype, layout, head_dim, C kernel not built, triton missing) raises
     :class:`RuntimeError` naming the backend and the reason; forced ``triton`` on 3D maps warns
     once that the refinement (2D kernel only) runs the reference. The reference computes ``R``
@@ -126,6 +134,8 @@ def select_backend(
     no_backward = "gradients are required and the kernels have no backward"
     if requested == "reference":
         choice = BackendChoice("reference", "requested")
+    elif requested == "dense":
+        choice = BackendChoice("dense", "requested: R for every token, static shapes", dense=True)
     elif requested == "cpu":
         problem = no_backward if grad else _kernel_api().cpu_kernel_unsupported(device, dtype, channels_last)
         if problem:

@@ -26,6 +26,7 @@ __all__ = [
     "local_linear_attention",
     "local_refine",
     "dense_refine",
+    "dense_local_refine",
     "dense_fits",
     "tile_grid",
     "tile_broadcast",
@@ -476,6 +477,50 @@ def dense_refine(
     return (local - linear).view(shape).to(dtype)
 
 
+def dense_local_refine(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qh: torch.Tensor,
+    kh: torch.Tensor,
+    vh: torch.Tensor,
+    gate: torch.Tensor | None,
+    tau: float | torch.Tensor,
+    block: int,
+    window: int,
+    eps: float = DEFAULT_EPS,
+    add_to: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`local_refine` with static shapes: ``R`` from :func:`dense_refine` for every token,
+    masked by the gate instead of gathered tile by tile (the ``dense`` backend, for export).
+
+    No tile list, no ``nonzero``, no scatter: every shape follows from the inputs' shapes, so
+    ``torch.export``, ONNX and TorchScript tracing see one fixed graph. Work and memory grow with
+    ``N**2`` tokens per map.
+
+    Args:
+        q, k, v, qh, kh, vh: ``(batch, heads, *spatial, head_dim)``.
+        gate: ``(batch, *tiles)``, or ``None`` for every tile.
+        tau: a tile is active when ``gate > tau`` (a float or a 0-d tensor such as the layer's
+            ``tau`` buffer, which tracing keeps as a tensor).
+        block, window, eps: as for :func:`local_refine`.
+        add_to: with a ``gate``, the result is ``add_to + [M > tau] * M * R`` (a new tensor:
+            nothing is written in place).
+
+    Returns:
+        ``[M > tau] * R`` (``R`` without a gate), or ``add_to + [M > tau] * M * R``; shape and
+        dtype of ``q`` (of ``add_to`` when given).
+    """
+    check_refine((q, k, v, qh, kh, vh), gate, block, window, add_to)
+    r = dense_refine(q, k, v, qh, kh, vh, window, eps)
+    if gate is None:
+        return r
+    active = gate > tau
+    weight = torch.where(active, gate, torch.zeros_like(gate)) if add_to is not None else active.to(gate.dtype)
+    weight = tile_broadcast(weight, block, tuple(q.shape[2:-1])).unsqueeze(1).unsqueeze(-1).to(r.dtype)
+    return weight * r if add_to is None else add_to + weight * r
+
+
 #: Crossover of :func:`dense_fits`: tokens per map up to which the ``N x N`` form beat the tile
 #: schedule, forward and backward (at 24 x 24 tokens they were even, docs/benchmarks.md), and
 #: the largest score matrix (elements, all batch elements and heads) it accepts.
@@ -491,10 +536,14 @@ def dense_fits(shape: torch.Size) -> bool:
 
 def tile_broadcast(gate: torch.Tensor, block: int, spatial: tuple[int, ...]) -> torch.Tensor:
     """A tile map ``(batch, *tiles)`` repeated over each tile's tokens: ``(batch, *spatial)``
-    (partial edge tiles cut to the map)."""
-    for axis in range(len(spatial)):
-        gate = gate.repeat_interleave(block, dim=1 + axis)
-    return gate[(slice(None), *(slice(0, n) for n in spatial))]
+    (partial edge tiles cut to the map).
+
+    One ``expand`` of a ``(batch, t1, 1, t2, 1, ...)`` view and a reshape: static shapes that
+    every exporter takes (ONNX ``Expand``/``Reshape``/``Slice``), one copy."""
+    b, tiles = gate.shape[0], gate.shape[1:]
+    split = gate.reshape(b, *[s for n in tiles for s in (n, 1)])
+    whole = split.expand(b, *[s for n in tiles for s in (n, block)]).reshape(b, *[n * block for n in tiles])
+    return whole[(slice(None), *(slice(0, n) for n in spatial))]
 
 
 def tile_average(x: torch.Tensor, block: int) -> torch.Tensor:
