@@ -25,6 +25,9 @@ __all__ = ["bench_export", "NETWORKS"]
 OUT_CHANNELS = 14
 #: (row name, variant, spatial dims)
 NETWORKS = (("HSMLA-B0", "b0", 2), ("HSMLA-B2", "b2", 2), ("HSMLA-B0 3D", "b0", 3))
+#: the benchmark records the parity rather than failing on it (tiny maps of random weights
+#: reached 1.6e-4: near-zero linear-attention denominators amplify rounding)
+BENCH_TOLERANCE = 1e-2
 
 
 def _timed(fn) -> float:
@@ -52,6 +55,9 @@ def bench_export(size: int = 512, runs: int = 5, threads: int | None = None, net
             options = ort.SessionOptions()
             options.intra_op_num_threads = threads
             session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            batch = session.get_inputs()[0].shape[0]
+            if isinstance(batch, int) and batch != x.shape[0]:  # a batch axis the exporter made static
+                x = x.repeat(batch, *([1] * (x.dim() - 1)))
             feed = {"image": x.numpy()}
             with torch.inference_mode():
                 eager = lambda: net(x)  # noqa: E731
@@ -66,7 +72,7 @@ def bench_export(size: int = 512, runs: int = 5, threads: int | None = None, net
             rows.append({
                 "model": name, "input": "x".join(map(str, x.shape[1:])), "pytorch_ms": round(pt, 1), "onnxruntime_ms": round(ox, 1),
                 "ort_vs_pytorch": round(ox / pt, 3), "max_abs_diff": float(f"{report['max_abs_diff']:.3g}"), "export_s": report["seconds"],
-                "threads": threads,
+                "batch": int(x.shape[0]), "dynamic_batch": report["dynamic_batch"], "threads": threads,
             })
             print(rows[-1], flush=True)
     return rows
