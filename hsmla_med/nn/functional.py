@@ -64,7 +64,8 @@ def _check_block(block: int) -> None:
 
 def _check_same_map(**tensors: torch.Tensor) -> None:
     shapes = {name: t.shape[:-1] for name, t in tensors.items()}
-    if len(set(shapes.values())) != 1:
+    first = next(iter(shapes.values()))
+    if any(s != first for s in shapes.values()):  # no set(): symbolic sizes (export) do not hash
         raise ValueError(f"features must share (batch, heads, *spatial): {shapes}.")
 
 
