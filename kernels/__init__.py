@@ -9,6 +9,13 @@ One public function per op, each in its own module beside its reference (the mat
 - :func:`local_refine_cpu` (:mod:`.refine_cpu`, C compiled at first use): the same on the CPU;
 - :func:`block_gate_cpu` (:mod:`.gate_cpu`, C compiled at first use): the block gate on the CPU.
 
+The same ops are registered as PyTorch custom operators by :mod:`.ops` (``torch.ops.hsmla.*``:
+``linear_attention``, ``block_gate``, ``local_refine``, each with a fake implementation and a
+CPU and a CUDA implementation that run the kernels above where they take the inputs, else the
+references), so that ``torch.compile`` and ``torch.export`` see one node per op:
+:func:`linear_attention_op`, :func:`block_gate_op` and :func:`local_refine_op` call them, and the
+HSMLA layer's ``cpu`` and ``triton`` backends run through them.
+
 Importing this package never needs triton, a GPU or a compiler; :func:`triton_available` says
 whether the Triton kernels can run for a device, :func:`cpu_kernel_available` whether the C
 kernel is built, and :func:`triton_unsupported` / :func:`cpu_kernel_unsupported` why either
@@ -26,6 +33,10 @@ from .refine import local_refine
 from .refine_cpu import compiled as cpu_kernel_available
 from .refine_cpu import local_refine as local_refine_cpu
 from .refine_cpu import unsupported as cpu_kernel_unsupported
+from . import ops
+from .ops import block_gate as block_gate_op
+from .ops import linear_attention as linear_attention_op
+from .ops import local_refine as local_refine_op
 
 __all__ = [
     "linear_attention",
@@ -36,4 +47,8 @@ __all__ = [
     "triton_unsupported",
     "cpu_kernel_available",
     "cpu_kernel_unsupported",
+    "ops",
+    "linear_attention_op",
+    "block_gate_op",
+    "local_refine_op",
 ]

@@ -57,8 +57,9 @@ def _silently(fn):
 def test_auto_cpu_inference_takes_the_c_kernels():
     choice = select_backend("auto", False, CPU, torch.float32, LARGE)
     assert choice.backend == "cpu" and not choice.dense
-    assert choice.ops() == (HF.linear_attention, kernels.local_refine_cpu)
-    assert choice.gate_op() is kernels.block_gate_cpu
+    # through the registered ops (torch.ops.hsmla.*), whose CPU implementations run the C kernels
+    assert choice.ops() == (kernels.linear_attention_op, kernels.local_refine_op)
+    assert choice.gate_op() is kernels.block_gate_op
 
 
 @pytest.mark.parametrize(
@@ -110,9 +111,12 @@ def test_triton_under_the_interpreter_and_on_cuda(monkeypatch):
     # auto keeps the C kernel on the CPU even when the interpreter could run Triton there
     assert select_backend("auto", False, CPU, torch.float32, LARGE).backend in ("cpu", "reference")
     choice = select_backend("triton", False, CPU, torch.float32, LARGE)
-    assert choice.backend == "triton" and choice.ops() == (kernels.linear_attention, kernels.local_refine)
+    # the interpreter on the CPU: the Triton functions themselves (the ops would run the C kernel)
+    assert choice.backend == "triton" and choice.interpreter
+    assert choice.ops() == (kernels.linear_attention, kernels.local_refine)
     auto_cuda = select_backend("auto", False, torch.device("cuda"), torch.float32, LARGE)
-    assert auto_cuda.backend == "triton" and auto_cuda.reason == "CUDA inference"
+    assert auto_cuda.backend == "triton" and auto_cuda.reason == "CUDA inference" and not auto_cuda.interpreter
+    assert auto_cuda.ops() == (kernels.linear_attention_op, kernels.local_refine_op)
     fallback = select_backend("auto", False, torch.device("cuda"), torch.float64, LARGE)
     assert fallback.backend == "reference" and "float64" in fallback.reason
     wide = select_backend("auto", False, torch.device("cuda"), torch.float32, (1, 1, 8, 8, 256))

@@ -298,8 +298,8 @@ def test_layer_uses_the_kernel_at_cpu_inference(monkeypatch):
     layer = HSMLA(2, 32, head_dim=8, window=5, block=4).to(memory_format=torch.channels_last).eval()
     x = torch.randn(2, 32, 13, 18).contiguous(memory_format=torch.channels_last)
     calls = []
-    original = kernels.local_refine_cpu
-    monkeypatch.setattr(kernels, "local_refine_cpu", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = refine_cpu.local_refine  # what the CPU implementation of torch.ops.hsmla.local_refine calls
+    monkeypatch.setattr(refine_cpu, "local_refine", lambda *a, **k: calls.append(1) or original(*a, **k))
     with torch.no_grad():
         gate = layer.gate(layer._multiscale(layer.qkv(x)))
         layer.tau.fill_(gate.median().item())

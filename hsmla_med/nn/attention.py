@@ -213,8 +213,9 @@ class HSMLA(nn.Module):
     def _derived(self, slot: str, weight: torch.Tensor, build) -> torch.Tensor:
         """``build()``, a tensor derived from ``weight``; without gradients it is kept until the
         weight changes (its version counter, storage or dtype: an optimizer step, loaded
-        weights, a cast)."""
-        if torch.is_grad_enabled() and weight.requires_grad:
+        weights, a cast). While ``torch.compile`` or ``torch.export`` traces, it is built in the
+        graph (their fake tensors have no storage to key on)."""
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and weight.requires_grad):
             return build()
         key = (weight._version, weight.data_ptr(), weight.dtype)
         kept = self._derived_cache.get(slot)
@@ -289,7 +290,8 @@ class HSMLA(nn.Module):
             # it in the graph (float() would be a constant or a graph break); a copy, so that
             # last_alpha counts against this forward's tau after a later calibration.
             tau = self.tau.detach().clone()
-            self.last_gate, self._gate_tau = gate, tau
+            if not torch.compiler.is_exporting():  # export would leave its fake tensors here
+                self.last_gate, self._gate_tau = gate, tau
             # Active tiles keep the gate weight they had in training (the paper adds R at
             # weight 1): the budget keeps M near rho, so a network trained on M * R saw R at about
             # 0.3, and full-weight R at inference cost 7 Dice points on BTCV (docs/benchmarks.md).

@@ -57,28 +57,48 @@ class BackendChoice(NamedTuple):
         dense: the reference computes ``R`` for every token with
             :func:`~hsmla_med.nn.functional.dense_refine` (gradients on a small map) rather
             than the tile schedule.
+        interpreter: ``triton`` on a device other than CUDA, under Triton's interpreter
+            (``TRITON_INTERPRET=1``, for tests): the layer calls the Triton functions directly,
+            since the registered ops would dispatch those tensors to their CPU implementations.
     """
 
     backend: str
     reason: str
     dense: bool = False
+    interpreter: bool = False
 
     def ops(self):
         """``(linear_attention, local_refine)`` of this backend, looked up now (so that a
-        patched module attribute is seen)."""
+        patched module attribute is seen). The ``cpu`` and ``triton`` backends run the
+        registered custom ops (``torch.ops.hsmla.*``, :mod:`hsmla_med.kernels.ops`): one graph
+        node each for ``torch.compile`` and ``torch.export``, whose CPU implementations run the
+        C kernel and CUDA implementations the Triton kernels."""
         if self.backend == "reference":
             return HF.linear_attention, HF.local_refine
         if self.backend == "dense":
             return HF.linear_attention, HF.dense_local_refine
         kernels = _kernel_api()
-        if self.backend == "cpu":
-            return HF.linear_attention, kernels.local_refine_cpu
-        return kernels.linear_attention, kernels.local_refine
+        if self.interpreter:
+            return kernels.linear_attention, kernels.local_refine
+        return kernels.linear_attention_op, kernels.local_refine_op
 
     def gate_op(self):
-        """The C block gate on the ``cpu`` backend (it returns ``None`` for maps that are not
-        whole tiles, which the PyTorch gate then takes), else ``None``."""
-        return _kernel_api().block_gate_cpu if self.backend == "cpu" else None
+        """The registered block gate on the ``cpu`` backend (the C gate; it returns ``None`` for
+        maps that are not whole tiles, which the PyTorch gate then takes), else ``None``."""
+        return _kernel_api().block_gate_op if self.backend == "cpu" else None
+
+
+# What the kernels take depends on the machine (a built library, triton, CUDA) and not on tensor
+# values: torch.compile evaluates these once while tracing and keeps the answer as a constant
+# (tracing into them would meet ctypes, file-system checks and lru_caches, and break the graph).
+@torch.compiler.assume_constant_result
+def _cpu_problem(device: torch.device, dtype: torch.dtype, channels_last: bool) -> str | None:
+    return _kernel_api().cpu_kernel_unsupported(device, dtype, channels_last)
+
+
+@torch.compiler.assume_constant_result
+def _triton_problem(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    return _kernel_api().triton_unsupported(device, dtype, head_dim)
 
 
 def _refuse(requested: str, problem: str) -> RuntimeError:
@@ -137,17 +157,17 @@ def select_backend(
     elif requested == "dense":
         choice = BackendChoice("dense", "requested: R for every token, static shapes", dense=True)
     elif requested == "cpu":
-        problem = no_backward if grad else _kernel_api().cpu_kernel_unsupported(device, dtype, channels_last)
+        problem = no_backward if grad else _cpu_problem(device, dtype, channels_last)
         if problem:
             raise _refuse(requested, problem)
         choice = BackendChoice("cpu", "requested")
     elif requested == "triton":
-        problem = no_backward if grad else _kernel_api().triton_unsupported(device, dtype, features[-1])
+        problem = no_backward if grad else _triton_problem(device, dtype, features[-1])
         if problem:
             raise _refuse(requested, problem)
-        choice = BackendChoice("triton", "requested")
+        choice = BackendChoice("triton", "requested", interpreter=device.type != "cuda")
         if len(features) == 6:
-            choice = BackendChoice("triton", "requested; the refinement of 3D maps runs the reference")
+            choice = choice._replace(reason="requested; the refinement of 3D maps runs the reference")
             if "triton-3d" not in _warned:
                 _warned.add("triton-3d")
                 warnings.warn(
@@ -159,16 +179,16 @@ def select_backend(
     elif grad:
         choice = BackendChoice("reference", no_backward)
     elif device.type == "cpu":
-        problem = _kernel_api().cpu_kernel_unsupported(device, dtype, channels_last)
+        problem = _cpu_problem(device, dtype, channels_last)
         choice = BackendChoice("reference", problem) if problem else BackendChoice("cpu", "CPU inference")
     elif device.type == "cuda":
-        problem = _kernel_api().triton_unsupported(device, dtype, features[-1])
+        problem = _triton_problem(device, dtype, features[-1])
         choice = BackendChoice("reference", problem) if problem else BackendChoice("triton", "CUDA inference")
     else:
         choice = BackendChoice("reference", f"no kernels for {device.type} devices")
     if choice.backend == "reference" and grad and HF.dense_fits(features):
         choice = choice._replace(dense=True)
-    if log.isEnabledFor(logging.DEBUG):
+    if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
         log.debug(
             "HSMLA backend %r -> %s%s (%s; %s %s %s, training=%s, grad=%s)",
             requested, choice.backend, " (dense R)" if choice.dense else "", choice.reason,

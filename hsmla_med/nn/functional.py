@@ -31,6 +31,7 @@ __all__ = [
     "tile_grid",
     "tile_broadcast",
     "tile_average",
+    "block_gate",
     "gate_regularizers",
     "check_refine",
 ]
@@ -558,6 +559,46 @@ def tile_average(x: torch.Tensor, block: int) -> torch.Tensor:
     pool = (F.avg_pool2d, F.avg_pool3d)[x.dim() - 4]
     kernel = [min(block, n) for n in x.shape[2:]]
     return pool(x, kernel, stride=block, ceil_mode=True)
+
+
+def block_gate(
+    ms: torch.Tensor,
+    taps: torch.Tensor,
+    conv_bias: torch.Tensor,
+    weight: torch.Tensor,
+    gate_bias: torch.Tensor,
+    block: int,
+) -> torch.Tensor:
+    """Block gate ``M`` ``(batch, *tiles)`` of a map made of whole ``block``-sized tiles, from the
+    arguments the C gate takes (the reference of ``hsmla_med.kernels.block_gate_cpu``).
+
+    ``G^h_b = sigmoid(w_h . AvgPool_b(DWConv3x3(ms)) + b_h)``, ``M_b = mean_h G^h_b``, with
+    ``AvgPool_b o DWConv3x3`` as one depthwise convolution of stride ``block`` (the layer's
+    fused pooling kernel, docs/design.md §2.4).
+
+    Args:
+        ms: multi-scale tokens ``(b, 3C, *S)``, every side a multiple of ``block``.
+        taps: the fused kernel tap by tap, ``(prod(kernel), 3C)`` with ``kernel = block + 2``
+            per axis (row-major taps).
+        conv_bias: ``(3C,)``; weight: per-head projections ``(3, heads, d)`` with
+            ``3 * heads * d = 3C``; gate_bias: ``(heads,)``.
+        block: tile size per axis.
+
+    Returns:
+        ``M`` in the dtype of ``ms``.
+    """
+    spatial = tuple(ms.shape[2:])
+    if any(n % block for n in spatial):
+        raise ValueError(f"block_gate takes maps of whole {block}-sized tiles, got spatial size {spatial}.")
+    channels, heads = ms.shape[1], weight.shape[1]
+    kernel = taps.t().reshape(channels, 1, *[block + 2] * len(spatial))
+    conv = (F.conv2d, F.conv3d)[len(spatial) - 2]
+    pooled = conv(ms, kernel, conv_bias, stride=block, padding=1, groups=channels)  # (b, 3C, *tiles)
+    # row (t, h, i) of the (3C, heads) projection holds w_h[t, i] in column h: all heads in one matmul
+    eye = torch.eye(heads, dtype=weight.dtype, device=weight.device)
+    matrix = (weight.unsqueeze(-1) * eye.view(1, heads, 1, heads)).reshape(-1, heads)
+    logits = pooled.flatten(2).transpose(1, 2) @ matrix + gate_bias  # (b, tiles, heads)
+    return logits.sigmoid().mean(dim=-1).view(ms.shape[0], *pooled.shape[2:])
 
 
 def gate_regularizers(gate: torch.Tensor, rho: float) -> tuple[torch.Tensor, torch.Tensor]:
