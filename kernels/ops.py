@@ -25,7 +25,8 @@ float, so that the layer's ``tau`` buffer stays a graph input.
 
 Each op has one public function here with the calling convention of its reference, which is what
 :meth:`hsmla_med.nn.dispatch.BackendChoice.ops` hands the HSMLA layer on the ``cpu`` and
-``triton`` backends. An op may not write its inputs: ``local_refine(..., add_to=out)`` returns
+``triton`` backends (except the ``cpu`` backend's linear attention: with no C kernel behind it,
+the reference's PyTorch operations trace as they are, without the op's dispatch cost). An op may not write its inputs: ``local_refine(..., add_to=out)`` returns
 ``out + M * R`` as a new tensor instead of adding into ``out`` (one copy of the map). None of the
 ops has a backward (the kernels are inference-only; training runs the references). Importing
 :mod:`hsmla_med.kernels` registers them, which loading a saved ``torch.export`` program needs.

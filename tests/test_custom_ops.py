@@ -246,8 +246,8 @@ def test_compile_fullgraph_equals_eager(spatial_dims, backend):
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
     (gm,) = graphs
     layers = len(net.hsmla_layers()) if backend == "auto" else 0
-    counts = _ops_in(gm)
-    assert counts["linear_attention"] == counts["local_refine"] == layers, counts
+    counts = _ops_in(gm)  # on the CPU the linear attention is the reference's PyTorch operations
+    assert counts["local_refine"] == layers and counts["linear_attention"] == 0, counts
     assert (counts["block_gate"] >= 1) == (backend == "auto"), counts
 
 
@@ -261,7 +261,7 @@ def test_export_save_load_equals_eager(spatial_dims, backend, tmp_path):
         program = torch.export.export(net, (x,))
     counts = _ops_in(program.graph_module)
     layers = len(net.hsmla_layers()) if backend == "auto" else 0
-    assert counts["linear_attention"] == counts["local_refine"] == layers, counts
+    assert counts["local_refine"] == layers and counts["linear_attention"] == 0, counts
     path = tmp_path / "net.pt2"
     torch.export.save(program, path)
     loaded = torch.export.load(path)
