@@ -211,7 +211,7 @@ def local_refine(
         reference, which adds in place).
     """
     if not isinstance(tau, Tensor):
-        tau = torch.tensor(float(tau))
+        tau = q.new_full((), float(tau))  # on q's device, without a host-to-device copy
     return _local_refine(q, k, v, qh, kh, vh, gate, tau, int(block), int(window), float(eps), add_to)
 
 

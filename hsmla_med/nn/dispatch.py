@@ -172,7 +172,7 @@ def select_backend(
         choice = BackendChoice("triton", "requested", interpreter=device.type != "cuda")
         if len(features) == 6:
             choice = choice._replace(reason="requested; the refinement of 3D maps runs the reference")
-            if "triton-3d" not in _warned:
+            if "triton-3d" not in _warned and not torch.compiler.is_compiling():  # warned in eager
                 _warned.add("triton-3d")
                 warnings.warn(
                     "backend='triton': the Triton refinement kernel is 2D; the local refinement of 3D maps "
