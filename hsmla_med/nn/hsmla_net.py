@@ -92,8 +92,8 @@ class GatedNetwork(nn.Module):
             layer.routing = mode
 
     def set_backend(self, name: str) -> None:
-        """``"auto"``, ``"reference"``, ``"cpu"`` or ``"triton"`` for every HSMLA layer (see
-        :func:`~hsmla_med.nn.dispatch.select_backend`)."""
+        """``"auto"``, ``"reference"``, ``"cpu"``, ``"triton"`` or ``"dense"`` (static shapes, for
+        export) for every HSMLA layer (see :func:`~hsmla_med.nn.dispatch.select_backend`)."""
         for layer in self.hsmla_layers().values():
             layer.backend = name
 
