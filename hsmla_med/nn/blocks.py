@@ -77,7 +77,10 @@ class ConvNormAct(nn.Sequential):
         conv, norm, act = self
         if self.training or not isinstance(norm, nn.modules.batchnorm._BatchNorm):
             return act(norm(conv(x)))
-        if not (torch.is_grad_enabled() and any(p.requires_grad for p in (conv.weight, norm.weight, norm.bias) if p is not None)):
+        grad = torch.is_grad_enabled() and any(p.requires_grad for p in (conv.weight, norm.weight, norm.bias) if p is not None)
+        # while torch.compile or torch.export traces, the fold is built in the graph: their fake
+        # tensors have no storage for the cache's key
+        if not (grad or torch.compiler.is_compiling()):
             return act(self._folded()(x))
         scale = norm.weight * torch.rsqrt(norm.running_var + norm.eps)
         weight = conv.weight * scale.view(-1, *[1] * (conv.weight.dim() - 1))

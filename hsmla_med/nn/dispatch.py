@@ -60,12 +60,17 @@ class BackendChoice(NamedTuple):
         interpreter: ``triton`` on a device other than CUDA, under Triton's interpreter
             (``TRITON_INTERPRET=1``, for tests): the layer calls the Triton functions directly,
             since the registered ops would dispatch those tensors to their CPU implementations.
+        as_op: ``reference`` at inference while ``torch.compile`` or ``torch.export`` traces:
+            the refinement runs as ``torch.ops.hsmla.local_refine`` (whose implementation is
+            the reference for these inputs), since the reference's tile list (``nonzero``) has
+            a data-dependent shape that breaks the graph.
     """
 
     backend: str
     reason: str
     dense: bool = False
     interpreter: bool = False
+    as_op: bool = False
 
     def ops(self):
         """``(linear_attention, local_refine)`` of this backend, looked up now (so that a
@@ -76,7 +81,7 @@ class BackendChoice(NamedTuple):
         attention is the reference itself: there is no C kernel for it, its PyTorch operations
         trace as they are, and the op would only add its dispatch, ~25 us per call.)"""
         if self.backend == "reference":
-            return HF.linear_attention, HF.local_refine
+            return HF.linear_attention, (_kernel_api().local_refine_op if self.as_op else HF.local_refine)
         if self.backend == "dense":
             return HF.linear_attention, HF.dense_local_refine
         kernels = _kernel_api()
@@ -190,6 +195,8 @@ def select_backend(
         choice = BackendChoice("reference", problem) if problem else BackendChoice("triton", "CUDA inference")
     else:
         choice = BackendChoice("reference", f"no kernels for {device.type} devices")
+    if requested == "auto" and choice.backend == "reference" and not (training or grad) and torch.compiler.is_compiling():
+        choice = choice._replace(as_op=True)
     if choice.backend == "reference" and grad and HF.dense_fits(features):
         choice = choice._replace(dense=True)
     if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
