@@ -72,7 +72,8 @@ def bench_export(size: int = 512, runs: int = 5, threads: int | None = None, net
             rows.append({
                 "model": name, "input": "x".join(map(str, x.shape[1:])), "pytorch_ms": round(pt, 1), "onnxruntime_ms": round(ox, 1),
                 "ort_vs_pytorch": round(ox / pt, 3), "max_abs_diff": float(f"{report['max_abs_diff']:.3g}"), "export_s": report["seconds"],
-                "batch": int(x.shape[0]), "dynamic_batch": report["dynamic_batch"], "threads": threads,
+                "batch": int(x.shape[0]), "dynamic_batch": report["dynamic_batch"],
+                "spatial_ranges": " ".join(f"{lo}-{'' if hi is None else hi}" for lo, hi in report["spatial_ranges"]), "threads": threads,
             })
             print(rows[-1], flush=True)
     return rows

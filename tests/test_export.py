@@ -1,5 +1,6 @@
 """hsmla-med export: ONNX and TorchScript graphs equal the PyTorch network within 1e-4 (float32)
-on odd sizes, with a dynamic batch; infer takes the TorchScript file; bad input is one line."""
+on odd sizes, with a dynamic batch (and, in ONNX, dynamic spatial axes: run at sizes other than
+the traced one); infer takes the TorchScript file; bad input is one line."""
 
 from __future__ import annotations
 
@@ -66,10 +67,16 @@ def test_onnx_and_torchscript_2d_odd_size(btcv_ckpt, tmp_path, capsys):
     assert model.opset_import[0].version >= 17
     assert json.loads({p.key: p.value for p in model.metadata_props}["hsmla_med"])["hparams"]["task"] == "btcv"
     session = ort.InferenceSession(str(tmp_path / "onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
-    assert session.get_inputs()[0].shape[2:] == list(size) and not isinstance(session.get_inputs()[0].shape[0], int)
+    assert session.get_inputs()[0].shape == ["batch", 1, "spatial0", "spatial1"], session.get_inputs()[0].shape
+    assert session.get_outputs()[0].shape == ["batch", 3, "spatial0", "spatial1"], session.get_outputs()[0].shape
     for batch in (x[:1], x):
         out = session.run(None, {"image": batch.numpy()})[0]
         assert np.abs(out - ref[: len(batch)]).max() <= 1e-4
+    # the spatial axes are dynamic: sizes the graph was not traced at, larger and smaller, odd and even
+    for other in ((70, 33), (40, 64)):
+        y = torch.randn(2, 1, *other, generator=torch.Generator().manual_seed(8))
+        out = session.run(None, {"image": y.numpy()})[0]
+        assert out.shape == (2, 3, *other) and np.abs(out - _logits(module.network, y)).max() <= 1e-4
     ts = torch.jit.load(str(tmp_path / "torchscript" / "model.ts"))
     for batch in (x[:1], x):
         assert np.abs(_logits(ts, batch) - ref[: len(batch)]).max() <= 1e-4
@@ -90,6 +97,12 @@ def test_onnx_and_torchscript_3d_odd_size(tmp_path):
     ref = _logits(net, x)  # eager after export: no cached export-time (fake) tensors leak into it
     session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
     assert np.abs(session.run(None, {"image": x.numpy()})[0] - ref).max() <= 1e-4
+    # the spatial axes are dynamic within the ranges the exporter proved (maps of one token at
+    # stride 32 at this size: up to 32 per axis), which contain the traced size
+    ranges = onnx_report["spatial_ranges"]
+    assert all(lo <= n and (hi is None or n < hi) for n, (lo, hi) in zip(size, ranges)), ranges
+    y = torch.randn(1, 1, 30, 13, 24)
+    assert np.abs(session.run(None, {"image": y.numpy()})[0] - _logits(net, y)).max() <= 1e-4
     assert np.abs(_logits(torch.jit.load(str(tmp_path / "m.ts")), x) - ref).max() <= 1e-4
 
 

@@ -9,10 +9,12 @@ gated inference path (docs/design.md §2.6). The exported graph is checked again
 network (default backend: the C kernels on the CPU) before it is renamed onto its final name;
 the figures go into ``export.json`` beside it.
 
-What is dynamic: the batch axis (ONNX and TorchScript). The spatial size is the one exported
-(default: the checkpoint's sliding-window size, which is what :func:`hsmla_med.inference.sliding.predict_volume`
-feeds the network; MONAI pads smaller inputs up to it): the dense refinement's window masks and
-the edge-tile arithmetic are fixed per size.
+What is dynamic: the batch axis (ONNX and TorchScript) and, in ONNX, the spatial axes: the
+graph is traced at one size (default: the checkpoint's sliding-window size, which is what
+:func:`hsmla_med.inference.sliding.predict_volume` feeds the network) with symbolic sizes, so the
+dense refinement's window masks and the edge tiles are computed from the input's shape, and it
+is checked at that size and at two others. The ranges the exporter proved are recorded
+(``spatial_ranges``). TorchScript's trace fixes the spatial size it was traced at.
 
 A TorchScript file carries the checkpoint's hyper-parameters as the extra file
 ``hsmla_med.json``, so ``hsmla-med infer --checkpoint model.ts`` (or a bundle folder) rebuilds
@@ -57,6 +59,8 @@ OPSET = 18
 BUNDLE_TASKS = ("btcv", "endovis")
 #: batch sizes of the parity check (1 and 3: the exported batch axis is dynamic)
 PARITY_BATCHES = (1, 3)
+#: the largest batch an ONNX graph is exported for
+MAX_BATCH = 4096
 
 
 def load_checkpoint(path: str | Path):
@@ -87,23 +91,6 @@ def deployable_network(network: nn.Module) -> nn.Module:
     # fused gate kernels) key on data pointers, which export's fake tensors lack, and are skipped
     # for weights that require gradients
     return net
-
-
-@contextmanager
-def _clean_caches():
-    """Empty the ``lru_cache``s of :mod:`hsmla_med.nn.functional` (window masks, tile tables)
-    before and after ``torch.export``: a mask first built during export is a fake tensor, and a
-    cached one would poison later eager calls at that size."""
-    from hsmla_med.nn import functional as HF
-
-    caches = [f for f in vars(HF).values() if callable(getattr(f, "cache_clear", None))]
-    for f in caches:
-        f.cache_clear()
-    try:
-        yield
-    finally:
-        for f in caches:
-            f.cache_clear()
 
 
 def input_size(module, size: Sequence[int] | None = None) -> tuple[int, ...]:
@@ -143,11 +130,15 @@ def _check(kind: str, diff: float, tolerance: float) -> None:
 
 def export_onnx(network: nn.Module, size: Sequence[int], in_channels: int, path: str | Path, metadata: dict | None = None,
                 reference: list[np.ndarray] | None = None, tolerance: float = TOLERANCE) -> dict:
-    """Write ``network`` as ONNX (opset :data:`OPSET`, weights inside the file, dynamic batch,
-    input ``image``, output ``logits``) to ``path``, atomically; ``metadata`` goes into the
-    model's ``metadata_props`` as JSON under ``hsmla_med``. Checked with ``onnx.checker`` and
-    against the PyTorch network under onnxruntime (CPU) on :func:`parity_inputs`; returns
-    ``{"max_abs_diff", "seconds", "size"}``."""
+    """Write ``network`` as ONNX (opset :data:`OPSET`, weights inside the file, dynamic batch and
+    spatial axes, input ``image``, output ``logits``) to ``path``, atomically; ``metadata`` goes
+    into the model's ``metadata_props`` as JSON under ``hsmla_med``. Checked with
+    ``onnx.checker`` and against the PyTorch network under onnxruntime (CPU) on
+    :func:`parity_inputs` at ``size`` (``reference``: the network's logits of those, when already
+    computed) and, for dynamic spatial axes, at two other sizes (:func:`_other_sizes`). Returns
+    ``{"max_abs_diff", "seconds", "size", "opset", "dynamic_batch", "spatial_ranges",
+    "checked_sizes"}``: ``spatial_ranges`` per axis ``[min, max]`` (``max`` ``None``: unbounded;
+    ``min == max``: the axis came out static)."""
     import onnx
     import onnxruntime as ort
 
@@ -156,30 +147,81 @@ def export_onnx(network: nn.Module, size: Sequence[int], in_channels: int, path:
     inputs = parity_inputs(in_channels, size)
     reference = reference if reference is not None else _reference(network, inputs)
     example = torch.randn(2, in_channels, *size)  # batch 2: a batch of 1 would be specialised
+    # spatial axes: Dim.AUTO, dynamic wherever the graph allows (a size the network needed fixed
+    # would come out static, and the check below says so) within the range the exporter proves
+    dynamic_shapes = ({0: torch.export.Dim("batch", min=1, max=MAX_BATCH), **{2 + i: torch.export.Dim.AUTO for i in range(len(size))}},)
     started = time.perf_counter()
     with warnings.catch_warnings(), atomic_path(path) as tmp:
         warnings.simplefilter("ignore")
-        with _clean_caches(), _quiet_exporter():
+        with _quiet_exporter():  # the masks of the dense refinement are built in the graph, no cache is touched
             program = torch.onnx.export(
                 net, (example,), dynamo=True, opset_version=OPSET, input_names=["image"], output_names=["logits"],
-                dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=4096)},), external_data=False, verbose=False,
+                dynamic_shapes=dynamic_shapes, external_data=False, verbose=False,
             )
+        ranges = _input_ranges(program.exported_program)
         program.save(str(tmp), external_data=False)
         model = onnx.load(str(tmp))
+        _name_spatial_axes(model, len(size))
         if metadata is not None:
-            onnx.helper.set_model_props(model, {"hsmla_med": json.dumps(metadata)})
+            onnx.helper.set_model_props(model, {"hsmla_med": json.dumps({**metadata, "spatial_ranges": ranges[2:]})})
         onnx.checker.check_model(model)
         onnx.save(model, str(tmp))
         session = ort.InferenceSession(str(tmp), providers=["CPUExecutionProvider"])
-        batch = session.get_inputs()[0].shape[0]
-        dynamic = not isinstance(batch, int)
+        dynamic = ranges[0][0] != ranges[0][1]
         if not dynamic:  # the exporter specialised the batch axis (seen on some tiny maps): say so, check that batch
+            batch = ranges[0][0]
             log.warning("ONNX export: the batch axis came out static (%d); the graph takes batches of %d only", batch, batch)
-            pairs = [(torch.randn(batch, in_channels, *size, generator=torch.Generator().manual_seed(1)),)]
-            inputs, reference = [p[0] for p in pairs], _reference(network, [p[0] for p in pairs])
-        diff = _max_diff([session.run(None, {"image": x.numpy()})[0] for x in inputs], reference)
+            inputs = [torch.randn(batch, in_channels, *size, generator=torch.Generator().manual_seed(1))]
+            reference = _reference(network, inputs)
+        if any(lo == hi for lo, hi in ranges[2:]):
+            log.warning("ONNX export: spatial axes came out static: %s", ranges[2:])
+        others = _other_sizes(size, ranges[2:])
+        extra = [parity_inputs(in_channels, s, batches=(inputs[0].shape[0],), seed=1)[0] for s in others]
+        diff = _max_diff([session.run(None, {"image": x.numpy()})[0] for x in inputs + extra], reference + _reference(network, extra))
         _check("ONNX", diff, tolerance)
-    return {"max_abs_diff": diff, "seconds": round(time.perf_counter() - started, 2), "size": list(size), "opset": OPSET, "dynamic_batch": dynamic}
+    return {"max_abs_diff": diff, "seconds": round(time.perf_counter() - started, 2), "size": list(size), "opset": OPSET,
+            "dynamic_batch": dynamic, "spatial_ranges": ranges[2:], "checked_sizes": [list(size), *map(list, others)]}
+
+
+def _name_spatial_axes(model, dims: int) -> None:
+    """Rename the exporter's symbols of the input's spatial axes (``s0``, ``s53``) to
+    ``spatial0``, ``spatial1``, ... wherever they name an axis of a graph input, output or value."""
+    axes = model.graph.input[0].type.tensor_type.shape.dim[2 : 2 + dims]
+    names = {d.dim_param: f"spatial{i}" for i, d in enumerate(axes) if d.dim_param}
+    for value in [*model.graph.input, *model.graph.output, *model.graph.value_info]:
+        for d in value.type.tensor_type.shape.dim:
+            if d.dim_param in names:
+                d.dim_param = names[d.dim_param]
+
+
+def _input_ranges(program: torch.export.ExportedProgram) -> list[list[int | None]]:
+    """``[min, max]`` per axis of the exported program's (one) input: the range the exporter
+    proved for a symbolic size (``max`` ``None`` when unbounded), the size itself for a static one."""
+    name = program.graph_signature.user_inputs[0]
+    shape = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name == name).meta["val"].shape
+    ranges = []
+    for n in shape:
+        if isinstance(n, torch.SymInt):
+            r = program.range_constraints[n.node.expr]
+            ranges.append([max(1, int(r.lower)), None if r.upper.is_infinite or r.upper > MAX_SIZE else int(r.upper)])
+        else:
+            ranges.append([int(n), int(n)])
+    return ranges
+
+
+#: a symbolic size bounded above by more than this is reported unbounded (the exporter's int64 bound)
+MAX_SIZE = 1 << 30
+
+
+def _other_sizes(size: Sequence[int], ranges: list[list[int | None]]) -> list[tuple[int, ...]]:
+    """Two sizes besides ``size`` for the parity check of dynamic spatial axes, within
+    ``ranges``: every dynamic axis 5 larger (parity flipped), and about half (at least the
+    range's minimum); none when every axis is static."""
+    if all(lo == hi for lo, hi in ranges):
+        return []
+    larger = tuple(s if lo == hi else (s + 5 if hi is None else min(s + 5, hi)) for s, (lo, hi) in zip(size, ranges))
+    smaller = tuple(s if lo == hi else max(lo, s // 2 + 1) for s, (lo, hi) in zip(size, ranges))
+    return [t for t in dict.fromkeys([larger, smaller]) if t != tuple(size)]
 
 
 @contextmanager
@@ -291,5 +333,8 @@ def export(checkpoint: str | Path, fmt: str, output: str | Path, size: Sequence[
 def format_report(report: dict) -> str:
     """One line for the command line."""
     size = "x".join(map(str, report["size"]))
-    return (f"{report['format']}: {report['task']} network at {size} (batch dynamic), max |logit difference| vs PyTorch "
-            f"{report['max_abs_diff']:.2e} (tolerance {report['tolerance']:g}), {report['seconds']:.1f} s")
+    ranges = report.get("spatial_ranges") or []
+    axes = "batch and spatial axes dynamic" if any(lo != hi for lo, hi in ranges) else "batch dynamic"
+    checked = ", ".join("x".join(map(str, s)) for s in report.get("checked_sizes", [report["size"]]))
+    return (f"{report['format']}: {report['task']} network traced at {size} ({axes}), max |logit difference| vs PyTorch "
+            f"{report['max_abs_diff']:.2e} at {checked} (tolerance {report['tolerance']:g}), {report['seconds']:.1f} s")

@@ -190,10 +190,11 @@ class HSMLA(nn.Module):
         with stride ``block`` whose kernel is the 3x3 kernel convolved with a ``block``-sized box
         (divided by its volume): it never materialises the full-resolution conv output, which
         costs as much as the Q/K/V projection on large maps. Maps with partial edge tiles average
-        over the tokens that exist, on the unfused path.
+        over the tokens that exist, on the unfused path, as do symbolic sizes (an export with
+        dynamic spatial axes: one graph for whole and partial tiles).
         """
         conv = self.gate_conv
-        if any(n % self.block for n in ms.shape[2:]):
+        if any(isinstance(n, torch.SymInt) or n % self.block for n in ms.shape[2:]):
             return HF.tile_average(conv(ms), self.block)
         conv_nd = (F.conv2d, F.conv3d)[self.spatial_dims - 2]
         kernel = self._derived("gate_pool", conv.weight, self._gate_pool_kernel)

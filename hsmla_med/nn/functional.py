@@ -428,14 +428,19 @@ def local_refine(
     return add_to.add_(_tiled((q, k, v), (qh, kh, vh), window, block, index, eps, weight))
 
 
-@lru_cache(maxsize=32)
-def _window_masks(spatial: tuple[int, ...], window: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _build_window_masks(spatial: tuple[int, ...], window: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(N, N)`` float32 score bias (0 where key ``j`` lies in query ``i``'s window, else
     ``_HIDDEN``) and the matching 0/1 mask. Only keys inside the map exist, so keys outside it
-    are excluded, not zero-padded."""
-    coords = torch.cartesian_prod(*(torch.arange(n) for n in spatial)).view(-1, len(spatial))
+    are excluded, not zero-padded. Built from the sizes alone, so that a traced graph (export
+    with dynamic spatial axes) builds them for whatever size it is given."""
+    grids = torch.meshgrid(*(torch.arange(n, device=device) for n in spatial), indexing="ij")
+    coords = torch.stack([g.reshape(-1) for g in grids], dim=-1)
     inside = (coords[:, None] - coords[None]).abs().amax(dim=-1) <= window // 2
-    return torch.where(inside, 0.0, _HIDDEN).to(device), inside.float().to(device)
+    return torch.where(inside, 0.0, _HIDDEN), inside.float()
+
+
+#: the masks of one size, kept between eager calls
+_window_masks = lru_cache(maxsize=32)(_build_window_masks)
 
 
 def dense_refine(
@@ -471,7 +476,9 @@ def dense_refine(
     with torch.autocast(device_type=q.device.type, enabled=False):
         # float32 at least (float64 stays, for gradient checks); (b, h, N, d)
         q, k, v, qh, kh, vh = (t.to(torch.promote_types(dtype, torch.float32)).flatten(2, -2) for t in (q, k, v, qh, kh, vh))
-        bias, inside = (m.to(q.dtype) for m in _window_masks(tuple(shape[2:-1]), window, q.device))
+        # while tracing, in the graph: symbolic sizes (dynamic spatial axes) neither hash nor fix the masks
+        masks = _build_window_masks if torch.compiler.is_compiling() else _window_masks
+        bias, inside = (m.to(q.dtype) for m in masks(tuple(shape[2:-1]), window, q.device))
         scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2) + bias
         local = scores.softmax(dim=-1) @ v
         weights = (qh.relu() @ kh.relu().transpose(-1, -2)) * inside
@@ -551,14 +558,18 @@ def tile_broadcast(gate: torch.Tensor, block: int, spatial: tuple[int, ...]) -> 
 def tile_average(x: torch.Tensor, block: int) -> torch.Tensor:
     """Mean of ``(batch, C, *spatial)`` over ``block``-sized tiles -> ``(batch, C, *tiles)``.
 
-    Partial edge tiles average over the tokens that exist: ``avg_pool`` with ``ceil_mode`` and no
-    padding divides each window by the number of its elements inside the map. (Its 3D form
-    refuses a kernel longer than the map, so an axis shorter than ``block``, one partial tile,
-    takes a kernel of the axis's length.)
+    Partial edge tiles average over the tokens that exist: the map is zero-padded to whole
+    tiles, summed per tile (``avg_pool`` with stride ``block``) and divided by the same pooling
+    of a map of ones (each tile's share of existing tokens). Every size here is arithmetic on
+    the input's shape, with no comparison of a size against ``block``, so an export with
+    dynamic spatial axes keeps them symbolic (``avg_pool``'s ``ceil_mode`` made the exporter fix
+    the tile count, and its 3D form refuses a kernel longer than the map).
     """
     pool = (F.avg_pool2d, F.avg_pool3d)[x.dim() - 4]
-    kernel = [min(block, n) for n in x.shape[2:]]
-    return pool(x, kernel, stride=block, ceil_mode=True)
+    spatial = x.shape[2:]
+    pad = [p for n in reversed(spatial) for p in (0, (-n) % block)]
+    share = pool(F.pad(x.new_ones(1, 1, *spatial), pad), block, stride=block)
+    return pool(F.pad(x, pad), block, stride=block) / share
 
 
 def block_gate(
