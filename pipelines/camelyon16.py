@@ -158,14 +158,17 @@ def slide_patches(case: dict, data: dict) -> dict:
 
 
 class ReadPatchd(MapTransform):
-    """Read the patch ``(slide, x, y, level, size)`` of an item as ``image`` ``(3, size, size)``
-    float32 in 0..1. Slides are opened lazily, once per process (DataLoader workers included),
-    and only the patch's region is read; ``keep`` bounds the handles held open (the least
-    recently used closes first; inference reads slide after slide and keeps one)."""
+    """Read the patch ``(slide, x, y, level, size)`` of an item as ``image`` ``(3, size, size)``,
+    float32 in 0..1 (for augmentation), or with ``uint8`` the bytes as read (0..255), which
+    :class:`~hsmla_med.engine.classification.ClassificationModule` scales on its device: a
+    quarter of the bytes through the loader workers' shared memory and the host-to-device copy.
+    Slides are opened lazily, once per process (DataLoader workers included), and only the
+    patch's region is read; ``keep`` bounds the handles held open (the least recently used
+    closes first; inference reads slide after slide and keeps one)."""
 
-    def __init__(self, keep: int | None = None) -> None:
+    def __init__(self, keep: int | None = None, uint8: bool = False) -> None:
         super().__init__(["slide"])
-        self.keep = keep
+        self.keep, self.uint8 = keep, uint8
         self._open: OrderedDict[str, object] = OrderedDict()
 
     def __call__(self, item: dict) -> dict:
@@ -176,8 +179,8 @@ class ReadPatchd(MapTransform):
             self._open[path] = open_slide(path)
         self._open.move_to_end(path)
         rgb = read_region(self._open[path], int(item["x"]), int(item["y"]), int(item["level"]), int(item["size"]))
-        # channels-last view, converted once: the networks run channels-last anyway
-        return {**item, "image": torch.from_numpy(rgb).permute(2, 0, 1).float().div_(255.0)}
+        image = torch.from_numpy(rgb).permute(2, 0, 1)  # a channels-last view: the networks run channels-last
+        return {**item, "image": image if self.uint8 else image.float().div_(255.0)}
 
 
 def _items(cases: list[dict], config: dict) -> list[dict]:
@@ -196,7 +199,7 @@ def _items(cases: list[dict], config: dict) -> list[dict]:
 
 def transforms(config: dict) -> tuple[Compose, Compose]:
     """Patch reading plus stain-robust augmentation (per-channel intensity scale and shift,
-    flips, 90-degree rotations) for training; patch reading alone for validation."""
+    flips, 90-degree rotations) for training; patch reading alone, in bytes, for validation."""
     aug = config["data"]["augment"]
     train = Compose([
         ReadPatchd(),
@@ -206,7 +209,7 @@ def transforms(config: dict) -> tuple[Compose, Compose]:
         RandScaleIntensityd("image", factors=aug["colour_scale"], prob=aug["colour_prob"], channel_wise=True),
         RandShiftIntensityd("image", offsets=aug["colour_shift"], prob=aug["colour_prob"], channel_wise=True),
     ])
-    return train, Compose([ReadPatchd()])
+    return train, Compose([ReadPatchd(uint8=True)])
 
 
 class PatchDataModule(CaseDataModule):
@@ -375,7 +378,7 @@ def infer(module: ClassificationModule, inputs: str | Path, output: str | Path, 
     heatmaps = SlideHeatmaps(module, output, data, options.progress)
     items = [{"name": slide.stem, "slide": str(slide), "output": output / f"{slide.stem}.json"} for slide in slides]
     return predict_cases(
-        module, items, ReadPatchd(keep=1), heatmaps.write, options, flush=heatmaps.flush,
+        module, items, ReadPatchd(keep=1, uint8=True), heatmaps.write, options, flush=heatmaps.flush,
         batch_size=options.batch_size or module.config["inference"]["batch_size"], collate=list_data_collate, expand=heatmaps.patches,
     )
 

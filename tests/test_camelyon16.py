@@ -14,7 +14,7 @@ from torch import nn
 from hsmla_med.cli import main
 from hsmla_med.config import merge_config, task_config
 from hsmla_med.data.synthetic_wsi import generate_camelyon16
-from hsmla_med.engine.classification import ClassificationModule, slide_maps
+from hsmla_med.engine.classification import ClassificationModule, patch_images, slide_maps
 from hsmla_med.errors import DataError
 from hsmla_med.metrics.pathology import auc
 from hsmla_med.pipelines import camelyon16
@@ -210,6 +210,26 @@ def test_read_patch_keeps_at_most_keep_slides_open(slides):
         patch = reader({"slide": str(path), "x": 0, "y": 0, "level": 0, "size": 16})["image"]
         assert patch.shape == (3, 16, 16) and patch.dtype == torch.float32
         assert list(reader._open) == [str(path)]
+
+
+def test_patches_read_as_bytes_reach_the_network_as_the_float_patches(slides):
+    """``ReadPatchd(uint8=True)`` (inference, validation) holds the slide's bytes; the module's
+    scaling gives exactly the float patch of the training reader, also at the slide's edge
+    (composited onto white)."""
+    path = str(next((slides / "data" / "training" / "tumor").glob("*.tif")))
+    with openslide.OpenSlide(path) as slide:
+        width, height = slide.dimensions
+    for x, y in ((512, 256), (width - 40, height - 24)):  # inside, and partly past the corner
+        item = {"slide": path, "x": x, "y": y, "level": 0, "size": 64}
+        raw = camelyon16.ReadPatchd(uint8=True)(item)["image"]
+        with openslide.OpenSlide(path) as slide:
+            rgba = np.asarray(slide.read_region((x, y), 0, (64, 64))).astype(np.int64)
+        expected = (rgba[..., :3] * rgba[..., 3:] + 255 * (255 - rgba[..., 3:]) + 127) // 255  # onto white
+        assert raw.dtype == torch.uint8 and raw.shape == (3, 64, 64)
+        np.testing.assert_array_equal(raw.permute(1, 2, 0).numpy(), expected)
+        scaled = patch_images({"image": raw[None]})[0]
+        assert torch.equal(scaled, camelyon16.ReadPatchd()(item)["image"])
+        assert torch.equal(patch_images({"image": scaled[None]})[0], scaled)  # floats pass unchanged
 
 
 @pytest.mark.parametrize("device, precision", [

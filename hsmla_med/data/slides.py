@@ -121,11 +121,14 @@ def read_region(slide: openslide.OpenSlide, x0: int, y0: int, level: int, size: 
         raise ValueError(f"region size must be positive, got {width}x{height}")
     select_level(slide, level)
     try:
-        rgba = np.asarray(slide.read_region((int(x0), int(y0)), level, (int(width), int(height))))
+        image = slide.read_region((int(x0), int(y0)), level, (int(width), int(height)))
     except openslide.OpenSlideError as err:
         raise DataError(f"{_name(slide)}: cannot read region at ({x0}, {y0}) of level {level} ({err})") from None
-    if rgba[..., 3].min() == 255:  # inside the scanned area (nearly every patch): nothing to composite
-        return np.ascontiguousarray(rgba[..., :3])
+    if image.getchannel("A").getextrema()[0] == 255:
+        # inside the scanned area (nearly every patch): nothing to composite. PIL drops the alpha
+        # in one pass; NumPy's strided RGB copy took a quarter of a 256 px patch's read time
+        return np.array(image.convert("RGB"))
+    rgba = np.asarray(image)
     alpha = rgba[..., 3:].astype(np.uint16)  # OpenSlide un-premultiplies: colour * alpha + white * (255 - alpha)
     return ((rgba[..., :3] * alpha + 255 * (255 - alpha) + 127) // 255).astype(np.uint8)
 

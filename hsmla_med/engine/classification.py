@@ -12,7 +12,7 @@ from hsmla_med.engine.base import GatedModule, item_keys, plain
 from hsmla_med.nn import GatedNetwork
 from hsmla_med.metrics.pathology import auc, detect_lesions, lesion_froc, slide_score
 
-__all__ = ["ClassificationModule", "slide_maps"]
+__all__ = ["ClassificationModule", "patch_images", "slide_maps"]
 
 _FIELDS = ("slide", "row", "col", "prob", "label", "lesion", "slide_label")  # of a validation record, with "key"
 
@@ -47,7 +47,9 @@ class ClassificationModule(GatedModule):
             threshold, at least that many cells apart).
         network: use this network instead of building one from ``config["network"]``.
 
-    Training batches: ``image`` ``(B, C, h, w)``, ``label`` ``(B,)`` (1 = tumour). Validation
+    Training batches: ``image`` ``(B, C, h, w)`` float in 0..1, ``label`` ``(B,)`` (1 = tumour).
+    Validation and prediction batches may carry ``image`` as uint8 0..255 (scaled on the
+    module's device, :func:`patch_images`). Validation
     batches also carry ``case`` (patch index), ``slide_index``, ``row``/``col`` (the
     patch's cell on the slide's grid), ``lesion`` (id of the annotated lesion under the patch,
     0 = none) and ``slide_label``. A validation record is a patch: ``key`` (its ``case``),
@@ -68,13 +70,13 @@ class ClassificationModule(GatedModule):
         """A batch of whole-slide patches (``image``, ``slide_index``, ``row``, ``col``) -> their
         tumour ``prob`` and ``alpha`` (share of gate tiles refined, ``None`` without gates), on
         the CPU with the patches' places."""
-        prob = torch.softmax(self.network(plain(batch["image"])).float(), dim=1)[:, 1]
+        prob = torch.softmax(self.network(patch_images(batch)).float(), dim=1)[:, 1]
         alpha = patch_alpha(self.network)
         place = {k: torch.as_tensor(batch[k]).reshape(-1).cpu() for k in ("slide_index", "row", "col")}
         return {**place, "prob": prob.cpu(), "alpha": None if alpha is None else alpha.float().cpu()}
 
     def validation_records(self, batch: dict) -> list[dict]:
-        prob = torch.softmax(self.network(plain(batch["image"])).float(), dim=1)[:, 1].cpu().tolist()
+        prob = torch.softmax(self.network(patch_images(batch)).float(), dim=1)[:, 1].cpu().tolist()
         ints = lambda k: torch.as_tensor(batch[k]).reshape(-1).long().tolist()  # noqa: E731
         columns = zip(ints("slide_index"), ints("row"), ints("col"), prob, ints("label"), ints("lesion"), ints("slide_label"))
         return [{"key": key, **dict(zip(_FIELDS, values))} for key, values in zip(item_keys(batch), columns)]
@@ -95,6 +97,13 @@ class ClassificationModule(GatedModule):
             "slides": len(maps),
             "cases": len(records),
         }
+
+
+def patch_images(batch: dict) -> torch.Tensor:
+    """The batch's ``image`` as the network takes it: float in 0..1. Patches read as bytes
+    (``ReadPatchd(uint8=True)``) are scaled here, on the module's device."""
+    image = plain(batch["image"])
+    return image.float().div_(255.0) if image.dtype == torch.uint8 else image
 
 
 def patch_alpha(network: nn.Module) -> torch.Tensor | None:
