@@ -27,7 +27,7 @@ from torch.utils.data import WeightedRandomSampler
 
 from hsmla_med.data.asap import rasterise, read_asap_xml
 from hsmla_med.data.datalist import Datalist, split_cases
-from hsmla_med.data.slides import coverage, open_slide, patch_grid, read_region, select_level, slide_mpp, tissue_mask
+from hsmla_med.data.slides import coverage, open_slide, patch_grid, read_region, select_level, slide_mpp, thumbnail, tissue_mask
 from hsmla_med.data.synthetic_wsi import generate_camelyon16
 from hsmla_med.data.tiff import write_pyramidal_tiff
 from hsmla_med.engine.base import hparams
@@ -319,7 +319,6 @@ class SlideHeatmaps:
     def _finish(self, slide: dict) -> list[Path]:
         prob, alpha, step, grid = slide["prob"], slide["alpha"], slide["step"], slide["grid"]
         handle = open_slide(slide["slide"])
-        width, height = handle.dimensions
         # k x k heatmap pixels per grid cell, k a power of two taking the long side to >= 1024 px, so
         # that viewers get a pyramid even for small slides; the pixel size stays physical
         scale = 2 ** max(0, int(np.ceil(np.log2(1024 / max(prob.shape + (1,))))))
@@ -328,12 +327,11 @@ class SlideHeatmaps:
         stem = Path(slide["slide"]).stem
         paths = [self.output / f"{stem}_heatmap.tif", self.output / f"{stem}_overlay.png", self.output / f"{stem}_gates.png"]
         write_pyramidal_tiff(paths[0], heat, mpp * step / scale if mpp else None)
-        # thumbnail padded with glass to the grid's extent (a part of a cell beyond the slide edge)
-        tissue_ds = float(grid["tissue_downsample"])
-        thumb = np.asarray(handle.get_thumbnail((width / tissue_ds, height / tissue_ds)).convert("RGB"))
+        # thumbnail cut or padded with glass to the grid's extent (a part of a cell beyond the slide edge)
+        thumb, thumb_ds = thumbnail(handle)
         handle.close()
-        extent = np.round(np.array(prob.shape) * step / height * thumb.shape[0]).astype(int)
-        thumb = np.pad(thumb, ((0, max(0, extent[0] - thumb.shape[0])), (0, max(0, extent[1] - thumb.shape[1])), (0, 0)), constant_values=255)
+        rows, cols = np.maximum(np.round(np.array(prob.shape) * step / thumb_ds).astype(int), 1)
+        thumb = np.pad(thumb[:rows, :cols], ((0, max(0, rows - thumb.shape[0])), (0, max(0, cols - thumb.shape[1])), (0, 0)), constant_values=255)
         heatmap_overlay(paths[1], thumb, prob, title=f"{stem}: tumour probability")
         gate_overlay(paths[2], thumb, alpha, title=f"{stem}: HSMLA tiles refined")
         now = time.perf_counter()

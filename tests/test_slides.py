@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tifffile
 
-from hsmla_med.data.slides import coverage, open_slide, patch_grid, read_region, select_level, slide_mpp, tissue_mask
+from hsmla_med.data.slides import coverage, open_slide, patch_grid, read_region, select_level, slide_mpp, thumbnail, tissue_mask
 from hsmla_med.errors import DataError
 
 WIDTH, HEIGHT = 2048, 1536
@@ -158,6 +158,29 @@ def test_tissue_mask_of_single_level_slide_without_specks_or_black(tmp_path, rgb
     assert d == 2.0 and mask.shape == (HEIGHT // 2, WIDTH // 2)
     assert not mask[40:60, 40:60].any() and not mask[700:, :250].any()
     assert iou(mask, truth_at(mask.shape, d)) > 0.9
+
+
+def test_thumbnail_is_a_pyramid_level_as_written(slide, rgb):
+    """Within the sizes asked, a level is returned as it is: the writer's block means of level 0."""
+    picture, d = thumbnail(slide, min_size=512, max_size=600)
+    level = rgb.reshape(HEIGHT // 4, 4, WIDTH // 4, 4, 3).mean(axis=(1, 3)).round().astype(np.uint8)
+    assert d == 4.0 and picture.dtype == np.uint8
+    np.testing.assert_array_equal(picture, level)
+
+
+def test_thumbnail_of_single_level_slide_averages_whole_blocks_padded_with_white(tmp_path, rgb):
+    cut = rgb[:1531, :2045]  # neither side a multiple of the block
+    with open_slide(write_slide(tmp_path / "flat.tif", cut, (1,))) as s:
+        picture, d = thumbnail(s, min_size=512, max_size=700)
+    assert d == 3.0 and picture.shape == (511, 682, 3)  # ceil(1531 / 3), ceil(2045 / 3)
+    expected = np.empty(picture.shape)
+    for r in range(picture.shape[0]):  # brute force: each 3 x 3 block, white beyond the edge
+        for c in range(picture.shape[1]):
+            block = np.full((3, 3, 3), 255.0)
+            part = cut[3 * r : 3 * r + 3, 3 * c : 3 * c + 3]
+            block[: part.shape[0], : part.shape[1]] = part
+            expected[r, c] = block.mean(axis=(0, 1))
+    assert np.abs(picture - expected).max() <= 0.5 + 1e-9  # rounded to the nearest byte
 
 
 @pytest.mark.parametrize("noise", [0, 2])

@@ -26,7 +26,7 @@ from skimage.morphology import remove_small_holes, remove_small_objects
 
 from hsmla_med.errors import DataError
 
-__all__ = ["open_slide", "slide_mpp", "select_level", "read_region", "tissue_mask", "patch_grid", "coverage"]
+__all__ = ["open_slide", "slide_mpp", "select_level", "read_region", "thumbnail", "tissue_mask", "patch_grid", "coverage"]
 
 # scikit-image 0.26 renamed min_size/area_threshold (removes sizes < n) to max_size (removes sizes <= n).
 _SKIMAGE_MAX_SIZE = "max_size" in inspect.signature(remove_small_objects).parameters
@@ -142,6 +142,58 @@ def _remove_small(mask: np.ndarray, area: float) -> np.ndarray:
     return remove_small_holes(remove_small_objects(mask, min_size=size), area_threshold=size)
 
 
+def _level_bands(slide: openslide.OpenSlide, min_size: int, max_size: int):
+    """The coarsest level whose longer side is at least ``min_size`` (level 0 when the whole
+    slide is smaller), read in bands of about :data:`_BAND_PIXELS` and, where longer than
+    ``max_size`` (a sparse pyramid, or a single-level file), averaged over ``f x f`` blocks with
+    the smallest integer ``f`` that brings it within ``max_size``; blocks cut by the right or
+    bottom edge are padded with white.
+
+    Yields:
+        ``(row, band, (height, width), downsample)``: the band's first row in the output, the
+        band (uint8 ``(h, width, 3)`` as read, or its block means as float64 in 0..1 when
+        ``f > 1``), the whole output's size and its level-0 pixels per output pixel.
+    """
+    if not 0 < min_size <= max_size:
+        raise ValueError(f"need 0 < min_size <= max_size, got {min_size}, {max_size}")
+    long_sides = [max(dims) for dims in slide.level_dimensions]
+    level = max((i for i, side in enumerate(long_sides) if side >= min_size), default=0)
+    width, height = slide.level_dimensions[level]
+    factor = math.ceil(long_sides[level] / max_size)
+    downsample = float(slide.level_downsamples[level] * factor)
+    out_size = (math.ceil(height / factor), math.ceil(width / factor))
+    rows = factor * max(1, _BAND_PIXELS // (width * factor))  # level rows per band, in whole blocks
+    for top in range(0, height, rows):
+        band_h = min(rows, height - top)
+        band = read_region(slide, 0, round(top * slide.level_downsamples[level]), level, (width, band_h))
+        if factor > 1:
+            pad_h, pad_w = -band_h % factor, -width % factor
+            band = np.pad(band, ((0, pad_h), (0, pad_w), (0, 0)), constant_values=255)
+            band = band.reshape(band.shape[0] // factor, factor, out_size[1], factor, 3).mean(axis=(1, 3)) / 255.0
+        yield top // factor, band, out_size, downsample
+
+
+def thumbnail(slide: openslide.OpenSlide, min_size: int = 1024, max_size: int = 2048) -> tuple[np.ndarray, float]:
+    """A picture of the whole slide for overlays, its longer side in ``min_size .. max_size``
+    where the pyramid allows: the level :func:`tissue_mask` would read for these sizes, reduced
+    by whole ``f x f`` block means, never resampled by a fractional factor (OpenSlide's
+    ``get_thumbnail`` resamples a finer level with Lanczos: about a second per slide).
+
+    Returns:
+        (rgb, downsample): uint8 ``(H, W, 3)`` (transparent regions white) and its level-0
+        pixels per picture pixel. Blocks cut by the right or bottom edge are padded with white,
+        so the picture may reach up to ``f - 1`` level pixels past the slide's edge.
+    """
+    picture, downsample = None, 1.0
+    for top, band, (height, width), downsample in _level_bands(slide, min_size, max_size):
+        if picture is None:
+            picture = np.empty((height, width, 3), np.uint8)
+        if band.dtype != np.uint8:
+            band = np.rint(band * 255.0).astype(np.uint8)
+        picture[top : top + len(band)] = band
+    return picture, downsample
+
+
 def tissue_mask(
     slide: openslide.OpenSlide,
     min_size: int = 2048,
@@ -151,11 +203,8 @@ def tissue_mask(
 ) -> tuple[np.ndarray, float]:
     """Boolean tissue mask at low resolution: saturated (stained) pixels, not glass or pale background.
 
-    The level read is the coarsest whose longer side is at least ``min_size`` (level 0 when the
-    whole slide is smaller). It is read in bands and, where longer than ``max_size`` (a
-    sparse pyramid, or a single-level file), averaged over ``f x f`` blocks with the smallest
-    integer ``f`` that brings it within ``max_size``; blocks cut by the right or bottom edge
-    are padded with white.
+    The picture is :func:`_level_bands`' for ``min_size`` and ``max_size``: the coarsest level
+    whose longer side is at least ``min_size``, averaged over whole blocks down to ``max_size``.
 
     Tissue is where the HSV saturation exceeds Otsu's threshold, floored at ``min_saturation``
     so that a slide of bare glass (saturation noise only) finds none; near-black pixels (HSV value
@@ -168,27 +217,13 @@ def tissue_mask(
         (mask, downsample): bool (H_m, W_m) mask and its level-0 pixels per mask pixel. A slide
         without tissue gives an all-False mask and a warning naming it.
     """
-    if not 0 < min_size <= max_size:
-        raise ValueError(f"need 0 < min_size <= max_size, got {min_size}, {max_size}")
-    long_sides = [max(dims) for dims in slide.level_dimensions]
-    level = max((i for i, side in enumerate(long_sides) if side >= min_size), default=0)
-    width, height = slide.level_dimensions[level]
-    factor = math.ceil(long_sides[level] / max_size)
-    downsample = slide.level_downsamples[level] * factor
-
-    out_w, out_h = math.ceil(width / factor), math.ceil(height / factor)
-    rows = factor * max(1, _BAND_PIXELS // (width * factor))  # level rows per band, in whole blocks
-    saturation = np.empty((out_h, out_w), np.float32)
-    for top in range(0, height, rows):
-        band_h = min(rows, height - top)
-        band = read_region(slide, 0, round(top * slide.level_downsamples[level]), level, (width, band_h))
-        if factor > 1:
-            pad_h, pad_w = -band_h % factor, -width % factor
-            band = np.pad(band, ((0, pad_h), (0, pad_w), (0, 0)), constant_values=255)
-            band = band.reshape(band.shape[0] // factor, factor, out_w, factor, 3).mean(axis=(1, 3)) / 255.0
+    saturation, downsample = None, 1.0
+    for top, band, (out_h, out_w), downsample in _level_bands(slide, min_size, max_size):
+        if saturation is None:
+            saturation = np.empty((out_h, out_w), np.float32)
         hsv = rgb2hsv(band)
         band_sat = np.where(hsv[..., 2] < _MIN_VALUE, 0.0, hsv[..., 1])
-        saturation[top // factor : top // factor + len(band_sat)] = band_sat
+        saturation[top : top + len(band_sat)] = band_sat
 
     if np.ptp(saturation) < 1e-6:  # uniform: Otsu has nothing to split
         warnings.warn(f"{_name(slide)}: blank slide (uniform colour), no tissue found", stacklevel=2)
