@@ -4,9 +4,10 @@ patches in tissue).
 
 Each (model, slide, mode) runs in a fresh process that reports its wall time and peak
 resident-set growth. Modes: ``forward`` (the network alone on the slide's patches, read into
-memory beforehand: the ceiling), ``loop-0`` (``camelyon16.infer`` with patches read in the main
-process between forward passes, as the loop before Lightning's predict loop did) and ``loop-W``
-(the same with W DataLoader workers reading ahead). The processes run with the allocator
+memory beforehand: the ceiling), ``loop-0-R`` (``camelyon16.infer`` with patches read by reader
+R, ``openslide`` or ``cucim``, in the main process between forward passes, as the loop before
+Lightning's predict loop did) and ``loop-W-R`` (the same with W DataLoader workers reading
+ahead); the cuCIM modes run where cuCIM is installed. The processes run with the allocator
 settings of ``hsmla-med`` itself (:mod:`hsmla_med.runtime`), as a user's run would. Throughput is patches per second of the
 whole heatmap: reading, classifying and writing the TIFF, overlays and JSON. Random weights;
 HSMLA taus calibrated to alpha 0.3.
@@ -16,6 +17,7 @@ HSMLA taus calibrated to alpha 0.3.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 
 from hsmla_med.benchmark import _status_kib
+from hsmla_med.data.patch_readers import READER_ENV
 
 MODELS = ("HSMLA-B0", "HSMLA-B1", "ResNet-18 (MONAI)")
 SIZES = ((8192, 6144), (24576, 18432))
@@ -82,7 +85,9 @@ def _child(model: str, slide: str, cache: str, patch: int, batch: int, mode: str
                     torch.softmax(module.network(patches[i : i + batch]), 1)
             count = len(patches)
         else:
-            workers = int(mode.split("-")[1])
+            _, workers, reader = mode.split("-")
+            os.environ[READER_ENV] = reader  # read when the loader opens the slide
+            workers = int(workers)
             options = InferenceOptions(batch_size=batch, num_workers=workers, progress=lambda _: None)
             camelyon16.infer(module, slide, out, options)
             count = json.loads((Path(out) / f"{Path(slide).stem}.json").read_text())["patches"]
@@ -91,13 +96,20 @@ def _child(model: str, slide: str, cache: str, patch: int, batch: int, mode: str
     print(json.dumps({"patches": count, "seconds": seconds, "peak_mib": (peak - base) / 1024}))
 
 
-def bench_wsi(patch: int = 256, batch: int = 32, rounds: int = 2, modes: tuple[str, ...] = ("forward", "loop-0", "loop-1")) -> list[dict]:
+def default_modes() -> tuple[str, ...]:
+    """The forward passes alone, the loop with each reader installed, and with one worker reading ahead."""
+    readers = ("openslide", "cucim") if importlib.util.find_spec("cucim") else ("openslide",)
+    return ("forward", *(f"loop-0-{r}" for r in readers), f"loop-1-{readers[-1]}")
+
+
+def bench_wsi(patch: int = 256, batch: int = 32, rounds: int = 2, modes: tuple[str, ...] | None = None) -> list[dict]:
     """Rows ``model, slide, mode, patches, seconds, patches_per_s, peak_mib`` (best of
     ``rounds`` interleaved runs) and ``vs_forward``, the throughput over the same model's
     ``forward`` throughput on the same slide."""
     from hsmla_med.data.synthetic_wsi import generate_camelyon16
     from hsmla_med.pipelines import camelyon16
 
+    modes = modes or default_modes()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         slides = []

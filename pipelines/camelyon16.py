@@ -27,7 +27,8 @@ from torch.utils.data import WeightedRandomSampler
 
 from hsmla_med.data.asap import rasterise, read_asap_xml
 from hsmla_med.data.datalist import Datalist, split_cases
-from hsmla_med.data.slides import coverage, open_slide, patch_grid, read_region, select_level, slide_mpp, thumbnail, tissue_mask
+from hsmla_med.data.patch_readers import open_patches
+from hsmla_med.data.slides import coverage, open_slide, patch_grid, select_level, slide_mpp, thumbnail, tissue_mask
 from hsmla_med.data.synthetic_wsi import generate_camelyon16
 from hsmla_med.data.tiff import write_pyramidal_tiff
 from hsmla_med.engine.base import hparams
@@ -163,8 +164,10 @@ class ReadPatchd(MapTransform):
     :class:`~hsmla_med.engine.classification.ClassificationModule` scales on its device: a
     quarter of the bytes through the loader workers' shared memory and the host-to-device copy.
     Slides are opened lazily, once per process (DataLoader workers included), and only the
-    patch's region is read; ``keep`` bounds the handles held open (the least recently used
-    closes first; inference reads slide after slide and keeps one)."""
+    patch's region is read, by cuCIM where installed, else OpenSlide
+    (:func:`~hsmla_med.data.patch_readers.open_patches`; ``HSMLA_MED_SLIDE_READER``); ``keep``
+    bounds the handles held open (the least recently used closes first; inference reads slide
+    after slide and keeps one)."""
 
     def __init__(self, keep: int | None = None, uint8: bool = False) -> None:
         super().__init__(["slide"])
@@ -176,9 +179,9 @@ class ReadPatchd(MapTransform):
         if path not in self._open:
             if self.keep is not None and len(self._open) >= self.keep:
                 self._open.popitem(last=False)[1].close()
-            self._open[path] = open_slide(path)
+            self._open[path] = open_patches(path)
         self._open.move_to_end(path)
-        rgb = read_region(self._open[path], int(item["x"]), int(item["y"]), int(item["level"]), int(item["size"]))
+        rgb = self._open[path].read(int(item["x"]), int(item["y"]), int(item["level"]), int(item["size"]))
         image = torch.from_numpy(rgb).permute(2, 0, 1)  # a channels-last view: the networks run channels-last
         return {**item, "image": image if self.uint8 else image.float().div_(255.0)}
 

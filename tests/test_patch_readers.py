@@ -1,0 +1,92 @@
+"""Patch readers: cuCIM gives OpenSlide's bytes (inside the slide and, as white, outside it), the
+reader is chosen as ``HSMLA_MED_SLIDE_READER`` says, and bad slides get one clear error.
+
+The slide is a JPEG-tiled pyramid written by the project's writer (the format of the synthetic
+CAMELYON16 slides and of CAMELYON16 itself); OpenSlide is the reference."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import numpy as np
+import pytest
+import tifffile
+
+from hsmla_med.data.patch_readers import CuCIMPatches, OpenSlidePatches, open_patches
+from hsmla_med.data.slides import open_slide, read_region
+from hsmla_med.data.tiff import write_pyramidal_tiff
+from hsmla_med.errors import DataError
+from tests.test_slides import HEIGHT, WIDTH, synthetic_rgb, write_slide
+
+needs_cucim = pytest.mark.skipif(importlib.util.find_spec("cucim") is None, reason="cuCIM is not installed")
+
+
+@pytest.fixture(scope="module")
+def jpeg_slide(tmp_path_factory):
+    path = tmp_path_factory.mktemp("readers") / "tumor_007.tif"
+    return write_pyramidal_tiff(path, synthetic_rgb(3), mpp=0.25, tile=256, compression="jpeg", min_size=300)
+
+
+@needs_cucim
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_cucim_patches_equal_openslide_inside_and_across_the_edges(jpeg_slide, level):
+    d = 2**level
+    corners = [(0, 0), (256 * d, 128 * d), (WIDTH - 40 * d, HEIGHT - 24 * d), (-16 * d, -8 * d), (WIDTH + 8 * d, 0)]
+    cucim, reference = CuCIMPatches(jpeg_slide), open_slide(jpeg_slide)
+    for x, y in corners:
+        patch = cucim.read(x, y, level, 64)
+        assert patch.dtype == np.uint8 and patch.shape == (64, 64, 3)
+        np.testing.assert_array_equal(patch, read_region(reference, x, y, level, 64), err_msg=f"({x}, {y}) level {level}")
+    outside = cucim.read(WIDTH + 8 * d, 0, level, 64)
+    assert (outside == 255).all()  # wholly past the edge: glass, as OpenSlide composites it
+    cucim.close()
+    reference.close()
+
+
+@needs_cucim
+def test_auto_takes_cucim_for_tiff_and_the_variable_decides(jpeg_slide, monkeypatch):
+    monkeypatch.delenv("HSMLA_MED_SLIDE_READER", raising=False)
+    assert isinstance(open_patches(jpeg_slide), CuCIMPatches)
+    monkeypatch.setenv("HSMLA_MED_SLIDE_READER", "openslide")
+    assert isinstance(open_patches(jpeg_slide), OpenSlidePatches)
+    monkeypatch.setenv("HSMLA_MED_SLIDE_READER", "cucim")
+    assert isinstance(open_patches(jpeg_slide), CuCIMPatches)
+
+
+@needs_cucim
+def test_cucim_corrupt_tile_and_missing_file_name_the_slide(tmp_path):
+    path = write_slide(tmp_path / "cut.tif", synthetic_rgb()[:256, :256], (1,), compression="zlib")
+    with tifffile.TiffFile(path) as tif:
+        offset, count = tif.pages[0].dataoffsets[3], tif.pages[0].databytecounts[3]
+    data = bytearray(path.read_bytes())
+    data[offset : offset + count] = bytes(count)  # the last tile's deflate stream zeroed
+    path.write_bytes(data)
+    patches = CuCIMPatches(path)
+    assert patches.read(0, 0, 0, 8).shape == (8, 8, 3)
+    with pytest.raises(DataError, match=r"cut\.tif: cannot read region at \(200, 200\)"):
+        patches.read(200, 200, 0, 8)
+    with pytest.raises(DataError, match="level 3 out of range"):
+        patches.read(0, 0, 3, 8)
+    with pytest.raises(DataError, match=r"gone\.tif: slide file not found"):
+        CuCIMPatches(tmp_path / "gone.tif")
+
+
+def test_without_cucim_auto_reads_with_openslide_and_forced_cucim_says_so(jpeg_slide, monkeypatch):
+    monkeypatch.setitem(sys.modules, "cucim", None)  # import cucim raises ImportError
+    monkeypatch.setenv("HSMLA_MED_SLIDE_READER", "auto")
+    patches = open_patches(jpeg_slide)
+    assert isinstance(patches, OpenSlidePatches)
+    with open_slide(jpeg_slide) as reference:
+        np.testing.assert_array_equal(patches.read(512, 256, 1, 32), read_region(reference, 512, 256, 1, 32))
+    monkeypatch.setenv("HSMLA_MED_SLIDE_READER", "cucim")
+    with pytest.raises(DataError, match=r"tumor_007\.tif: HSMLA_MED_SLIDE_READER=cucim but cuCIM is not installed"):
+        open_patches(jpeg_slide)
+
+
+def test_a_bad_reader_name_is_refused(jpeg_slide, monkeypatch):
+    monkeypatch.setenv("HSMLA_MED_SLIDE_READER", "pillow")
+    with pytest.raises(DataError, match=r"HSMLA_MED_SLIDE_READER='pillow': not a slide reader; use one of auto, openslide, cucim"):
+        open_patches(jpeg_slide)
+    with pytest.raises(ValueError, match="reader must be one of"):
+        open_patches(jpeg_slide, "tifffile")
