@@ -14,8 +14,9 @@ op                        CPU                                      CUDA
                                                                    inputs, else the reference
 ``block_gate``            the C gate where it takes the inputs,    the reference
                           else the reference
-``local_refine``          the C kernel where it takes the inputs,  Triton (2D; 3D and inputs it
-                          else the reference                       does not take: the reference)
+``local_refine``          the C kernel where it takes the inputs,  Triton (2D and 3D) where it
+                          else the reference                       takes the inputs, else the
+                                                                   reference
 ========================  =======================================  ============================
 
 (the references are the functions of the same name in :mod:`hsmla_med.nn.functional`). The
@@ -171,7 +172,7 @@ def _(q, k, v, qh, kh, vh, gate, tau, block, window, eps, add_to):
 @_local_refine.register_kernel("cuda")
 def _(q, k, v, qh, kh, vh, gate, tau, block, window, eps, add_to):
     maps = (q, k, v, qh, kh, vh)
-    fn = refine.local_refine if _triton_takes(*maps) else HF.local_refine  # Triton runs 3D as the reference
+    fn = refine.local_refine if _triton_takes(*maps) else HF.local_refine
     return _refine_with(fn, maps, gate, tau, block, window, eps, add_to)
 
 

@@ -1,6 +1,7 @@
 """Benchmark the HSMLA Triton kernels against the reference path and full softmax attention.
 
-For one HSMLA layer's attention (``O = O_lin + R`` on the active tiles) on square maps, times
+For one HSMLA layer's attention (``O = O_lin + R`` on the active tiles) on square maps (cubes
+with ``--spatial-dims 3``), times
 with CUDA events (median over ``--reps`` runs after ``--warmup``, inputs rotated among enough
 copies to overflow the L2 cache):
 
@@ -38,7 +39,8 @@ MAX_COPIES = 32
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", type=int, nargs="+", default=[64, 128, 256], help="map side S (S x S tokens)")
+    p.add_argument("--spatial-dims", type=int, choices=[2, 3], default=2, help="2D maps (S^2 tokens) or 3D (S^3)")
+    p.add_argument("--sizes", type=int, nargs="+", help="map sides S (default 64 128 256 in 2D, 16 24 32 in 3D)")
     p.add_argument("--alphas", type=float, nargs="+", default=[0.1, 0.3, 1.0], help="fractions of tiles refined")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=8)
@@ -49,7 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--out", type=Path, default=Path("bench_out/kernels.csv"), help="CSV to write")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.sizes = args.sizes or ([64, 128, 256] if args.spatial_dims == 2 else [16, 24, 32])
+    return args
 
 
 def time_ms(fn, inputs: list[tuple], warmup: int, reps: int) -> float:
@@ -78,13 +82,13 @@ def copy_bandwidth(warmup: int, reps: int) -> float:
 
 def make_inputs(args, side: int, dtype: torch.dtype, copies: int) -> list[dict]:
     """``copies`` independent input sets: layer-layout features, contiguous SDPA inputs, gate."""
-    b, h, d = args.batch, args.heads, args.head_dim
-    grid = (b, math.ceil(side / args.block), math.ceil(side / args.block))
+    b, h, d, dims = args.batch, args.heads, args.head_dim, args.spatial_dims
+    grid = (b, *[math.ceil(side / args.block)] * dims)
     sets = []
     for _ in range(copies):
-        qkv = torch.randn(b, 3, h, d, side, side, device="cuda", dtype=dtype).movedim(3, -1).unbind(1)
-        ms = torch.randn(b, 3, h, d, side, side, device="cuda", dtype=dtype).movedim(3, -1).unbind(1)
-        flat = tuple(t.flatten(2, 3).contiguous() for t in qkv)  # (b, h, N, d)
+        qkv = torch.randn(b, 3, h, d, *[side] * dims, device="cuda", dtype=dtype).movedim(3, -1).unbind(1)
+        ms = torch.randn(b, 3, h, d, *[side] * dims, device="cuda", dtype=dtype).movedim(3, -1).unbind(1)
+        flat = tuple(t.flatten(2, 1 + dims).contiguous() for t in qkv)  # (b, h, N, d)
         sets.append(dict(qkv=qkv, ms=ms, flat=flat, gate=torch.rand(grid, device="cuda")))
     return sets
 
@@ -102,7 +106,7 @@ def threshold(gate: torch.Tensor, alpha: float) -> float:
 
 def bench_size(args, side: int, dtype: torch.dtype, copy_gbps: float) -> list[dict]:
     b, h, d = args.batch, args.heads, args.head_dim
-    tokens = side * side
+    tokens = side**args.spatial_dims
     probe = make_inputs(args, side, dtype, 1)
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
     copies = min(MAX_COPIES, max(2, math.ceil(2 * l2 / set_bytes(probe[0]))))
@@ -130,7 +134,7 @@ def bench_size(args, side: int, dtype: torch.dtype, copy_gbps: float) -> list[di
         reference_ms = time_ms(lambda *a: hsmla(reference_ops, *a), calls, args.warmup, args.reps)
         rows.append(
             dict(
-                side=side, tokens=tokens, batch=b, heads=h, head_dim=d, block=block, window=window,
+                side=side, spatial_dims=args.spatial_dims, tokens=tokens, batch=b, heads=h, head_dim=d, block=block, window=window,
                 dtype=str(dtype).removeprefix("torch."), alpha_target=alpha, alpha=round(achieved, 4),
                 triton_ms=round(triton_ms, 4), reference_ms=round(reference_ms, 4), sdpa_ms=round(sdpa_ms, 4),
                 speedup_vs_reference=round(reference_ms / triton_ms, 2), speedup_vs_sdpa=round(sdpa_ms / triton_ms, 2),
@@ -160,7 +164,7 @@ def markdown(rows: list[dict]) -> str:
     ]
     lines = ["| " + " | ".join(title for _, title in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        shown = dict(r, tokens=f"{r['side']}^2", alpha=f"{r['alpha']} ({r['alpha_target']})")
+        shown = dict(r, tokens=f"{r['side']}^{r['spatial_dims']}", alpha=f"{r['alpha']} ({r['alpha_target']})")
         cells = [str(shown[key]) for key, _ in cols]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -182,15 +182,13 @@ def test_forced_triton_without_a_triton_device_raises():
         select_backend("triton", False, CPU, torch.float32, LARGE)
 
 
-def test_forced_triton_on_3d_maps_warns_once(monkeypatch):
+def test_forced_triton_on_3d_maps_runs_the_kernels_silently(monkeypatch):
+    """The refinement kernel takes 3D maps: no fallback to announce."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(dispatch, "_warned", set())
     features = (1, 2, 4, 4, 4, 8)
-    with pytest.warns(UserWarning, match="3D"):
-        choice = select_backend("triton", False, CPU, torch.float32, features)
-    assert choice.backend == "triton" and "3D" in choice.reason
-    _silently(lambda: select_backend("triton", False, CPU, torch.float32, features))
+    choice = _silently(lambda: select_backend("triton", False, CPU, torch.float32, features))
+    assert choice.backend == "triton" and choice.reason == "requested"
 
 
 def test_reference_always_runs_and_unknown_names_are_refused():

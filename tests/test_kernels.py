@@ -103,7 +103,14 @@ REFINE_CASES = [
     ((1, 1, 13, 5, 8), 8, 7),  # window wider than the map: keys outside are masked
     ((2, 1, 9, 9, 4), 3, 1),  # 3x3 tiles (padded to 16 queries), window 1
     ((1, 2, 11, 6, 32), 8, 7),  # the layer's defaults
-] + ([((2, 4, 64, 48, 32), 8, 7), ((1, 2, 37, 29, 64), 16, 9)] if CUDA else [])
+    ((1, 1, 20, 18, 8), 16, 3),  # 256 queries per tile: two programs of MAX_BLOCK_Q each
+    ((1, 2, 5, 6, 7, 8), 4, 3),  # 3D: partial edge tiles on every axis
+    ((2, 1, 6, 5, 3, 16), 2, 5),  # 3D: window wider than the tile, a map 3 deep
+    ((1, 1, 9, 10, 9, 8), 8, 3),  # 3D: 512 queries per tile, four programs each
+] + ([
+    ((2, 4, 64, 48, 32), 8, 7), ((1, 2, 37, 29, 64), 16, 9),
+    ((1, 2, 24, 20, 16, 32), 4, 7), ((2, 2, 13, 17, 11, 64), 8, 5),
+] if CUDA else [])
 CASE_IDS = [f"{s}-b{b}-w{w}" for s, b, w in REFINE_CASES]
 GATES = ["alpha0", "between", "alpha1", "none"]
 
@@ -183,18 +190,11 @@ def test_refine_tiles_with_no_tiles_writes_nothing():
     assert torch.isnan(out).all()
 
 
-@pytest.mark.parametrize("which", ["between", "none"])
-def test_local_refine_3d_falls_back_to_reference(which, monkeypatch):
-    class NoLaunch:
-        def __getitem__(self, grid):
-            raise AssertionError("a 3D map must not launch the 2D kernel")
-
-    monkeypatch.setattr(refine, "_refine_kernel", NoLaunch())
-    shape, block, window = (1, 2, 5, 6, 7, 8), 4, 3
-    tensors = _features(shape, 6, torch.float32, "channel_first")
-    gate, tau, _ = _gate(shape, block, which)
-    out = kernels.local_refine(*tensors, gate, tau, block, window, 1e-6)
-    assert torch.equal(out, HF.local_refine(*tensors, gate, tau, block, window, 1e-6))
+def test_refine_tiles_refuses_a_tile_list_of_another_rank():
+    shape = (1, 2, 5, 6, 7, 8)
+    tensors = _features(shape, 6, torch.float32, "contiguous")
+    with pytest.raises(ValueError, match=r"tiles must be an \(n, 4\)"):
+        refine.refine_tiles(*tensors, torch.zeros((1, 3), dtype=torch.long), 4, 3, 1e-6, _poisoned(shape, torch.float32))
 
 
 # -- availability and refusals ------------------------------------------------------------------

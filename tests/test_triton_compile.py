@@ -3,7 +3,8 @@
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`` runs the whole pipeline
 down to a cubin with the ``ptxas`` that ships in the triton wheel; nothing asks a CUDA driver.
 Each kernel is compiled in each supported dtype for sm_75 (T4), sm_80 (A100) and sm_90 (H100),
-at the layer's default head size (32) and the largest supported one (128), with the launch
+at the layer's default head size (32) and the largest supported one (128), the refinement for
+2D and for 3D maps (its constexprs differ: 16 or 64 queries per tile), with the launch
 configuration the kernel module picks for that target's shared memory
 (``linear.launch_configs``, ``refine.launch_config``: the same functions the launches call).
 A test fails when a kernel no longer compiles, uses more shared memory than the target gives
@@ -20,7 +21,7 @@ interpreter when it is imported with ``TRITON_INTERPRET=1``, as tests/test_kerne
 on a machine without CUDA, and the compiler cannot call those. Triton's own cache
 (``TRITON_CACHE_DIR``, default ``~/.triton/cache``) is used: its key covers the kernel's source,
 signature, constexprs, options, target and the triton and ptxas versions, so a hit is the
-artifact of the same compile. Cold, the 54 compiles take minutes on 2 cores
+artifact of the same compile. Cold, the 72 compiles take minutes on 2 cores
 (docs/benchmarks.md); warm, the child processes' imports.
 """
 
@@ -52,6 +53,8 @@ KERNELS = {
     "_aggregate_kernel": lambda dtype, d, limit: linear.compile_specs(dtype, d, limit)[0],
     "_apply_kernel": lambda dtype, d, limit: linear.compile_specs(dtype, d, limit)[1],
     "_refine_kernel": lambda dtype, d, limit: refine.compile_specs(dtype, d, BLOCK, WINDOW, limit)[0],
+    # the same kernel with the constexprs of 3D maps (64 queries and 1000 halo keys per tile)
+    "_refine_kernel_3d": lambda dtype, d, limit: refine.compile_specs(dtype, d, BLOCK, WINDOW, limit, spatial_dims=3)[0],
 }
 WORKERS = 2
 
@@ -158,7 +161,7 @@ def compiled(request, tmp_path_factory):
 def test_kernel_compiles_within_shared_memory(name, dtype, arch, head_dim, compiled, record_property):
     limit = TARGETS[arch]
     result = compiled[f"{name}-{dtype}-{arch}-{head_dim}"]
-    assert result["kernel"] == name
+    assert name.removesuffix("_3d") == result["kernel"]
     assert "error" not in result, f"{name} {dtype} d={head_dim} does not compile for sm_{arch}: {result['error']}"
     assert "REG" in result, f"{name}: no cubin for sm_{arch} (stages: {result['stages']})"
     shared = result["shared_dynamic"] + result["SHARED"]  # Triton's allocation + static
@@ -205,7 +208,9 @@ def test_small_shared_memory_configs_are_smaller():
     assert apply.constexprs["BLOCK_E"] < apply.constexprs["BLOCK_D"]
     config = refine.launch_config(torch.float32, 128, BLOCK, WINDOW, 48 * KiB)
     assert config.constexprs["BLOCK_K"] < refine.MAX_BLOCK_K and config.num_stages == 1
-    assert all(c.shared_estimate <= 48 * KiB for c in (aggregate, apply, config))
+    volume = refine.launch_config(torch.float32, 128, BLOCK, WINDOW, 48 * KiB, spatial_dims=3)
+    assert volume.constexprs["BLOCK_Q"] < BLOCK**3  # a 3D tile's queries over several programs
+    assert all(c.shared_estimate <= 48 * KiB for c in (aggregate, apply, config, volume))
 
 
 @pytest.mark.parametrize("shape", [(1, 2, 9, 13, 128), (2, 1, 5, 7, 80)], ids=str)
@@ -216,10 +221,10 @@ def test_linear_attention_with_small_shared_memory(shape, small_shared_memory):
     assert (out - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 
-def test_local_refine_with_small_shared_memory(small_shared_memory):
-    shape = (1, 2, 9, 11, 128)
+@pytest.mark.parametrize("shape", [(1, 2, 9, 11, 128), (1, 1, 5, 6, 7, 128)], ids=str)
+def test_local_refine_with_small_shared_memory(shape, small_shared_memory):
     tensors = [torch.randn(shape, device=small_shared_memory) for _ in range(6)]
-    gate = torch.rand(1, 3, 3, device=small_shared_memory)
+    gate = torch.rand(1, *HF.tile_grid(shape[2:-1], BLOCK), device=small_shared_memory)
     out = refine.local_refine(*tensors, gate, 0.3, BLOCK, WINDOW)
     ref = HF.local_refine(*tensors, gate, 0.3, BLOCK, WINDOW)
     assert (out - ref).abs().max() <= 1e-4 * ref.abs().max()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import warnings
 from typing import NamedTuple
 
 import torch
@@ -33,7 +32,6 @@ __all__ = ["BACKENDS", "BackendChoice", "select_backend"]
 BACKENDS = ("auto", "reference", "triton", "cpu", "dense")
 
 log = logging.getLogger("hsmla_med")
-_warned: set[str] = set()
 _kernels = None
 
 
@@ -147,8 +145,7 @@ def select_backend(
     reference otherwise. ``reference`` and ``dense`` (``R`` for every token, always with
     ``dense`` set) always run. A forced ``cpu`` or ``triton`` that cannot
     run (gradients, device, dtype, layout, head_dim, C kernel not built, triton missing) raises
-    :class:`RuntimeError` naming the backend and the reason; forced ``triton`` on 3D maps warns
-    once that the refinement (2D kernel only) runs the reference. The reference computes ``R``
+    :class:`RuntimeError` naming the backend and the reason. The reference computes ``R``
     everywhere densely when gradients flow and the map is small
     (:func:`~hsmla_med.nn.functional.dense_fits`).
 
@@ -175,14 +172,6 @@ def select_backend(
         if problem:
             raise _refuse(requested, problem)
         choice = BackendChoice("triton", "requested", interpreter=device.type != "cuda")
-        if len(features) == 6:
-            choice = choice._replace(reason="requested; the refinement of 3D maps runs the reference")
-            if "triton-3d" not in _warned and not torch.compiler.is_compiling():  # warned in eager
-                _warned.add("triton-3d")
-                warnings.warn(
-                    "backend='triton': the Triton refinement kernel is 2D; the local refinement of 3D maps "
-                    "runs the PyTorch reference (the linear attention runs the Triton kernel)."
-                )
     elif training:
         choice = BackendChoice("reference", "training: the reference, which autograd differentiates")
     elif grad:
