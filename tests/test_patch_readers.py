@@ -55,6 +55,18 @@ def test_auto_takes_cucim_for_tiff_and_the_variable_decides(jpeg_slide, monkeypa
 
 
 @needs_cucim
+def test_auto_keeps_openslide_where_cucim_decodes_other_bytes(jpeg_slide, monkeypatch):
+    """A decoder that differs (colour conversion, chroma upsampling) must never change what the
+    network sees: auto checks a sample per slide."""
+    read = CuCIMPatches.read
+    monkeypatch.setattr(CuCIMPatches, "read", lambda self, *a: read(self, *a) ^ np.uint8(1))
+    monkeypatch.setenv("HSMLA_MED_SLIDE_READER", "auto")
+    assert isinstance(open_patches(jpeg_slide), OpenSlidePatches)
+    monkeypatch.setattr(CuCIMPatches, "read", read)
+    assert isinstance(open_patches(jpeg_slide), CuCIMPatches)
+
+
+@needs_cucim
 def test_cucim_corrupt_tile_and_missing_file_name_the_slide(tmp_path):
     path = write_slide(tmp_path / "cut.tif", synthetic_rgb()[:256, :256], (1,), compression="zlib")
     with tifffile.TiffFile(path) as tif:

@@ -13,7 +13,7 @@ are not whole pixels of a coarser level are rounded differently by the two libra
 grey levels); the patch grids of :func:`~hsmla_med.data.slides.patch_grid` never ask for those.
 
 ``HSMLA_MED_SLIDE_READER`` chooses: ``auto`` (default: cuCIM when importable, when it opens the
-file and sees the pyramid OpenSlide sees, else OpenSlide), ``openslide``, or ``cucim`` (an error
+file, sees the pyramid OpenSlide sees and decodes a sample to the same bytes, else OpenSlide), ``openslide``, or ``cucim`` (an error
 naming the slide when cuCIM cannot read it).
 """
 
@@ -35,6 +35,7 @@ log = logging.getLogger("hsmla_med")
 
 READERS = ("auto", "openslide", "cucim")
 READER_ENV = "HSMLA_MED_SLIDE_READER"
+_SAMPLE = 256  # side of the level-0 region both readers decode before auto takes cuCIM
 
 
 def requested_reader() -> str:
@@ -120,7 +121,8 @@ class CuCIMPatches:
 def open_patches(path: str | Path, reader: str | None = None) -> OpenSlidePatches | CuCIMPatches:
     """A patch reader of the slide at ``path``: ``reader`` (default :func:`requested_reader`)
     ``openslide``, ``cucim``, or ``auto``, which takes cuCIM where it opens the file with the
-    pyramid OpenSlide sees (levels and their sizes) and OpenSlide otherwise.
+    pyramid OpenSlide sees (levels and their sizes) and decodes a sample region to OpenSlide's
+    bytes, and OpenSlide otherwise.
 
     Raises:
         DataError: naming the slide, when the reader asked for cannot open it.
@@ -138,10 +140,27 @@ def open_patches(path: str | Path, reader: str | None = None) -> OpenSlidePatche
     except DataError as err:
         log.debug("%s: reading patches with OpenSlide (%s)", path, err)
         return fallback
-    if patches.dimensions != [tuple(d) for d in fallback.slide.level_dimensions]:
-        log.debug("%s: cuCIM sees levels %s, OpenSlide %s: reading patches with OpenSlide", path, patches.dimensions,
-                  fallback.slide.level_dimensions)
+    problem = _disagreement(patches, fallback)
+    if problem:
+        log.debug("%s: reading patches with OpenSlide (%s)", path, problem)
         patches.close()
         return fallback
     fallback.close()
     return patches
+
+
+def _disagreement(cucim: CuCIMPatches, openslide: OpenSlidePatches) -> str | None:
+    """Why the two readers would not give the same patches of this slide, or ``None``: another
+    pyramid, or other bytes for a sample at the centre of level 0 (a decoder that converts
+    colours or upsamples chroma otherwise), checked once per slide so that ``auto`` never
+    changes what the network sees."""
+    levels = [tuple(d) for d in openslide.slide.level_dimensions]
+    if cucim.dimensions != levels:
+        return f"cuCIM sees levels {cucim.dimensions}, OpenSlide {levels}"
+    width, height = levels[0]
+    x, y = max(0, width // 2 - _SAMPLE // 2), max(0, height // 2 - _SAMPLE // 2)
+    try:
+        same = np.array_equal(cucim.read(x, y, 0, _SAMPLE), openslide.read(x, y, 0, _SAMPLE))
+    except DataError as err:
+        return str(err)
+    return None if same else f"cuCIM decodes the sample at ({x}, {y}) to other bytes than OpenSlide"
