@@ -265,6 +265,9 @@ def _report(line: str) -> None:
 
 
 def _wsi_heatmap(args) -> list[Path]:
+    from hsmla_med.data.patch_readers import requested_reader
+
+    requested_reader()  # a bad HSMLA_MED_SLIDE_READER is refused before any work
     task = get_task("camelyon16")
     options = _options(args, batch_size=args.batch_size, level=args.level)
     output = _writable_folder(args.output, "--output")

@@ -27,7 +27,7 @@ from torch.utils.data import WeightedRandomSampler
 
 from hsmla_med.data.asap import rasterise, read_asap_xml
 from hsmla_med.data.datalist import Datalist, split_cases
-from hsmla_med.data.patch_readers import open_patches
+from hsmla_med.data.patch_readers import open_patches, requested_reader
 from hsmla_med.data.slides import coverage, open_slide, patch_grid, select_level, slide_mpp, thumbnail, tissue_mask
 from hsmla_med.data.synthetic_wsi import generate_camelyon16
 from hsmla_med.data.tiff import write_pyramidal_tiff
@@ -171,6 +171,7 @@ class ReadPatchd(MapTransform):
 
     def __init__(self, keep: int | None = None, uint8: bool = False) -> None:
         super().__init__(["slide"])
+        requested_reader()  # a bad HSMLA_MED_SLIDE_READER is refused before training or inference starts
         self.keep, self.uint8 = keep, uint8
         self._open: OrderedDict[str, object] = OrderedDict()
 

@@ -135,6 +135,14 @@ def test_wsi_heatmap_refusals(capsys, tmp_path, camelyon_ckpt, extra, expected):
     assert not list(out.glob("*.json"))  # nothing that would make a later run skip the slide
 
 
+def test_bad_slide_reader_variable_is_refused_first(capsys, tmp_path, camelyon_ckpt, monkeypatch):
+    monkeypatch.setenv("HSMLA_MED_SLIDE_READER", "pillow")
+    out = tmp_path / "heat"
+    line = _error(capsys, ["wsi-heatmap", "--checkpoint", str(camelyon_ckpt), "--slide", str(tmp_path / "missing.tif"), "--output", str(out)])
+    assert "HSMLA_MED_SLIDE_READER='pillow': not a slide reader" in line
+    assert not out.exists() or not any(out.iterdir())
+
+
 def test_infer_on_a_2d_nifti(capsys, tmp_path, btcv_ckpt):
     flat = write_nifti(tmp_path / "in" / "flat.nii.gz", np.zeros((16, 16), np.float32), np.eye(4))
     line = _error(capsys, ["infer", "--task", "btcv", "--checkpoint", str(btcv_ckpt), "--input", str(flat), "--output", str(tmp_path / "o")])
