@@ -2,7 +2,7 @@
 
 Patches are the hot path of whole-slide inference (thousands per slide). cuCIM reads the TIFF
 family (generic tiled TIFF, as CAMELYON16 ships, Aperio SVS, Philips TIFF) several times faster
-than OpenSlide on the CPU (docs/benchmarks.md: 0.3 against 1.3 ms per 256 px JPEG patch) and
+than OpenSlide on the CPU (docs/benchmarks.md, ``scripts/bench_slide_reading.py``) and
 needs no GPU for it; every other format, and machines without cuCIM, use OpenSlide. Tissue
 masks and thumbnails (once per slide) always go through OpenSlide (:mod:`hsmla_med.data.slides`).
 
@@ -13,8 +13,8 @@ are not whole pixels of a coarser level are rounded differently by the two libra
 grey levels); the patch grids of :func:`~hsmla_med.data.slides.patch_grid` never ask for those.
 
 ``HSMLA_MED_SLIDE_READER`` chooses: ``auto`` (default: cuCIM when importable, when it opens the
-file, sees the pyramid OpenSlide sees and decodes a sample to the same bytes, else OpenSlide), ``openslide``, or ``cucim`` (an error
-naming the slide when cuCIM cannot read it).
+file, sees the pyramid OpenSlide sees and decodes a sample to the same bytes, else OpenSlide),
+``openslide``, or ``cucim`` (an error naming the slide when cuCIM cannot read it).
 """
 
 from __future__ import annotations
@@ -53,8 +53,6 @@ def requested_reader() -> str:
 class OpenSlidePatches:
     """Regions of one slide through OpenSlide (:func:`hsmla_med.data.slides.read_region`)."""
 
-    name = "openslide"
-
     def __init__(self, path: str | Path) -> None:
         self.slide = open_slide(path)
 
@@ -72,8 +70,6 @@ class CuCIMPatches:
     Raises:
         DataError: naming the slide, when cuCIM is missing or cannot open it.
     """
-
-    name = "cucim"
 
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
