@@ -335,7 +335,7 @@ def _demo(args) -> int:
 
 
 def _bench(args) -> int:
-    from hsmla_med.benchmark import main as bench_main
+    from hsmla_med.bench.main import main as bench_main
 
     return bench_main(args.args)
 

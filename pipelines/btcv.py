@@ -29,7 +29,7 @@ from monai.transforms import (
 from hsmla_med.data.checks import CheckCased, LoadCased
 from hsmla_med.data.datalist import Datalist, case_name, load_datalist, read_header
 from hsmla_med.data.intensity import ForegroundPercentiled, ForegroundZScored, otsu_foreground
-from hsmla_med.data.synthetic_btcv import generate_btcv
+from hsmla_med.data.synthetic.btcv import generate_btcv
 from hsmla_med.data.volume_crops import crop_and_augment, roi_size, spatial_dims
 from hsmla_med.engine.base import hparams
 from hsmla_med.engine.datamodule import CaseDataModule

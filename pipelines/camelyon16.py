@@ -29,13 +29,13 @@ from hsmla_med.data.asap import rasterise, read_asap_xml
 from hsmla_med.data.datalist import Datalist, split_cases
 from hsmla_med.data.patch_readers import open_patches, requested_reader
 from hsmla_med.data.slides import coverage, open_slide, patch_grid, select_level, slide_mpp, thumbnail, tissue_mask
-from hsmla_med.data.synthetic_wsi import generate_camelyon16
-from hsmla_med.data.tiff import write_pyramidal_tiff
+from hsmla_med.data.synthetic.wsi import generate_camelyon16
+from hsmla_med.io.tiff import write_pyramidal_tiff
 from hsmla_med.engine.base import hparams
 from hsmla_med.engine.classification import ClassificationModule
 from hsmla_med.engine.datamodule import CaseDataModule
 from hsmla_med.errors import DataError
-from hsmla_med.inference.overlays import gate_overlay, heatmap_overlay
+from hsmla_med.io.overlays import gate_overlay, heatmap_overlay
 from hsmla_med.io import atomic_path, write_json
 from hsmla_med.metrics.pathology import lesion_labels, slide_score
 from hsmla_med.pipelines.task import InferenceOptions, Task, predict_cases, synthetic_root

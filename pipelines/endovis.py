@@ -25,7 +25,7 @@ from PIL import Image
 from hsmla_med.data.datalist import Datalist, split_cases
 from hsmla_med.data.endovis import PROBLEMS, VIDEO_FOLDER, LoadFramed, crop_box, find_frames, find_videos, load_frame
 from hsmla_med.data.intensity import intensity_augmentations
-from hsmla_med.data.synthetic_endovis import generate_endovis
+from hsmla_med.data.synthetic.endovis import generate_endovis
 from hsmla_med.engine.base import hparams, plain
 from hsmla_med.engine.datamodule import CaseDataModule
 from hsmla_med.engine.segmentation import FrameSegmentationModule

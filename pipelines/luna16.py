@@ -25,7 +25,7 @@ from monai.transforms import Compose, DeleteItemsd, EnsureTyped, Orientationd, S
 
 from hsmla_med.data.datalist import Datalist, split_cases
 from hsmla_med.data.luna16 import COLUMNS, LoadScand, NoduleMaskd, find_scans, read_annotations, voxel_to_lps
-from hsmla_med.data.synthetic_luna16 import generate_luna16
+from hsmla_med.data.synthetic.luna16 import generate_luna16
 from hsmla_med.data.volume_crops import crop_and_augment, roi_size, spatial_dims
 from hsmla_med.engine.base import hparams
 from hsmla_med.engine.datamodule import CaseDataModule

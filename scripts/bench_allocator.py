@@ -23,7 +23,7 @@ SIDES = (64, 128, 256)
 def child() -> None:
     import torch
 
-    from hsmla_med.benchmark import _layer_and_input
+    from hsmla_med.bench.layers import _layer_and_input
     from hsmla_med.runtime import tune_cpu_allocator
 
     applied = tune_cpu_allocator()

@@ -6,7 +6,7 @@
 
 import sys
 
-from hsmla_med.benchmark import main
+from hsmla_med.bench.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

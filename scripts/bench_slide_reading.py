@@ -23,8 +23,8 @@ import numpy as np
 
 from hsmla_med.data.patch_readers import CuCIMPatches, OpenSlidePatches
 from hsmla_med.data.slides import open_slide, thumbnail
-from hsmla_med.data.synthetic_wsi import generate_camelyon16
-from hsmla_med.inference.overlays import heatmap_overlay
+from hsmla_med.data.synthetic.wsi import generate_camelyon16
+from hsmla_med.io.overlays import heatmap_overlay
 from hsmla_med.pipelines import camelyon16
 
 PATCH = 256

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from hsmla_med import benchmark
+from hsmla_med.bench import main as bench_main
+from hsmla_med.bench import models as benchmark
 
 
 def test_model_table_ratios_on_a_fake_clock(monkeypatch):
@@ -75,7 +76,7 @@ def test_gpu_benchmark_tables_on_the_cpu(monkeypatch, tmp_path):
     its reference row has ratio 1 and the ratios are the latency/throughput quotients."""
     import csv
 
-    from hsmla_med import benchmark_gpu
+    from hsmla_med.bench import gpu as benchmark_gpu
 
     def toy(width):
         return lambda: torch.nn.Sequential(torch.nn.Conv2d(1, width, 3, padding=1), torch.nn.Conv2d(width, 14, 1))
@@ -88,7 +89,7 @@ def test_gpu_benchmark_tables_on_the_cpu(monkeypatch, tmp_path):
     monkeypatch.setattr(benchmark_gpu, "_models_3d", lambda side: {"HSMLA-B0 3D": toy3d(2), "SwinUNETR": toy3d(8)})
     argv = ["--only", "gpu", "--device", "cpu", "--size", "16", "--size-3d", "8", "--train-batch", "2",
             "--warmup", "1", "--reps", "2", "--out", str(tmp_path)]
-    assert benchmark.main(argv) == 0
+    assert bench_main.main(argv) == 0
     read = lambda name: list(csv.DictReader((tmp_path / name).open()))  # noqa: E731
     inference, cube, training = read("gpu_inference.csv"), read("gpu_3d.csv"), read("gpu_training.csv")
     assert [r["model"] for r in inference] == list(names) and [r["model"] for r in training] == list(names)

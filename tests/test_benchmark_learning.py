@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 from nibabel.processing import resample_from_to
 
-from hsmla_med import benchmark, benchmark_learning, cli
+from hsmla_med import cli
+from hsmla_med.bench import learning as benchmark_learning
+from hsmla_med.bench import main as benchmark
 from hsmla_med.data import mni
 from hsmla_med.data.datalist import load_datalist
 from hsmla_med.errors import DataError

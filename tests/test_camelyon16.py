@@ -13,7 +13,7 @@ from torch import nn
 
 from hsmla_med.cli import main
 from hsmla_med.config import merge_config, task_config
-from hsmla_med.data.synthetic_wsi import generate_camelyon16
+from hsmla_med.data.synthetic.wsi import generate_camelyon16
 from hsmla_med.engine.classification import ClassificationModule, patch_images, slide_maps
 from hsmla_med.errors import DataError
 from hsmla_med.metrics.pathology import auc

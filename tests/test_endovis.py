@@ -17,7 +17,7 @@ from torch import nn
 from hsmla_med.cli import main
 from hsmla_med.config import merge_config, task_config
 from hsmla_med.data.endovis import CROP, LoadFramed, find_frames, find_videos, instrument_type, merge_labels, read_frame, read_label
-from hsmla_med.data.synthetic_endovis import generate_endovis
+from hsmla_med.data.synthetic.endovis import generate_endovis
 from hsmla_med.engine.segmentation import FrameSegmentationModule
 from hsmla_med.errors import DataError
 from hsmla_med.metrics import frame_scores, summarize_frames
@@ -284,7 +284,7 @@ def test_demo_runs_on_a_tiny_synthetic_dataset(tmp_path, cache, capsys):
 
 def test_bench_endovis_times_rgb_models_side_by_side():
     pytest.importorskip("transformers")
-    from hsmla_med.benchmark import bench_endovis
+    from hsmla_med.bench.models import bench_endovis
 
     rows = bench_endovis(runs=1, size=(64, 96), classes=4)
     assert [r["model"] for r in rows] == ["HSMLA-B0", "SegFormer-B0"]

@@ -25,7 +25,7 @@ from hsmla_med.data.luna16 import (
     voxel_to_world,
     world_to_voxel,
 )
-from hsmla_med.data.synthetic_luna16 import generate_luna16
+from hsmla_med.data.synthetic.luna16 import generate_luna16
 from hsmla_med.errors import DataError
 from hsmla_med.metrics.detection import FALSE_POSITIVE, IGNORED, extract_candidates, match_candidates, nodule_froc
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from hsmla_med.inference.overlays import gate_overlay, heatmap_overlay
+from hsmla_med.io.overlays import gate_overlay, heatmap_overlay
 
 TISSUE = np.array([230, 60, 200])  # bright magenta: not in inferno, viridis, black or white
 HIGH = 0.95

@@ -15,7 +15,7 @@ import tifffile
 
 from hsmla_med.data.patch_readers import CuCIMPatches, OpenSlidePatches, open_patches
 from hsmla_med.data.slides import open_slide, read_region
-from hsmla_med.data.tiff import write_pyramidal_tiff
+from hsmla_med.io.tiff import write_pyramidal_tiff
 from hsmla_med.errors import DataError
 from tests.test_slides import HEIGHT, WIDTH, synthetic_rgb, write_slide
 

@@ -161,7 +161,7 @@ def test_luna16_candidates_per_scan_and_merge_after_resume(tmp_path):
     holds both scans, row for row the submission of one whole run."""
     from hsmla_med.config import merge_config, task_config
     from hsmla_med.data.luna16 import find_scans
-    from hsmla_med.data.synthetic_luna16 import generate_luna16
+    from hsmla_med.data.synthetic.luna16 import generate_luna16
     from hsmla_med.pipelines import luna16
     from hsmla_med.pipelines.task import InferenceOptions
 

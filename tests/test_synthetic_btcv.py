@@ -8,7 +8,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 
-from hsmla_med.data.synthetic_btcv import BTCV_LABELS, ORGAN_HU, generate_btcv
+from hsmla_med.data.synthetic.btcv import BTCV_LABELS, ORGAN_HU, generate_btcv
 
 SHAPE = (64, 64, 24)
 COUNTS = dict(num_train=3, num_validation=2, num_test=1)

@@ -11,7 +11,7 @@ from scipy import ndimage as ndi
 from skimage.draw import polygon as fill_polygon
 from skimage.measure import points_in_poly
 
-from hsmla_med.data.synthetic_wsi import generate_camelyon16
+from hsmla_med.data.synthetic.wsi import generate_camelyon16
 
 SIZE = (1024, 768)  # (width, height)
 COUNTS = dict(num_normal=1, num_tumor=2, num_test=1)

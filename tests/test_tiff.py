@@ -6,8 +6,8 @@ import openslide
 import pytest
 import tifffile
 
-from hsmla_med.data import tiff
-from hsmla_med.data.tiff import pyramid_shapes, write_pyramidal_tiff
+from hsmla_med.io import tiff
+from hsmla_med.io.tiff import pyramid_shapes, write_pyramidal_tiff
 from hsmla_med.errors import DataError
 
 H, W = 701, 1001  # odd on both axes: partial edge tiles and partial 2x2 blocks

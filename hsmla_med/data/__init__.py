@@ -1,1 +1,2 @@
-"""Datasets: dataset JSON handling, content checks and the synthetic BTCV-format default data."""
+"""Readers and datasets: dataset JSON, content checks, slides, frames, scans; the synthetic default
+data lives in :mod:`hsmla_med.data.synthetic`."""

@@ -8,7 +8,7 @@ user without it gets this stand-in with the same layout::
     testing/images/test_001.tif ...           testing/lesion_annotations/test_001.xml ...
     testing/reference.csv                     synthetic.json
 
-Slides are RGB pyramidal tiled JPEG TIFFs (:func:`hsmla_med.data.tiff.write_pyramidal_tiff`)
+Slides are RGB pyramidal tiled JPEG TIFFs (:func:`hsmla_med.io.tiff.write_pyramidal_tiff`)
 that OpenSlide opens, with the microns per pixel in the TIFF resolution. Each shows one to three
 tissue islands on bright glass, coloured by Beer-Lambert mixing of haematoxylin and eosin: pink
 fibrous stroma with small purple nuclei. Tumour slides add one to three metastases, a few hundred
@@ -40,7 +40,7 @@ from scipy.spatial.distance import pdist
 from skimage.measure import approximate_polygon, find_contours
 import torch
 
-from hsmla_med.data.tiff import write_pyramidal_tiff
+from hsmla_med.io.tiff import write_pyramidal_tiff
 from hsmla_med.io import atomic_path, write_json
 
 __all__ = ["generate_camelyon16"]
@@ -151,7 +151,7 @@ def generate_camelyon16(
         {
             "name": "CAMELYON16-synthetic",
             "description": "Synthetic H&E-like slides in the CAMELYON16 layout (textures, not tissue), "
-            "written by hsmla_med.data.synthetic_wsi as the default data.",
+            "written by hsmla_med.data.synthetic.wsi as the default data.",
             "synthetic": True,
             "generator": params,
             "files": files,

@@ -37,7 +37,7 @@ import numpy as np
 from PIL import Image
 
 from hsmla_med.errors import DataError
-from hsmla_med.io import atomic_path
+from hsmla_med.io.atomic import atomic_path
 
 __all__ = ["COMPRESSIONS", "pyramid_shapes", "write_pyramidal_tiff"]
 

@@ -180,7 +180,7 @@ def generate_btcv(
     meta = {
         "name": "BTCV-synthetic",
         "description": "Synthetic abdominal CT phantoms in the BTCV layout (not real anatomy), "
-        "written by hsmla_med.data.synthetic_btcv as the default data.",
+        "written by hsmla_med.data.synthetic.btcv as the default data.",
         "synthetic": True,
         "tensorImageSize": "3D",
         "modality": {"0": "CT"},

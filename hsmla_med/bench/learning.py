@@ -40,7 +40,7 @@ import nibabel as nib
 import numpy as np
 import torch
 
-from hsmla_med.benchmark import markdown, write_csv
+from hsmla_med.bench.common import markdown, write_csv
 from hsmla_med.data.mni import LABELS, write_mni_dataset
 from hsmla_med.errors import ConfigError
 from hsmla_med.io import atomic_path, write_json, write_yaml

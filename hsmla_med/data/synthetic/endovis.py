@@ -204,7 +204,7 @@ def generate_endovis(
     write_json(marker, {
         "name": "EndoVis2017-synthetic",
         "description": "Synthetic surgical frames in the EndoVis 2017 layout (not real surgery), "
-        "written by hsmla_med.data.synthetic_endovis as the default data.",
+        "written by hsmla_med.data.synthetic.endovis as the default data.",
         "synthetic": True,
         "generator": params,
     })

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from hsmla_med.benchmark import _status_kib
+from hsmla_med.bench.common import status_kib
 from hsmla_med.data.patch_readers import READER_ENV
 
 MODELS = ("HSMLA-B0", "HSMLA-B1", "ResNet-18 (MONAI)")
@@ -75,7 +75,7 @@ def _child(model: str, slide: str, cache: str, patch: int, batch: int, mode: str
             read({"slide": slide, "x": x, "y": y, "level": int(grid["level"]), "size": patch})["image"] for x, y in grid["coords"]
         ])
     with tempfile.TemporaryDirectory() as out:
-        base = _status_kib("VmRSS")
+        base = status_kib("VmRSS")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # peak (VmHWM) := current resident set
         start = time.perf_counter()
@@ -92,7 +92,7 @@ def _child(model: str, slide: str, cache: str, patch: int, batch: int, mode: str
             camelyon16.infer(module, slide, out, options)
             count = json.loads((Path(out) / f"{Path(slide).stem}.json").read_text())["patches"]
         seconds = time.perf_counter() - start
-        peak = _status_kib("VmHWM")
+        peak = status_kib("VmHWM")
     print(json.dumps({"patches": count, "seconds": seconds, "peak_mib": (peak - base) / 1024}))
 
 
@@ -106,7 +106,7 @@ def bench_wsi(patch: int = 256, batch: int = 32, rounds: int = 2, modes: tuple[s
     """Rows ``model, slide, mode, patches, seconds, patches_per_s, peak_mib`` (best of
     ``rounds`` interleaved runs) and ``vs_forward``, the throughput over the same model's
     ``forward`` throughput on the same slide."""
-    from hsmla_med.data.synthetic_wsi import generate_camelyon16
+    from hsmla_med.data.synthetic.wsi import generate_camelyon16
     from hsmla_med.pipelines import camelyon16
 
     modes = modes or default_modes()
@@ -124,7 +124,7 @@ def bench_wsi(patch: int = 256, batch: int = 32, rounds: int = 2, modes: tuple[s
             for name, slide in slides:
                 for model in MODELS:
                     for mode in modes:
-                        cmd = [sys.executable, "-m", "hsmla_med.benchmark_wsi", model, str(slide), str(tmp / "cache"), str(patch), str(batch), mode]
+                        cmd = [sys.executable, "-m", "hsmla_med.bench.wsi", model, str(slide), str(tmp / "cache"), str(patch), str(batch), mode]
                         result = subprocess.run(cmd, capture_output=True, text=True, check=True)
                         run = json.loads(result.stdout.strip().splitlines()[-1])
                         key = (model, name, mode)

@@ -58,7 +58,7 @@ def _all_classes(case: dict, transform, probabilities: bool = False):
     return pred.argmax(0).numpy().astype(np.uint8), None
 
 
-def _status_kib(field: str) -> int:
+def status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
@@ -83,7 +83,7 @@ def _child(volume: str, out: str, mode: str) -> None:
         f.write("5")  # peak (VmHWM) := current resident set
     start = time.perf_counter()
     btcv.infer(module, volume, out, InferenceOptions(device="cpu", progress=lambda _: None))
-    print(json.dumps({"seconds": time.perf_counter() - start, "peak_gib": _status_kib("VmHWM") / 2**20}))
+    print(json.dumps({"seconds": time.perf_counter() - start, "peak_gib": status_kib("VmHWM") / 2**20}))
 
 
 def bench_volume() -> list[dict]:
@@ -96,7 +96,7 @@ def bench_volume() -> list[dict]:
         volume = _volume(Path(tmp) / "ct.nii.gz")
         for mode in MODES:
             out = Path(tmp) / mode
-            result = subprocess.run([sys.executable, "-m", "hsmla_med.benchmark_volume", str(volume), str(out), mode], capture_output=True, text=True)
+            result = subprocess.run([sys.executable, "-m", "hsmla_med.bench.volume", str(volume), str(out), mode], capture_output=True, text=True)
             if result.returncode:
                 raise RuntimeError(f"volume benchmark, {mode}:\n{result.stderr[-3000:]}")
             run = json.loads(result.stdout.strip().splitlines()[-1])
@@ -114,7 +114,7 @@ def _checkpoint(path: Path) -> Path:
 
     from hsmla_med.config import merge_config, model_config, task_config
     from hsmla_med.engine.segmentation import SegmentationModule
-    from hsmla_med.data.synthetic_btcv import BTCV_LABELS
+    from hsmla_med.data.synthetic.btcv import BTCV_LABELS
     from hsmla_med.pipelines import btcv
 
     torch.manual_seed(0)
@@ -130,7 +130,7 @@ def bench_processes(cases: int = 8, shape: tuple[int, int, int] = (192, 192, 64)
     each in a fresh process tree; ``identical``: every label map byte-equal to one process's."""
     import nibabel as nib
 
-    from hsmla_med.data.synthetic_btcv import generate_btcv
+    from hsmla_med.data.synthetic.btcv import generate_btcv
 
     runs = [(1, 2, []), (2, 1, ["--devices", "2", "--strategy", "ddp"])]
     rows, labels = [], {}

@@ -2,7 +2,7 @@
 device, side by side in one run (issue 17).
 
 - Inference, batch 1, float16, ``--size`` squared (1 -> 14 classes): the networks of
-  :func:`hsmla_med.benchmark.build_models` (HSMLA-B0/B1/B2 with tau calibrated to alpha 0.3,
+  :func:`hsmla_med.bench.models.build_models` (HSMLA-B0/B1/B2 with tau calibrated to alpha 0.3,
   B2 with the refinement off and with alpha 1, SegFormer-B0/B2, SwinUNETR-2D, MONAI UNet):
   median latency, peak memory, ratio to SegFormer-B2.
 - 3D, batch 1, float16, ``--size-3d`` cubed: HSMLA-B0 (3D) against MONAI's SwinUNETR and SegResNet.
@@ -100,7 +100,7 @@ def _inference_rows(makers: dict, inputs: list[torch.Tensor], dtype: torch.dtype
 
 def bench_inference(size: int, device: torch.device, warmup: int, reps: int) -> list[dict]:
     """The 2D inference table; half precision on CUDA, float32 elsewhere."""
-    from hsmla_med.benchmark import build_models
+    from hsmla_med.bench.models import build_models
 
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     sample = torch.randn(1, 1, size, size)
@@ -141,7 +141,7 @@ def bench_3d(side: int, device: torch.device, warmup: int, reps: int) -> list[di
 
 def bench_training(size: int, batch: int, device: torch.device, warmup: int, reps: int) -> list[dict]:
     """Training throughput: one AdamW step of cross-entropy per call, bf16 autocast on CUDA."""
-    from hsmla_med.benchmark import build_models
+    from hsmla_med.bench.models import build_models
 
     names = ("HSMLA-B0", "HSMLA-B1", "HSMLA-B2", "SegFormer-B0", "SegFormer-B2", "SwinUNETR-2D", "MONAI UNet")
     makers = build_models(torch.randn(1, 1, size, size))
@@ -172,7 +172,7 @@ def bench_training(size: int, batch: int, device: torch.device, warmup: int, rep
 
 def run(args) -> int:
     """``hsmla-med bench --only gpu``: the three tables, CSVs into ``args.out``."""
-    from hsmla_med.benchmark import markdown, write_csv
+    from hsmla_med.bench.common import markdown, write_csv
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -25,7 +25,7 @@ from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 from PIL import Image
 
-from hsmla_med.io import atomic_path
+from hsmla_med.io.atomic import atomic_path
 
 __all__ = ["gate_overlay", "heatmap_overlay"]
 

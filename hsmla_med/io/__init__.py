@@ -1,0 +1,6 @@
+"""Writers: atomic file output (:mod:`.atomic`, re-exported here, used by every writer), the
+pyramidal heatmap TIFF (:mod:`.tiff`) and the overlay pictures (:mod:`.overlays`)."""
+
+from hsmla_med.io.atomic import atomic_path, is_temporary, remove_stale_temporaries, write_json, write_yaml
+
+__all__ = ["atomic_path", "is_temporary", "remove_stale_temporaries", "write_json", "write_yaml"]
