@@ -85,10 +85,16 @@ def test_linear_attention_allocates_like_reference():
     _assert_close(out, ref, torch.float32)
 
 
-@pytest.mark.skipif(not CUDA, reason="half precision runs only compiled on a GPU")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+# Triton 3.x's interpreter multiplies bfloat16 tiles wrongly in ``tl.dot`` (a 16 x 16 product is
+# off by ~1e10 while float16's is exact; checked), so bfloat16 runs only compiled.
+HALF = [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not CUDA, reason="the interpreter's bfloat16 tl.dot is wrong"))]
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
 def test_linear_attention_aggregates_do_not_overflow_half(dtype):
-    # 64^2 tokens of magnitude ~16: Z and Dn reach ~1e5..1e6, beyond float16's 65504.
+    # 64^2 tokens of magnitude ~16: Z and Dn reach ~1e5..1e6, beyond float16's 65504. The float32
+    # accumulation is the kernel's logic, not the GPU's: without CUDA the interpreter runs the
+    # same kernel on float16 inputs (slowly, so only here and not in the general cases).
     qh, kh, vh = ((16 * t.abs()).to(dtype) for t in _features((1, 2, 64, 64, 32), 3, torch.float32, "contiguous"))
     ref = HF.linear_attention(qh.float(), kh.float(), vh.float())
     out = kernels.linear_attention(qh, kh, vh)
