@@ -40,7 +40,7 @@ from hsmla_med.io import atomic_path, write_json
 from hsmla_med.metrics.pathology import lesion_labels, slide_score
 from hsmla_med.pipelines.task import InferenceOptions, Task, predict_cases, synthetic_root
 
-__all__ = ["TASK", "LABELS", "find_slides", "datalist", "slide_patches", "datamodule", "module_config", "heatmap", "held_out", "infer"]
+__all__ = ["TASK", "LABELS", "find_slides", "datalist", "slide_patches", "datamodule", "module_config", "SlideHeatmaps", "held_out", "infer"]
 
 log = logging.getLogger("hsmla_med")
 LABELS = ["normal", "tumour"]
