@@ -21,16 +21,31 @@ from hsmla_med.engine.schedule import WarmupCosine
 from hsmla_med.errors import ConfigError
 from hsmla_med.metrics import summarize
 from hsmla_med.pipelines import btcv
-from tests.conftest import phantom, tiny_config
+from tests.conftest import TINY, phantom, tiny_config
+
+
+def _lrs(schedule, steps: int) -> list[float]:
+    """The learning rate of each of ``steps`` optimizer steps (read before the step, as AdamW uses it)."""
+    lrs = []
+    for _ in range(steps):
+        lrs.append(schedule.optimizer.param_groups[0]["lr"])
+        schedule.optimizer.step()
+        schedule.step()
+    return lrs
+
+
+def _schedule(warmup: int, total: int, floor: float, lr: float = 1.0) -> WarmupCosine:
+    return WarmupCosine(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr), warmup, total, floor)
 
 
 def test_warmup_cosine_hand_values():
-    s = WarmupCosine(warmup=4, total=14, floor=0.0)
-    assert [s(i) for i in range(4)] == pytest.approx([0.2, 0.4, 0.6, 0.8])
-    assert s(4) == pytest.approx(1.0)
-    assert s(9) == pytest.approx(0.5)  # half-way through the cosine
-    assert s(14) == pytest.approx(0.0) and s(100) == pytest.approx(0.0)
-    assert WarmupCosine(0, 10, floor=0.1)(10) == pytest.approx(0.1)
+    lrs = _lrs(_schedule(warmup=4, total=14, floor=0.0, lr=2.0), 30)
+    assert lrs[:4] == pytest.approx([0.4, 0.8, 1.2, 1.6])  # (step + 1) / (warmup + 1): the first step trains
+    assert lrs[4] == pytest.approx(2.0)
+    assert lrs[9] == pytest.approx(1.0)  # half-way through the cosine
+    assert lrs[14:] == pytest.approx([0.0] * 16)  # past the total the floor holds (MONAI's cosine would rise again)
+    lrs = _lrs(_schedule(warmup=0, total=10, floor=0.1), 12)
+    assert lrs[5] == pytest.approx(0.5) and lrs[9] == pytest.approx(0.1) and lrs[10] == pytest.approx(0.1)  # cos clamped at the floor
 
 
 def _module(tmp_path, dims=2) -> SegmentationModule:
@@ -81,6 +96,7 @@ def test_short_run_outputs_and_resume(tmp_path, dataset):
     torch.manual_seed(0)
     out = tmp_path / "run"
     config = tiny_config(dataset, out, max_steps=3)
+    config["optim"]["warmup_steps"] = 2
     cases = btcv.datalist(config)
     make = lambda: SegmentationModule(btcv.module_config(config, model_config("b0"), cases.label_names))  # noqa: E731
     summary = fit(make(), btcv.datamodule(config, cases), out, config["trainer"])
@@ -92,16 +108,15 @@ def test_short_run_outputs_and_resume(tmp_path, dataset):
     assert metrics["step"] == 3 and metrics == {**summary, "epoch": metrics["epoch"], "step": 3}
     ckpt = torch.load(out / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 3 and ckpt["optimizer_states"] and ckpt["lr_schedulers"]
-    lr_before = ckpt["lr_schedulers"][0]["_last_lr"][0]
 
     config["trainer"]["max_steps"] = 5
     fit(make(), btcv.datamodule(config, cases), out, config["trainer"], resume=True)
     ckpt = torch.load(out / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 5
-    # the schedule continued from step 3 rather than restarting its warm-up at step 0
-    schedule = WarmupCosine(config["optim"]["warmup_steps"], ckpt["lr_schedulers"][0]["lr_lambdas"][0]["total"])
-    assert ckpt["lr_schedulers"][0]["_last_lr"][0] == pytest.approx(config["optim"]["lr"] * schedule(5))
-    assert ckpt["lr_schedulers"][0]["_last_lr"][0] > lr_before
+    # the schedule continued from step 3 on the 5-step curve (test_resume_with_a_larger_max_steps_...)
+    # and ended at its floor, 1% of the peak
+    state = ckpt["lr_schedulers"][0]
+    assert state["t_total"] == 5 and state["last_epoch"] == 5 and state["_last_lr"][0] == pytest.approx(0.01 * config["optim"]["lr"])
     with (out / "metrics.csv").open() as f:
         steps = [int(r["step"]) for r in csv.DictReader(f)]
     assert steps[-1] == 5 and steps == sorted(set(steps))
@@ -109,6 +124,38 @@ def test_short_run_outputs_and_resume(tmp_path, dataset):
     module, meta = load_module(out / "best.ckpt", SegmentationModule)
     assert meta["step"] in steps and not module.training
     assert all(math.isfinite(v) for v in metrics["hd95_per_class"].values() if v is not None)
+
+
+def test_resume_with_a_larger_max_steps_follows_the_new_schedule(tmp_path, dataset, monkeypatch):
+    """``train --max-steps 20`` then ``--resume --max-steps 40``: step 21 trains at the 40-step
+    curve's rate, not at the 20-step curve's floor (the total used to be restored from the checkpoint)."""
+    import yaml
+
+    from hsmla_med.cli import main
+    from hsmla_med.engine.base import GatedModule
+
+    used = {}  # global step -> learning rate the optimizer applies in that step
+    step = GatedModule.training_step
+
+    def recording(self, batch, batch_idx):
+        used[self.global_step] = self.optimizers().param_groups[0]["lr"]
+        return step(self, batch, batch_idx)
+
+    monkeypatch.setattr(GatedModule, "training_step", recording)
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump({**TINY, "optim": {"lr": 0.002, "warmup_steps": 4},
+                                      "trainer": {**TINY["trainer"], "check_val_every_n_epoch": 1000}}))
+    argv = ["train", "--task", "btcv", "--data-dir", str(dataset), "--config", str(config), "--output", str(tmp_path / "run")]
+    cosine = lambda step, total: 0.002 * max(0.01, (1 + math.cos(math.pi * (step - 4) / (total - 4))) / 2)  # noqa: E731
+    assert main([*argv, "--max-steps", "20"]) == 0
+    assert sorted(used) == list(range(20))
+    assert used[2] == pytest.approx(0.002 * 3 / 5) and used[12] == pytest.approx(cosine(12, 20))
+    used.clear()
+    assert main([*argv, "--max-steps", "40", "--resume"]) == 0
+    assert sorted(used) == list(range(20, 40))
+    # by hand: 0.002 * (1 + cos(pi * 16 / 36)) / 2 = 0.002 * 0.58682 (the old curve: its floor, 0.002 * 0.01)
+    assert used[20] == pytest.approx(0.002 * 0.586824, rel=1e-5)
+    assert all(used[s] == pytest.approx(cosine(s, 40)) for s in range(20, 40))
 
 
 def test_gather_records_keeps_each_key_once_in_key_order():

@@ -177,5 +177,5 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
         optim = self.config["optim"]
         optimizer = torch.optim.AdamW(self.parameters(), lr=optim["lr"], weight_decay=optim["weight_decay"])
         total = max(1, int(self.trainer.estimated_stepping_batches))
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(optim["warmup_steps"], total))
+        schedule = WarmupCosine(optimizer, optim["warmup_steps"], total)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
