@@ -44,6 +44,9 @@ __all__ = ["TASK", "LABELS", "find_slides", "datalist", "slide_patches", "datamo
 
 log = logging.getLogger("hsmla_med")
 LABELS = ["normal", "tumour"]
+# in the patch-grid cache key: version 2 takes the grid cells from patch_grid (version 1 cached
+# cells computed back from rounded corners, which collide where a level's downsample is fractional)
+_GRID_VERSION = 2
 SLIDE_SUFFIXES = (".tif", ".tiff", ".svs", ".ndpi", ".mrxs", ".scn", ".bif")
 
 
@@ -117,7 +120,7 @@ def slide_patches(case: dict, data: dict) -> dict:
     slide_path = Path(case["slide"])
     stat = slide_path.stat()
     notes = Path(case["annotation"]).stat().st_mtime_ns if case["annotation"] else None
-    key = json.dumps([str(slide_path.resolve()), stat.st_size, stat.st_mtime_ns, case["annotation"], notes, params], sort_keys=True)
+    key = json.dumps([_GRID_VERSION, str(slide_path.resolve()), stat.st_size, stat.st_mtime_ns, case["annotation"], notes, params], sort_keys=True)
     cache = Path(data["cache_dir"]).expanduser() / "camelyon16-patches" / f"{slide_path.stem}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.npz"
     if cache.is_file():
         with np.load(cache) as f:
@@ -130,7 +133,7 @@ def slide_patches(case: dict, data: dict) -> dict:
     min_area = data["tissue_min_area_um2"] / mpp**2 if mpp else 2.0**18
     tissue, tissue_ds = tissue_mask(slide, min_area=min_area)
     footprint = params["patch_size"] * level_ds
-    coords = patch_grid(tissue, tissue_ds, slide.dimensions, params["patch_size"], params["stride"], level_ds, params["min_tissue"])
+    coords, cells = patch_grid(tissue, tissue_ds, slide.dimensions, params["patch_size"], params["stride"], level_ds, params["min_tissue"])
     labels = np.zeros(len(coords), dtype=np.int64)
     lesions = np.zeros(len(coords), dtype=np.int64)
     if case["annotation"]:
@@ -141,11 +144,10 @@ def slide_patches(case: dict, data: dict) -> dict:
         cy = np.clip(centre[:, 1], 0, ids.shape[0] - 1)
         cx = np.clip(centre[:, 0], 0, ids.shape[1] - 1)
         lesions = np.where(labels > 0, ids[cy, cx], 0)
-    step = params["stride"] * level_ds
     result = {
         "coords": coords.astype(np.int64),
-        "rows": (coords[:, 1] // step).astype(np.int64),
-        "cols": (coords[:, 0] // step).astype(np.int64),
+        "rows": cells[:, 0],  # each patch its own cell, whole downsample or not (patch_grid)
+        "cols": cells[:, 1],
         "labels": labels,
         "lesions": lesions.astype(np.int64),
         "level": np.int64(level),

@@ -8,7 +8,9 @@ import json
 import numpy as np
 import openslide
 import pytest
+import tifffile
 import torch
+from skimage.transform import resize
 from torch import nn
 
 from hsmla_med.cli import main
@@ -154,6 +156,48 @@ def test_train_through_the_cli(slides, tmp_path, capsys):
         assert "tumor_001.xml: malformed ASAP XML" in capsys.readouterr().err
     finally:
         bad.write_text(saved)
+
+
+class AllTumour(nn.Module):
+    """A stub classifier: every patch tumour with probability ~1 (255 in the heatmap)."""
+
+    def forward(self, x):
+        ones = torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
+        return torch.stack([0 * ones, 20 * ones], dim=1)
+
+
+def write_svs_like_slide(path):
+    """A 361 x 367 slide whose level 1 is 90 x 92, so that OpenSlide reports the downsample
+    (361/90 + 367/92) / 2 = 4.000121, as for Aperio's CMU-1.svs; tissue right of x = 40."""
+    rng = np.random.default_rng(0)
+    rgb = np.full((367, 361, 3), (242, 242, 240), np.float64)
+    rgb[:, 40:] = (222, 140, 185)
+    rgb = np.clip(rgb + rng.normal(0, 3, rgb.shape), 0, 255).astype(np.uint8)
+    level1 = resize(rgb, (92, 90), preserve_range=True, anti_aliasing=True).round().astype(np.uint8)
+    with tifffile.TiffWriter(path) as tif:
+        for index, level in enumerate((rgb, level1)):
+            per_cm = (1e4 / 0.25 * level.shape[1] / 361, 1e4 / 0.25 * level.shape[0] / 367)
+            tif.write(level, tile=(64, 64), photometric="rgb", subfiletype=int(index > 0), resolution=per_cm, resolutionunit="CENTIMETER")
+    return path
+
+
+def test_a_fractional_level_downsample_gives_every_patch_its_own_heatmap_cell(slides, tmp_path):
+    """Issue 26 target: a level of downsample 4.000121 (as in .svs pyramids) at ``--level 1``
+    gives exactly as many heatmap cells as patches; cells from ``corner // step`` collided."""
+    path = write_svs_like_slide(tmp_path / "cmu.tif")
+    with openslide.OpenSlide(str(path)) as slide:
+        assert round(slide.level_downsamples[1], 6) == 4.000121
+    config = _config(slides, patch_size=8, stride=8, tissue_min_area_um2=100)
+    grid = camelyon16.slide_patches({"slide": str(path), "annotation": None, "label": 0}, {**config["data"], "level": 1})
+    cells = set(zip(grid["rows"].tolist(), grid["cols"].tolist()))
+    assert len(grid["coords"]) > 50 and len(cells) == len(grid["coords"])
+    module = ClassificationModule(camelyon16.module_config(config, {"variant": "b0"}, camelyon16.LABELS), network=AllTumour())
+    [record] = camelyon16.infer(module, path, tmp_path / "out", InferenceOptions(level=1, progress=lambda _: None))
+    info = json.loads(record.read_text())
+    heat = openslide.OpenSlide(str(tmp_path / "out" / "cmu_heatmap.tif"))
+    k = info["heatmap_pixels_per_cell"]
+    values = np.asarray(heat.read_region((0, 0), 0, heat.dimensions).convert("L"))[::k, ::k]
+    assert info["patches"] == len(grid["coords"]) == (values == 255).sum()
 
 
 def test_slide_without_a_tissue_patch_warns_and_scores_zero(slides, tmp_path, caplog):

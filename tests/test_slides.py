@@ -215,14 +215,23 @@ def test_coverage_equals_brute_force():
     assert coverage(mask, 4, np.zeros((0, 2), np.int64), 8).shape == (0,)
 
 
+@pytest.fixture(scope="module")
+def fractional_slide_path(tmp_path_factory, rgb):
+    """The slide cut to 2047 x 1535: its levels (1023 x 767, 511 x 383) have the downsamples
+    2.00114 and 4.00498 (OpenSlide's mean of the width and height ratios), as .svs levels do."""
+    return write_slide(tmp_path_factory.mktemp("fractional") / "tumor_002.tif", rgb[:1535, :2047])
+
+
 @pytest.mark.parametrize("level, patch_size, stride", [(1, 64, 64), (1, 48, 32), (2, 32, 16)])
 def test_patch_grid(slide, level, patch_size, stride):
     tissue, tissue_d = tissue_mask(slide, min_size=512, min_area=4096)
-    d = int(slide.level_downsamples[level])
-    footprint, step = patch_size * d, stride * d
-    coords = patch_grid(tissue, tissue_d, slide.dimensions, patch_size, stride, d, min_tissue=0.5)
-    assert coords.dtype == np.int64 and coords.ndim == 2 and len(coords) > 0
+    d = slide.level_downsamples[level]
+    assert d == int(d) and tissue_d == int(tissue_d)  # the brute force below steps whole pixels
+    footprint, step = int(patch_size * d), int(stride * d)
+    coords, cells = patch_grid(tissue, tissue_d, slide.dimensions, patch_size, stride, d, min_tissue=0.5)
+    assert coords.dtype == cells.dtype == np.int64 and coords.ndim == 2 and len(coords) > 0
     assert (coords % step == 0).all()
+    np.testing.assert_array_equal(cells, coords[:, ::-1] // step)  # whole steps: the cell is the corner's quotient
     assert (coords >= 0).all() and (coords + footprint <= (WIDTH, HEIGHT)).all()
     # centres on the known tissue for nearly all, and the brute-force loop finds the same patches
     assert known_tissue(coords[:, 0] + footprint / 2, coords[:, 1] + footprint / 2).mean() > 0.95
@@ -236,10 +245,32 @@ def test_patch_grid(slide, level, patch_size, stride):
     np.testing.assert_array_equal(coords, np.array(expected).reshape(-1, 2))
 
 
+@pytest.mark.parametrize("level, patch_size, stride", [(1, 64, 64), (1, 48, 32), (2, 32, 16)])
+def test_patch_grid_at_a_fractional_downsample_gives_each_patch_its_own_cell(slide, fractional_slide_path, level, patch_size, stride):
+    """At a downsample that is not a whole number, the corner of cell (r, c) is the level-0
+    pixel nearest (c, r) * step, every patch has its own cell (``corner // step`` would merge
+    neighbours), and the grid is the one of the uncut slide but for its last pixel."""
+    with open_slide(fractional_slide_path) as cut:
+        d = cut.level_downsamples[level]
+        assert d != int(d)
+        tissue, tissue_d = tissue_mask(cut, min_size=512, min_area=4096)
+        coords, cells = patch_grid(tissue, tissue_d, cut.dimensions, patch_size, stride, d, min_tissue=0.5)
+    step, footprint = stride * d, patch_size * d
+    assert len(coords) > 0 and len(set(map(tuple, cells))) == len(cells)
+    np.testing.assert_array_equal(coords, np.round(cells[:, ::-1] * step))
+    assert (coords >= 0).all() and (coords + footprint <= (2047, 1535)).all()
+    assert known_tissue(coords[:, 0] + footprint / 2, coords[:, 1] + footprint / 2).mean() > 0.95
+    whole, whole_d = tissue_mask(slide, min_size=512, min_area=4096)
+    _, whole_cells = patch_grid(whole, whole_d, slide.dimensions, patch_size, stride, slide.level_downsamples[level], 0.5)
+    ours, theirs = set(map(tuple, cells)), set(map(tuple, whole_cells))
+    assert len(ours & theirs) / len(ours | theirs) > 0.97
+
+
 def test_patch_grid_bounds():
     tissue = np.ones((10, 10), bool)
-    coords = patch_grid(tissue, 4, (40, 30), patch_size=8, stride=8, level_downsample=2, min_tissue=0)
+    coords, cells = patch_grid(tissue, 4, (40, 30), patch_size=8, stride=8, level_downsample=2, min_tissue=0)
     np.testing.assert_array_equal(coords, [(0, 0), (16, 0)])  # a third column or second row would leave the slide
-    assert patch_grid(tissue, 4, (10, 10), 8, 8, 2).shape == (0, 2)
+    np.testing.assert_array_equal(cells, [(0, 0), (0, 1)])
+    assert [a.shape for a in patch_grid(tissue, 4, (10, 10), 8, 8, 2)] == [(0, 2), (0, 2)]
     with pytest.raises(ValueError, match="min_tissue"):
         patch_grid(tissue, 4, (40, 40), 8, 8, 2, min_tissue=1.5)

@@ -245,8 +245,8 @@ def patch_grid(
     stride: int,
     level_downsample: float,
     min_tissue: float = 0.5,
-) -> np.ndarray:
-    """Top-left corners of the patches of a level that lie on tissue.
+) -> tuple[np.ndarray, np.ndarray]:
+    """Top-left corners of the patches of a level that lie on tissue, and their grid cells.
 
     Patches are ``patch_size`` pixels of a level with ``level_downsample``, so each covers a
     footprint of ``patch_size * level_downsample`` level-0 pixels; they are stepped by
@@ -260,7 +260,12 @@ def patch_grid(
         min_tissue: fraction in [0, 1]; 0 keeps every patch inside the slide.
 
     Returns:
-        int64 (n, 2) level-0 (x, y) corners, row by row (y, then x, ascending).
+        ``(coords, cells)``: int64 (n, 2) level-0 (x, y) corners, row by row (y, then x,
+        ascending), and int64 (n, 2) (row, col) of each patch in the grid's enumeration: the
+        patch of cell (r, c) has its corner at ``round(c * step), round(r * step)``, ``step``
+        the stride in level-0 pixels. The cells come from the enumeration, not back from the
+        rounded corners: where the downsample is not a whole number (an .svs level of 4.000121)
+        ``corner // step`` puts neighbouring patches in one cell.
     """
     if patch_size <= 0 or stride <= 0:
         raise ValueError(f"patch_size and stride must be positive, got {patch_size}, {stride}")
@@ -268,11 +273,13 @@ def patch_grid(
         raise ValueError(f"min_tissue must be in [0, 1], got {min_tissue}")
     footprint, step = patch_size * level_downsample, stride * level_downsample
     # per axis: corners i*step with i*step + footprint <= side
-    xs, ys = (np.round(np.arange(max(0, math.floor((side - footprint) / step) + 1)) * step) for side in level0_size)
-    ys, xs = np.meshgrid(ys, xs, indexing="ij")
-    coords = np.stack([xs.ravel(), ys.ravel()], axis=1).astype(np.int64)
+    cols, rows = (np.arange(max(0, math.floor((side - footprint) / step) + 1)) for side in level0_size)
+    rows, cols = np.meshgrid(rows, cols, indexing="ij")
+    cells = np.stack([rows.ravel(), cols.ravel()], axis=1).astype(np.int64)
+    coords = np.round(cells[:, ::-1] * step).astype(np.int64)
     # the tolerance keeps fractions equal to min_tissue whose sum rounded a hair below it
-    return coords[coverage(tissue, tissue_downsample, coords, footprint) >= min_tissue - 1e-9]
+    keep = coverage(tissue, tissue_downsample, coords, footprint) >= min_tissue - 1e-9
+    return coords[keep], cells[keep]
 
 
 def coverage(mask: np.ndarray, mask_downsample: float, coords: np.ndarray, footprint_level0: float) -> np.ndarray:
