@@ -18,15 +18,18 @@ class DataError(InputError):
 
 
 def find_input_error(err: BaseException) -> InputError | None:
-    """The :class:`InputError` behind ``err``, if any.
+    """The :class:`InputError` behind ``err``, if any: ``err`` itself or one in its explicit
+    cause chain (``raise ... from``).
 
-    MONAI and the DataLoader re-raise exceptions from transforms wrapped in ``RuntimeError``;
-    walking ``__cause__``/``__context__`` finds the original, whose message names the file.
+    MONAI re-raises an exception from a transform as ``RuntimeError(...) from e``; following
+    ``__cause__`` finds the original, whose message names the file. ``__context__`` is not
+    followed: an exception raised *while handling* an input error (a bug in an ``except``
+    block) is not that input error, and must keep its traceback.
     """
     seen = set()
     while err is not None and id(err) not in seen:
         if isinstance(err, InputError):
             return err
         seen.add(id(err))
-        err = err.__cause__ or err.__context__
+        err = err.__cause__
     return None
