@@ -51,8 +51,8 @@ def datalist(config: dict) -> Datalist:
     if data["data_dir"]:
         return load_datalist(data["data_dir"], data["dataset_json"], data["validation_fraction"], config["seed"])
     synth = data["synthetic"]
-    root = synthetic_root(data, "btcv", "BTCV-format volumes", "phantoms, not patients")
-    generate_btcv(root, synth["num_train"], synth["num_validation"], synth["num_test"], tuple(synth["shape"]), synth["seed"])
+    root = synthetic_root(data, "btcv", "BTCV-format volumes", "phantoms, not patients", lambda root: generate_btcv(
+        root, synth["num_train"], synth["num_validation"], synth["num_test"], tuple(synth["shape"]), synth["seed"]))
     return load_datalist(root, seed=config["seed"])
 
 

@@ -96,8 +96,8 @@ def datalist(config: dict) -> Datalist:
     root, synthetic = data["data_dir"], False
     if not root:
         synth = data["synthetic"]
-        root = synthetic_root(data, "camelyon16", "CAMELYON16-format slides", "textures, not tissue")
-        generate_camelyon16(root, synth["num_normal"], synth["num_tumor"], synth["num_test"], tuple(synth["size"]), seed=synth["seed"])
+        root = synthetic_root(data, "camelyon16", "CAMELYON16-format slides", "textures, not tissue", lambda root: generate_camelyon16(
+            root, synth["num_normal"], synth["num_tumor"], synth["num_test"], tuple(synth["size"]), seed=synth["seed"]))
         synthetic = True
     training, test = find_slides(root)
     training, validation = split_cases(training, data["validation_fraction"], config["seed"], classes=[c["label"] for c in training])

@@ -52,8 +52,8 @@ def datalist(config: dict) -> Datalist:
     problem = _problem(config)
     root, synthetic = data["data_dir"], False
     if not root:
-        root = synthetic_root(data, "endovis", "EndoVis 2017-format frames", "drawn instruments, not surgery")
-        generate_endovis(root, **data["synthetic"])
+        root = synthetic_root(data, "endovis", "EndoVis 2017-format frames", "drawn instruments, not surgery",
+                              lambda root: generate_endovis(root, **data["synthetic"]))
         synthetic = True
     videos = find_videos(root)
     labelled = [v["video"] for v in videos if v["labelled"]]

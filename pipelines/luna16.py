@@ -57,8 +57,8 @@ def datalist(config: dict) -> Datalist:
     root, synthetic = data["data_dir"], False
     if not root:
         synth = data["synthetic"]
-        root = synthetic_root(data, "luna16", "LUNA16-format scans", "phantoms, not patients")
-        generate_luna16(root, synth["num_scans"], tuple(synth["shape"]), synth["seed"])
+        root = synthetic_root(data, "luna16", "LUNA16-format scans", "phantoms, not patients",
+                              lambda root: generate_luna16(root, synth["num_scans"], tuple(synth["shape"]), synth["seed"]))
         synthetic = True
     root = Path(root)
     scans = find_scans(root)

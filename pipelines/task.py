@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import lightning as L
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from hsmla_med.data.datalist import Datalist
 from hsmla_med.engine.base import GatedModule
@@ -72,11 +73,34 @@ def predict_cases(
     return [Path(item["output"]) for item in items] + finished if first else written
 
 
-def synthetic_root(data: dict, task: str, files: str, nature: str) -> Path:
-    """Where a task's synthetic default dataset lives (``data.cache_dir/<task>-synthetic``),
-    logged as synthetic: ``files`` in the benchmark's format, ``nature`` what they really are."""
+def synthetic_root(data: dict, task: str, files: str, nature: str, generate: Callable[[Path], object]) -> Path:
+    """A task's synthetic default dataset (``data.cache_dir/<task>-synthetic``), made current by
+    ``generate(root)`` (a generator returns at once when its cache is current), and logged as
+    synthetic: ``files`` in the benchmark's format, ``nature`` what they really are.
+
+    ``generate`` runs under an exclusive lock beside the folder, so that the processes of one
+    run, and runs sharing the cache, generate once: the first writes, the others wait and then
+    find the cache current (a generator deletes a stale cache's files, so two at once would
+    delete each other's). A lock rather than a barrier: torchrun and SLURM start every rank
+    before any process group exists, and it covers independent jobs too; a node-local cache is
+    generated once per node, a shared one once.
+    """
+    from filelock import FileLock
+
     root = Path(data["cache_dir"]).expanduser() / f"{task}-synthetic"
-    log.warning("No --data-dir given: using SYNTHETIC %s in %s (%s)", files, root, nature)
+    if rank_zero_only.rank == 0:
+        log.warning("No --data-dir given: using SYNTHETIC %s in %s (%s)", files, root, nature)
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(root.parent / f".{root.name}.lock")
+        lock.acquire()
+    except OSError as err:
+        raise InputError(f"data.cache_dir {root.parent}: cannot write the synthetic dataset there ({err.strerror or err}); "
+                         "set data.cache_dir to a writable folder") from None
+    try:
+        generate(root)
+    finally:
+        lock.release()
     return root
 
 
