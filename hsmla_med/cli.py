@@ -62,6 +62,7 @@ def _add_prediction_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--precision", choices=["auto", "32-true", "16-mixed", "bf16-mixed"], default="auto", help="auto: mixed precision on CUDA, float32 on the CPU")
     g.add_argument("--shard", help="I/N: only shard I (from 0) of N of the sorted cases, for array jobs; outputs that exist are skipped")
     g.add_argument("--num-workers", type=int, default=0, help="DataLoader workers reading and preprocessing inputs (default 0: in the main process)")
+    g.add_argument("--overwrite", action="store_true", help="predict every case again, also into a folder that holds outputs of another checkpoint or other options (refused without it; OUTPUT/provenance.json says whose they are)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -223,6 +224,16 @@ def _writable_folder(path: str | Path, option: str) -> Path:
     return path
 
 
+def _apart(inputs: str, output: str, option: str) -> None:
+    """Refuse an ``--output`` that is the input folder itself: predictions would mix with the
+    inputs (and be read as inputs by the next run); an output file that would be its own input
+    is refused case by case (:func:`hsmla_med.pipelines.task.predict_cases`)."""
+    from hsmla_med.errors import InputError
+
+    if Path(inputs).resolve() == Path(output).resolve():
+        raise InputError(f"--output {output}: is the {option} itself; give a folder apart from the inputs")
+
+
 def _options(args, **extra):
     from hsmla_med.engine.prediction import Shard
     from hsmla_med.pipelines.task import InferenceOptions
@@ -230,13 +241,14 @@ def _options(args, **extra):
     return InferenceOptions(
         device=_device(args.device), tta=getattr(args, "tta", False), overlap=getattr(args, "overlap", None), devices=args.devices,
         strategy=args.strategy, num_nodes=args.num_nodes, precision=args.precision, shard=Shard.parse(args.shard),
-        num_workers=args.num_workers, **extra,
+        num_workers=args.num_workers, overwrite=args.overwrite, **extra,
     )
 
 
 def _infer(args) -> list[Path]:
     task = get_task(args.task)
     options = _options(args, crop=args.crop, save_probabilities=args.save_probabilities)
+    _apart(args.input, args.output, "--input")
     output = _writable_folder(args.output, "--output")
     module, _ = task.load(args.checkpoint)
     started = time.perf_counter()
@@ -270,6 +282,7 @@ def _wsi_heatmap(args) -> list[Path]:
     requested_reader()  # a bad HSMLA_MED_SLIDE_READER is refused before any work
     task = get_task("camelyon16")
     options = _options(args, batch_size=args.batch_size, level=args.level)
+    _apart(args.slide, args.output, "--slide")
     output = _writable_folder(args.output, "--output")
     module, _ = task.load(args.checkpoint)
     written = task.predict(module, args.slide, output, options)
@@ -322,7 +335,7 @@ def _demo(args) -> int:
         task = get_task(name)
         cases = task.datalist(config)
         module, _ = task.load(output / "best.ckpt")
-        written = [p for item in task.held_out(cases) for p in task.predict(module, item, output / "predictions", InferenceOptions())]
+        written = [p for item in task.held_out(cases) for p in task.predict(module, item, output / "predictions", InferenceOptions(overwrite=True))]
         metric = module.monitor
         report.append(
             f"{name}: {metric} {summary[metric]:.4f} on {summary['cases']} held-out synthetic items, "

@@ -192,7 +192,8 @@ def infer(
         return [case["output"]]
 
     started = time.perf_counter()
-    written = predict_cases(module, items, FrameForInference(cfg["data"]["crop"], options.crop, cfg["data"]["size"]), write, options)
+    transform = FrameForInference(cfg["data"]["crop"], options.crop, cfg["data"]["size"])
+    written = predict_cases(module, items, transform, write, options, folder=output)
     seconds = time.perf_counter() - started
     options.progress(f"endovis: {len(predicted)} frame(s) segmented by this process, {len(predicted) / seconds:.2f} frames/s "
                      f"({options.device}, input {cfg['data']['size']})")

@@ -14,7 +14,7 @@ import logging
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
 
@@ -23,7 +23,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from hsmla_med.data.datalist import Datalist
 from hsmla_med.engine.base import GatedModule
-from hsmla_med.engine.prediction import PredictionDataModule, Shard, pending, run_prediction
+from hsmla_med.engine.prediction import PredictionDataModule, Shard, claim_outputs, model_digest, output_folder, run_prediction
 from hsmla_med.errors import DataError, InputError
 
 __all__ = ["Task", "InferenceOptions", "input_files", "predict_cases", "synthetic_root"]
@@ -55,22 +55,44 @@ def predict_cases(
     options: InferenceOptions,
     finish: Callable[[], list[Path]] | None = None,
     flush: Callable[[], list[Path]] | None = None,
+    folder: str | Path | None = None,
     **loader,
 ) -> list[Path]:
-    """Predict this job's shard of ``items`` (see :mod:`hsmla_med.engine.prediction`), skipping
-    cases whose output exists, on ``options``' devices and processes. Returns, on the first
-    process, every item's ``output`` (all exist then) and what ``finish`` wrote; on any other,
-    what the process wrote itself. ``flush`` (optional) waits for writes that ``write`` left to
-    a background thread and returns their paths."""
+    """Predict this job's shard of ``items`` (see :mod:`hsmla_med.engine.prediction`) on
+    ``options``' devices and processes, skipping cases whose output this model wrote with these
+    options before. Returns, on the first process, every item's ``output`` (all exist then) and
+    what ``finish`` wrote; on any other, what the process wrote itself. ``flush`` (optional) waits
+    for writes that ``write`` left to a background thread and returns their paths.
+
+    ``folder`` (default: the folder that holds every output) records where its outputs came
+    from (:func:`~hsmla_med.engine.prediction.claim_outputs`): outputs of another model or
+    other options there are refused unless ``options.overwrite``. An output that would replace
+    one of its case's inputs is refused. When this returns, every item's output in ``folder``
+    is this model's with these options, so ``finish`` may merge exactly the items' outputs.
+    """
+    folder = Path(folder) if folder is not None else output_folder(items)
     items = options.shard.select(items)
-    todo = pending(items)
+    _refuse_outputs_over_inputs(items)
+    record = {"format": 1, "model": {"sha256": model_digest(module), "checkpoint": getattr(module, "checkpoint", None)},
+              "options": options.provenance()}
+    todo = claim_outputs(items, folder, record, options.overwrite, write=rank_zero_only.rank == 0) if items else []
     if len(todo) < len(items):
-        options.progress(f"{len(items) - len(todo)} of {len(items)} case(s) done before: skipped")
+        options.progress(f"{len(items) - len(todo)} of {len(items)} case(s) done before by this checkpoint with these options: skipped")
     data = PredictionDataModule(todo, transform, num_workers=options.num_workers, **loader)
     written, finished, first = run_prediction(
         module, data, write, options.device, options.devices, options.strategy, options.num_nodes, options.precision, finish, flush
     )
     return [Path(item["output"]) for item in items] + finished if first else written
+
+
+def _refuse_outputs_over_inputs(items: list[dict]) -> None:
+    """An item whose ``output`` is one of its own input paths (``infer --output`` = ``--input``
+    for frames or volumes) would be taken as done, or replace the input: an
+    :class:`~hsmla_med.errors.InputError`."""
+    for item in items:
+        output = Path(item["output"]).resolve()
+        if any(isinstance(v, (str, Path)) and Path(v).resolve() == output for k, v in item.items() if k != "output"):
+            raise InputError(f"{item['output']}: the output of {item['name']} would be its own input; give an --output folder apart from the input")
 
 
 def synthetic_root(data: dict, task: str, files: str, nature: str, generate: Callable[[Path], object]) -> Path:
@@ -104,6 +126,9 @@ def synthetic_root(data: dict, task: str, files: str, nature: str, generate: Cal
     return root
 
 
+_SHAPES_OUTPUTS = {"shapes_outputs": True}
+
+
 @dataclass(frozen=True)
 class InferenceOptions:
     """The options of one inference run, given as arguments rather than written into a
@@ -123,22 +148,28 @@ class InferenceOptions:
         shard: this job's :class:`~hsmla_med.engine.prediction.Shard` of the cases.
         num_workers: DataLoader workers that read and preprocess the inputs.
         save_probabilities: also write the class probabilities (volumes: ``<case>.npz``).
+        overwrite: predict every case again, also into a folder of another checkpoint or other
+            options (else refused; see :func:`predict_cases`).
         progress: called with one line per input.
+
+    The options that change what is written (:meth:`provenance`) are recorded with the outputs;
+    those that only place the work (devices, shards, workers) are not.
     """
 
     device: str = "cpu"
-    tta: bool = False
-    overlap: float | None = None
+    tta: bool = field(default=False, metadata=_SHAPES_OUTPUTS)
+    overlap: float | None = field(default=None, metadata=_SHAPES_OUTPUTS)
     batch_size: int | None = None
-    level: int | None = None
-    crop: str = "auto"
+    level: int | None = field(default=None, metadata=_SHAPES_OUTPUTS)
+    crop: str = field(default="auto", metadata=_SHAPES_OUTPUTS)
     devices: int | None = None
     strategy: str = "auto"
     num_nodes: int = 1
-    precision: str = "auto"
+    precision: str = field(default="auto", metadata=_SHAPES_OUTPUTS)
     shard: Shard = Shard()
     num_workers: int = 0
-    save_probabilities: bool = False
+    save_probabilities: bool = field(default=False, metadata=_SHAPES_OUTPUTS)
+    overwrite: bool = False
     progress: Callable[[str], None] = field(default=print, compare=False)
 
     def __post_init__(self) -> None:
@@ -156,6 +187,10 @@ class InferenceOptions:
             raise InputError(f"--num-nodes must be positive, got {self.num_nodes}")
         if self.num_workers < 0:
             raise InputError(f"--num-workers must be >= 0, got {self.num_workers}")
+
+    def provenance(self) -> dict:
+        """The options that shape the outputs, as recorded with them."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("shapes_outputs")}
 
     def apply(self, inference: dict) -> dict:
         """A checkpoint's ``inference`` settings with this run's ``tta`` and ``overlap``."""
@@ -221,7 +256,9 @@ class Task(ABC):
         ``epoch``/``step``."""
         from hsmla_med.engine.run import load_module
 
-        return load_module(checkpoint, self.module_class, task=self.name, inference={"tta": tta})
+        module, meta = load_module(checkpoint, self.module_class, task=self.name, inference={"tta": tta})
+        module.checkpoint = str(checkpoint)  # named in the provenance of its outputs
+        return module, meta
 
     def build_module(self, config: dict, model: dict, cases: Datalist) -> GatedModule:
         return self.module_class(self.module_config(config, model, cases.label_names))

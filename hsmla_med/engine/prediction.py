@@ -11,11 +11,20 @@ loading transform (in DataLoader workers); the module's ``predict_step`` runs th
 that computed it. Lightning's own ``BasePredictionWriter`` and predict loop do the rest; what is
 written here is only the split of whole cases (Lightning's distributed sampler splits the
 loader's samples, and for whole-slide inference a case is a slide of many patches).
+
+Outputs know where they came from (:func:`claim_outputs`): before predicting, the output folder
+gets ``provenance.json`` (the model's digest and the options that shape the outputs) and every
+output about to be written a record of its own under ``.provenance/``, written before the
+output itself. An output is skipped only when its record matches this run; a folder or an output
+of another model or other options is refused unless the run overwrites.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -24,12 +33,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 from monai.data import DataLoader, Dataset
 
 from hsmla_med.errors import InputError
+from hsmla_med.io import write_json
 
-__all__ = ["Shard", "PredictionDataModule", "PredictionWriter", "pending", "run_prediction", "first"]
+__all__ = [
+    "Shard", "PredictionDataModule", "PredictionWriter", "PROVENANCE", "claim_outputs", "model_digest", "output_folder", "run_prediction",
+    "first",
+]
 
 log = logging.getLogger("hsmla_med")
 
@@ -63,10 +77,102 @@ class Shard:
         return [item for item in items if item["name"] in mine]  # in the given order
 
 
-def pending(items: Sequence[dict]) -> list[dict]:
-    """The items whose ``output`` does not exist yet (outputs are written last and atomically,
-    so an existing one is complete)."""
-    return [item for item in items if not Path(item["output"]).exists()]
+PROVENANCE = "provenance.json"  # the output folder's record
+_RECORDS = ".provenance"  # one record per output: <folder>/.provenance/<output relative to folder>.json
+
+
+def model_digest(module: torch.nn.Module) -> str:
+    """sha256 of what makes a model's outputs: its weights (name, dtype, shape and bytes of every
+    tensor of the state dict, in order) and its hyper-parameters (``module.config``, if any).
+    The same weights give the same digest whether they come from a checkpoint, an exported
+    network or memory; a file hash would tell last.ckpt from best.ckpt of the same weights."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps(getattr(module, "config", None), sort_keys=True, default=str).encode())
+    for name, tensor in module.state_dict().items():
+        tensor = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def output_folder(items: Sequence[dict]) -> Path | None:
+    """The folder that holds every item's ``output`` (their deepest common folder)."""
+    return Path(os.path.commonpath([Path(item["output"]).parent for item in items])) if items else None
+
+
+def _read_record(path: Path) -> dict | None:
+    """A provenance record, None if there is none; an unreadable one reads as ``{}``, which
+    matches no run."""
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _difference(old: dict, new: dict) -> str | None:
+    """What ``old`` (a record read back) has that differs from this run's ``new``, in words;
+    None when they match. Only the model's digest and the options are compared."""
+    if not old:
+        return "an unreadable provenance record"
+    parts = []
+    model, before = new["model"], old.get("model") if isinstance(old.get("model"), dict) else {}
+    if before.get("sha256") != model["sha256"]:
+        name = lambda m: f"{str(m.get('sha256'))[:12]} of {m.get('checkpoint') or 'a network in memory'}"  # noqa: E731
+        parts.append(f"another checkpoint (weights sha256 {name(before)}; this run: {name(model)})")
+    options = old.get("options") if isinstance(old.get("options"), dict) else {}
+    changed = [f"{key} {options.get(key)!r} -> {value!r}" for key, value in new["options"].items() if options.get(key, ...) != value]
+    if changed:
+        parts.append(f"other options ({', '.join(changed)})")
+    return " and ".join(parts) or None
+
+
+def claim_outputs(items: Sequence[dict], folder: str | Path, record: dict, overwrite: bool = False, write: bool = True) -> list[dict]:
+    """The items still to predict into ``folder`` for a run described by ``record`` (``model``:
+    ``sha256`` and ``checkpoint``; ``options``: those that shape the outputs).
+
+    An item whose output exists is done when the output's own record matches ``record``. A
+    folder whose ``provenance.json`` differs, or an existing output whose record differs or is
+    missing (written before outputs were recorded, or by something else), is an
+    :class:`~hsmla_med.errors.InputError` naming the folder and the difference; with
+    ``overwrite`` such outputs (and, since the user asked for it, also matching ones) are
+    predicted again. With ``write`` (the first process) the records are written before
+    anything is predicted: overwritten outputs removed, each pending output's record, then the
+    folder's; an output's record is thus older than the output, and an output without a
+    matching record is never taken for this run's.
+    """
+    folder = Path(folder)
+    record = json.loads(json.dumps(record))  # as it reads back (tuples as lists)
+    old = _read_record(folder / PROVENANCE)
+    if old is not None and not overwrite and (difference := _difference(old, record)):
+        raise InputError(f"{folder}: holds outputs of {difference}; give --overwrite to replace them, or another --output")
+    todo, stale = [], []
+    for item in items:
+        output = Path(item["output"])
+        if not output.exists():
+            todo.append(item)
+            continue
+        own = _read_record(_record_path(folder, output))
+        difference = "no provenance record (an older hsmla-med's or another program's)" if own is None else _difference(own, record)
+        if difference and not overwrite:
+            raise InputError(f"{folder}: holds {output.relative_to(folder)} with {difference}; "
+                             "give --overwrite to replace it, or another --output")
+        if difference or overwrite:
+            todo.append(item)
+            stale.append(output)
+    if write:
+        for output in stale:
+            output.unlink(missing_ok=True)
+        for item in todo:
+            write_json(_record_path(folder, Path(item["output"])), record)
+        write_json(folder / PROVENANCE, record)
+    return todo
+
+
+def _record_path(folder: Path, output: Path) -> Path:
+    return folder / _RECORDS / f"{output.relative_to(folder).as_posix()}.json"
 
 
 def first(batch: list):
