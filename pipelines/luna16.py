@@ -1,8 +1,10 @@
 """LUNA16: lung nodule detection in chest CT (MetaImage scans, nodules in world millimetres).
 
-What is specific to the benchmark lives here: the dataset (LUNA16's ``subsetK/*.mhd`` folders with
-``annotations.csv`` and ``annotations_excluded.csv``, or the synthetic default), nodule spheres
-rendered as segmentation targets, and the submission CSV of ``infer``.
+What is specific to the benchmark lives here: the dataset (LUNA16 as distributed, ``subsetK/*.mhd``
+folders with ``annotations.csv`` and ``annotations_excluded.csv`` in ``CSVFILES/`` or
+``evaluationScript/annotations/``, or the synthetic default in the same layout), nodule spheres
+rendered as segmentation targets, the submission CSV of ``infer`` and its scoring by the
+official rules (:func:`score_submission`).
 
 The model is an HSMLA segmentation network, slice-wise by default (``mode: 2d``): axial slices
 after resampling to ``data.spacing``, predicted slice by slice into a probability volume. It is
@@ -16,6 +18,7 @@ volume's affine, so no inverse resampling is needed.
 from __future__ import annotations
 
 import csv
+import logging
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -24,29 +27,78 @@ import torch
 from monai.transforms import Compose, DeleteItemsd, EnsureTyped, Orientationd, ScaleIntensityRanged, Spacingd
 
 from hsmla_med.data.datalist import Datalist, split_cases
-from hsmla_med.data.luna16 import COLUMNS, LoadScand, NoduleMaskd, find_scans, read_annotations, voxel_to_lps
+from hsmla_med.data.luna16 import (
+    SUBMISSION_COLUMNS,
+    LoadScand,
+    NoduleMaskd,
+    find_scans,
+    read_annotations,
+    read_seriesuids,
+    read_submission,
+    voxel_to_lps,
+)
 from hsmla_med.data.synthetic.luna16 import generate_luna16
 from hsmla_med.data.volume_crops import crop_and_augment, roi_size, spatial_dims
 from hsmla_med.engine.base import hparams
 from hsmla_med.engine.datamodule import CaseDataModule
 from hsmla_med.engine.detection import DetectionModule, scan_candidates
-from hsmla_med.errors import DataError
-from hsmla_med.io import atomic_path, is_temporary
+from hsmla_med.errors import ConfigError, DataError
+from hsmla_med.io import atomic_path
+from hsmla_med.metrics.detection import submission_froc
 from hsmla_med.pipelines.task import InferenceOptions, Task, input_files, predict_cases, synthetic_root
 
-__all__ = ["TASK", "LABELS", "datalist", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer"]
+__all__ = ["TASK", "LABELS", "datalist", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer", "read_findings", "hu_window", "score_submission"]
+
+log = logging.getLogger("hsmla_med")
 
 LABELS = ["background", "nodule"]
 SUBMISSION = "submission.csv"
 CANDIDATES = "candidates"  # one CSV per scan, merged into SUBMISSION
 
 
+CSV_FOLDERS = (".", "CSVFILES", "evaluationScript/annotations")  # where LUNA16's CSVs may lie, in this order
+
+
 def _csv(root: Path, name: str) -> Path | None:
-    """``name`` at the top of the dataset or in LUNA16's ``CSVFILES/`` folder."""
-    for path in (root / name, root / "CSVFILES" / name):
-        if path.is_file():
-            return path
+    """``name`` at the top of the dataset, in ``CSVFILES/`` or in ``evaluationScript/annotations/``
+    (the distribution keeps annotations.csv in the first two, annotations_excluded.csv and
+    seriesuids.csv in the last)."""
+    for folder in CSV_FOLDERS:
+        if (root / folder / name).is_file():
+            return root / folder / name
     return None
+
+
+def _places(name: str) -> str:
+    return ", ".join(f"{folder}/{name}".removeprefix("./") for folder in CSV_FOLDERS)
+
+
+def read_findings(root: Path, scans: dict[str, Path]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The nodules and the excluded findings of the scans under ``root``. Without
+    ``annotations_excluded.csv`` every finding outside ``annotations.csv`` counts as a false
+    positive, so its absence is a warning naming where it was looked for."""
+    notes = _csv(root, "annotations.csv")
+    if notes is None:
+        raise DataError(f"{root}: annotations.csv not found ({_places('annotations.csv')})")
+    excluded_csv = _csv(root, "annotations_excluded.csv")
+    if excluded_csv is None:
+        log.warning(
+            "%s: no annotations_excluded.csv (looked for %s): candidates on irrelevant findings will count as "
+            "false positives and CPM will be lower than the official evaluation's", root, _places("annotations_excluded.csv"),
+        )
+    excluded = read_annotations(excluded_csv, scans, excluded=True) if excluded_csv else {}
+    return read_annotations(notes, scans), excluded
+
+
+def hu_window(data: dict) -> tuple[float, float]:
+    """``data.hu_window`` as (low, high); a reversed or empty window is a :class:`ConfigError`
+    (MONAI's ScaleIntensityRange would invert the image without a word)."""
+    window = data["hu_window"]
+    if not (isinstance(window, (list, tuple)) and len(window) == 2 and all(isinstance(v, (int, float)) and np.isfinite(v) for v in window)):
+        raise ConfigError(f"data.hu_window must be two numbers [low, high] in HU, got {window!r}")
+    if not window[0] < window[1]:
+        raise ConfigError(f"data.hu_window must be [low, high] with low < high, got {list(window)}")
+    return float(window[0]), float(window[1])
 
 
 def datalist(config: dict) -> Datalist:
@@ -54,6 +106,7 @@ def datalist(config: dict) -> Datalist:
     default (generated once into ``cache_dir``, logged as synthetic). A seeded
     ``validation_fraction`` of the scans is held out."""
     data = config["data"]
+    hu_window(data)  # before any scan is read or generated
     root, synthetic = data["data_dir"], False
     if not root:
         synth = data["synthetic"]
@@ -62,12 +115,7 @@ def datalist(config: dict) -> Datalist:
         synthetic = True
     root = Path(root)
     scans = find_scans(root)
-    notes = _csv(root, "annotations.csv")
-    if notes is None:
-        raise DataError(f"{root}: annotations.csv not found (at the top or in CSVFILES/)")
-    nodules = read_annotations(notes, scans)
-    excluded_csv = _csv(root, "annotations_excluded.csv")
-    excluded = read_annotations(excluded_csv, scans) if excluded_csv else {}
+    nodules, excluded = read_findings(root, scans)
     none = np.zeros((0, 4))
     cases = [
         {"image": str(path), "seriesuid": uid, "nodules": nodules.get(uid, none), "excluded": excluded.get(uid, none)}
@@ -84,7 +132,7 @@ def preprocessing(data: dict, label: bool = True) -> list:
     HU window ``data.hu_window`` to 0..1, as the ``data`` section (of a task config or a
     checkpoint) says."""
     keys = ["image", "label"] if label else ["image"]
-    a_min, a_max = data["hu_window"]
+    a_min, a_max = hu_window(data)
     return [
         LoadScand("image"),
         *([NoduleMaskd()] if label else []),
@@ -114,7 +162,7 @@ def datamodule(config: dict, cases: Datalist) -> CaseDataModule:
 def module_config(config: dict, model: dict, label_names: list[str], in_channels: int = 1) -> dict:
     """The hyper-parameters of :class:`DetectionModule` for this task config."""
     inference = {**config["inference"], "roi_size": roi_size(config)}
-    data = {"spacing": list(config["data"]["spacing"]), "hu_window": list(config["data"]["hu_window"])}
+    data = {"spacing": list(config["data"]["spacing"]), "hu_window": list(hu_window(config["data"]))}
     return hparams(config, model, label_names, spatial_dims(config), in_channels, inference, data)
 
 
@@ -134,8 +182,10 @@ def infer(
 
     Runs in Lightning's predict loop (:func:`predict_cases`: scans split over processes and
     shards). Each scan's candidates go to ``output/candidates/<seriesuid>.csv`` as soon as it is
-    done, and a scan whose file exists is skipped; at the end the first process merges every
-    file there into the submission, so a resumed or sharded run's submission holds all scans.
+    done, and a scan whose file exists is skipped; at the end the first process merges the
+    files of this run's scans (all its inputs, whatever the shard) into the submission, so a
+    resumed or sharded run's submission holds all of them, and a file that another run left
+    there for other scans is not taken in.
     """
     cfg = module.config
     inference = options.apply(cfg["inference"])
@@ -154,11 +204,12 @@ def infer(
         return [case["output"]]
 
     def merge() -> list[Path]:
-        rows = []
-        for part in sorted(folder.glob("*.csv")) if folder.is_dir() else []:
-            if not is_temporary(part):
-                with part.open(newline="") as f:
-                    rows += list(csv.reader(f))[1:]
+        rows, done = [], [item["output"] for item in items if item["output"].is_file()]
+        for part in done:
+            with part.open(newline="") as f:
+                rows += list(csv.reader(f))[1:]
+        if len(done) < len(items):
+            options.progress(f"{SUBMISSION}: {len(done)} of {len(items)} scan(s) so far (the others are other shards')")
         path = Path(output) / SUBMISSION
         _write_csv(path, rows)
         return [path]
@@ -169,8 +220,19 @@ def infer(
 def _write_csv(path: Path, rows: list[list]) -> None:
     with atomic_path(path) as tmp, tmp.open("w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow([*COLUMNS[:4], "probability"])
+        writer.writerow(SUBMISSION_COLUMNS)
         writer.writerows(rows)
+
+
+def score_submission(submission: str | Path, root: str | Path) -> dict:
+    """Score a submission CSV against a LUNA16 folder by the official script's rules
+    (:func:`~hsmla_med.metrics.detection.submission_froc`): its annotations, excluded findings
+    and the scans of ``seriesuids.csv`` (the scans found under ``root`` without one)."""
+    root = Path(root)
+    uids_csv = _csv(root, "seriesuids.csv")
+    uids = read_seriesuids(uids_csv) if uids_csv else list(find_scans(root))
+    nodules, excluded = read_findings(root, dict.fromkeys(uids))
+    return submission_froc(read_submission(submission), nodules, excluded, uids)
 
 
 class NoduleModule(DetectionModule):

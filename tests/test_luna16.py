@@ -27,7 +27,8 @@ from hsmla_med.data.luna16 import (
 )
 from hsmla_med.data.synthetic.luna16 import generate_luna16
 from hsmla_med.errors import DataError
-from hsmla_med.metrics.detection import FALSE_POSITIVE, IGNORED, extract_candidates, match_candidates, nodule_froc
+from hsmla_med.metrics.detection import extract_candidates, match_candidates, nodule_froc
+from hsmla_med.pipelines import luna16
 
 TINY = {
     "data": {"roi_size_2d": [48, 48], "num_workers": 0, "synthetic": {"num_scans": 4, "shape": [56, 56, 20], "seed": 3}},
@@ -77,14 +78,14 @@ def test_hit_rule_and_cpm_hand_computed():
         [200, 0, 0, 0.7],    # false positive
         [52.5, 0, 0, 0.4],   # nodule 1 (2.5 mm from the centre, radius 3)
     ])
-    codes_a = match_candidates(found_a, nodules_a, excluded_a)
-    assert codes_a.tolist() == [0, 0, IGNORED, FALSE_POSITIVE, 1]
+    match_a = match_candidates(found_a, nodules_a, excluded_a)
+    assert match_a.nodule_probs.tolist() == [0.9, 0.4] and match_a.fp_probs.tolist() == [0.7] and match_a.ignored == 1
     # scan B: one nodule of radius 4; a candidate at 10 mm misses, one at 3.9 mm hits
     nodules_b = np.array([[0, 0, 0, 8]], float)
     found_b = np.array([[10, 0, 0, 0.6], [0, 0, 3.9, 0.3]])
-    codes_b = match_candidates(found_b, nodules_b)
-    assert codes_b.tolist() == [FALSE_POSITIVE, 0]
-    result = nodule_froc([(found_a[:, 3], codes_a, 2), (found_b[:, 3], codes_b, 1)])
+    match_b = match_candidates(found_b, nodules_b)
+    assert match_b.nodule_probs.tolist() == [0.3] and match_b.fp_probs.tolist() == [0.6] and match_b.ignored == 0
+    result = nodule_froc([match_a, match_b])
     # nodules' best probabilities 0.9, 0.4, 0.3; false positives 0.7, 0.6 over 2 scans. Down to
     # threshold 0.3 there is 1 FP per scan and all 3 nodules are found; at 0.5 FP per scan or
     # fewer (thresholds 0.7, 0.9) only the 0.9 nodule is.
@@ -93,6 +94,7 @@ def test_hit_rule_and_cpm_hand_computed():
     assert result["cpm"] == pytest.approx(5 / 7)
     assert result["sensitivity_at_4fp"] == pytest.approx(1.0)
     assert result["nodules"] == 3 and result["scans"] == 2
+    assert (result["detected"], result["false_positives"], result["ignored"]) == (3, 2, 1)
 
 
 def test_candidates_recover_known_spheres():
@@ -123,7 +125,7 @@ def cache(tmp_path_factory):
 def test_synthetic_scans_have_their_geometry_and_nodules_where_the_csv_says(cache):
     root = cache / "luna16-synthetic"
     scans = find_scans(root)
-    nodules = read_annotations(root / "annotations.csv", scans)
+    nodules = read_annotations(root / "CSVFILES" / "annotations.csv", scans)
     assert len(scans) == 4 and sum(len(v) for v in nodules.values()) >= 4
     directions = set()
     for uid, path in scans.items():
@@ -143,6 +145,38 @@ def test_synthetic_scans_have_their_geometry_and_nodules_where_the_csv_says(cach
             ijk = np.round(np.linalg.solve(case["image"].affine.numpy()[:3, :3], (centre[:3] * [-1, -1, 1]) - case["image"].affine.numpy()[:3, 3])).astype(int)
             assert label[tuple(ijk)] == 1
     assert len(directions) > 1  # identity and non-identity directions
+
+
+def test_synthetic_folder_is_laid_out_as_distributed_with_its_quirks(cache):
+    """subsetK folders, lung masks of the same names, CSVFILES/ and evaluationScript/annotations/
+    (nothing at the top); annotations_excluded.csv with -1 rows, rows with a diameter and marks
+    inside real nodules; candidates.csv scored as a submission finds every nodule and, its
+    class-0 rows lying on excluded findings, has no false positive."""
+    root = cache / "luna16-synthetic"
+    scans = find_scans(root)  # the lung masks are not scans (else: "appears twice")
+    assert {p.parent.name for p in scans.values()} == {"subset0", "subset1", "subset2", "subset3"}
+    assert sorted(p.stem for p in (root / "seg-lungs-LUNA16").glob("*.mhd")) == sorted(scans)
+    assert not list(root.glob("*.csv"))
+    evaluation = root / "evaluationScript" / "annotations"
+    assert (evaluation / "annotations.csv").read_text() == (root / "CSVFILES" / "annotations.csv").read_text()
+    assert (evaluation / "seriesuids.csv").read_text().split() == sorted(scans)  # no header
+    nodules = read_annotations(evaluation / "annotations.csv", scans)
+    excluded = read_annotations(evaluation / "annotations_excluded.csv", scans, excluded=True)
+    rows = np.concatenate(list(excluded.values()))
+    assert (rows[:, 3] == -1).sum() >= 4 and (rows[:, 3] > 0).sum() >= 2
+    inside = [uid for uid in excluded for e in excluded[uid] for n in nodules.get(uid, [])
+              if np.linalg.norm(e[:3] - n[:3]) < n[3] / 2 and e[3] == -1]
+    assert len(inside) >= 2  # another reader's mark of a nodule
+    with (root / "CSVFILES" / "candidates.csv").open(newline="") as f:
+        candidates = list(csv.DictReader(f))
+    submission = root.parent / "candidates-as-submission.csv"
+    with submission.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["seriesuid", "coordX", "coordY", "coordZ", "probability"])
+        writer.writerows([c["seriesuid"], c["coordX"], c["coordY"], c["coordZ"], 0.5 + 0.4 * int(c["class"])] for c in candidates)
+    result = luna16.score_submission(submission, root)
+    assert result["false_positives"] == 0 and result["detected"] == result["nodules"] == sum(map(len, nodules.values()))
+    assert result["ignored"] >= 4 and result["cpm"] == pytest.approx(1.0)
 
 
 def test_synthetic_generator_never_deletes_a_folder_it_did_not_write(tmp_path):
@@ -204,17 +238,35 @@ def test_train_infer_evaluate_and_demo_through_the_cli(tmp_path, cache, capsys):
     metrics = json.loads((run / "metrics.json").read_text())
     assert {"cpm", "sensitivity_at_4fp", "froc"} <= set(metrics) and len(metrics["froc"]) == 7
 
+    # the folder as distributed (lung masks, CSVFILES/, evaluationScript/annotations/) as a user's
     scans = cache / "luna16-synthetic"
     assert main(["infer", "--task", "luna16", "--checkpoint", str(run / "best.ckpt"), "--input", str(scans), "--output", str(tmp_path / "pred")]) == 0
-    with (tmp_path / "pred" / "submission.csv").open(newline="") as f:
+    submission = tmp_path / "pred" / "submission.csv"
+    with submission.open(newline="") as f:
         reader = csv.DictReader(f)
         rows = list(reader)
     assert reader.fieldnames == ["seriesuid", "coordX", "coordY", "coordZ", "probability"]
     assert {r["seriesuid"] for r in rows} <= set(find_scans(scans))
     assert all(0 < float(r["probability"]) <= 1 for r in rows)
 
-    assert main(["evaluate", "--task", "luna16", "--checkpoint", str(run / "best.ckpt"), "--config", str(user), "--output", str(tmp_path / "eval")]) == 0
+    evaluated = ["evaluate", "--task", "luna16", "--checkpoint", str(run / "best.ckpt"), "--config", str(user)]
+    assert main([*evaluated, "--data-dir", str(scans), "--output", str(tmp_path / "eval")]) == 0
     assert json.loads((tmp_path / "eval" / "metrics.json").read_text())["cpm"] == pytest.approx(metrics["cpm"])
+
+    # a candidate on an excluded finding (a -1 row, in no nodule) is neither a true nor a false
+    # positive; the same candidate far from every finding is a false positive
+    before = luna16.score_submission(submission, scans)
+    evaluation = scans / "evaluationScript" / "annotations"
+    nodules = read_annotations(evaluation / "annotations.csv", find_scans(scans))
+    excluded = read_annotations(evaluation / "annotations_excluded.csv", find_scans(scans), excluded=True)
+    uid, point = next((uid, e[:3]) for uid in excluded for e in excluded[uid]
+                      if e[3] == -1 and all(np.linalg.norm(e[:3] - n[:3]) >= n[3] / 2 for n in nodules.get(uid, [])))
+    for shift, added in ((0.0, "ignored"), (1000.0, "false_positives")):
+        extra = tmp_path / f"extra{shift:g}.csv"
+        extra.write_text(submission.read_text() + ",".join(map(str, [uid, *(point + shift), 0.999])) + "\n")
+        counts = lambda r: {k: r[k] for k in ("nodules", "detected", "false_positives", "ignored")}  # noqa: E731
+        assert counts(luna16.score_submission(extra, scans)) == {**counts(before), added: before[added] + 1}
+    assert luna16.score_submission(tmp_path / "extra0.csv", scans)["cpm"] == pytest.approx(before["cpm"])
 
     assert main(["demo", "--task", "luna16", "--config", str(user), "--output", str(tmp_path / "demo"), "--max-steps", "2"]) == 0
     assert "luna16: cpm" in capsys.readouterr().out

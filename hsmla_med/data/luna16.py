@@ -2,9 +2,12 @@
 geometry between the two.
 
 LUNA16 ships ``subset0`` .. ``subset9`` folders of ``<seriesuid>.mhd`` headers with their
-``.raw`` voxels, ``annotations.csv`` (``seriesuid,coordX,coordY,coordZ,diameter_mm``) and
-``annotations_excluded.csv`` (findings that count neither as hits nor as false positives). The
-coordinates are ITK physical points: millimetres in the scanner's LPS frame, mapped from a voxel
+``.raw`` voxels, lung masks of the same names in ``seg-lungs-LUNA16/`` (not scans),
+``annotations.csv`` (``seriesuid,coordX,coordY,coordZ,diameter_mm``) in ``CSVFILES/`` and, in
+``evaluationScript/annotations/``, the same ``annotations.csv``, ``annotations_excluded.csv``
+(irrelevant findings, which count neither as hits nor as false positives; ``diameter_mm`` is -1
+where their size is unknown) and ``seriesuids.csv`` (the evaluated scans, one per line, no
+header). The coordinates are ITK physical points: millimetres in the scanner's LPS frame, mapped from a voxel
 index ``(i, j, k)`` (x, y, z order) by ``origin + direction @ (spacing * index)``.
 
 MONAI's ITK reader turns the same geometry into a RAS affine (x and y negated); the nodule masks
@@ -17,6 +20,7 @@ import copy
 import csv
 import logging
 from collections.abc import Hashable, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +38,8 @@ __all__ = [
     "find_scans",
     "read_geometry",
     "read_annotations",
+    "read_seriesuids",
+    "read_submission",
     "voxel_to_world",
     "world_to_voxel",
     "lps_to_ras",
@@ -44,6 +50,8 @@ __all__ = [
 
 log = logging.getLogger("hsmla_med")
 COLUMNS = ("seriesuid", "coordX", "coordY", "coordZ", "diameter_mm")
+SUBMISSION_COLUMNS = (*COLUMNS[:4], "probability")
+LUNG_MASKS = "seg-lungs-LUNA16"  # the distribution's lung segmentations: .mhd files that are not scans
 LPS_TO_RAS = np.array([-1.0, -1.0, 1.0])
 
 
@@ -106,8 +114,10 @@ def _check_mhd(path: Path) -> None:
     if not raw.is_file():
         raise DataError(f"{path}: its voxel file {raw} is missing")
     itemsize = _ELEMENT_BYTES.get(header.get("ElementType", ""))
+    if itemsize is None:  # ITK reads an unknown type as "unknown(0)" and names neither file nor type
+        raise DataError(f"{path}: ElementType {header.get('ElementType')!r} is not a MetaImage voxel type ({', '.join(_ELEMENT_BYTES)})")
     compressed = header.get("CompressedData", "False").lower() == "true"
-    if itemsize and not compressed:
+    if not compressed:
         expected = int(np.prod(size)) * itemsize * int(header.get("ElementNumberOfChannels", "1") or 1)
         actual = raw.stat().st_size
         if actual != expected:
@@ -129,12 +139,15 @@ def read_geometry(path: str | Path) -> Geometry:
 
 def find_scans(root: str | Path) -> dict[str, Path]:
     """``{seriesuid: path}`` of the ``.mhd`` scans under ``root`` (LUNA16's ``subsetK/``
-    folders or any other nesting), each checked for its ``.raw``."""
+    folders or any other nesting), each checked for its ``.raw``; the lung masks in
+    ``seg-lungs-LUNA16/`` (same names, not scans) are left out."""
     root = Path(root)
     if not root.is_dir():
         raise DataError(f"{root}: data directory not found")
     scans = {}
     for path in sorted(root.rglob("*.mhd")):
+        if LUNG_MASKS in path.relative_to(root).parts[:-1]:
+            continue
         _check_mhd(path)
         if path.stem in scans:
             raise DataError(f"{path}: series {path.stem} appears twice (also {scans[path.stem]})")
@@ -144,43 +157,84 @@ def find_scans(root: str | Path) -> dict[str, Path]:
     return scans
 
 
-def read_annotations(path: str | Path, series: Mapping[str, object] | None = None) -> dict[str, np.ndarray]:
+@contextmanager
+def _readable(path: Path, what: str):
+    """Turn a file that cannot be read or is not CSV text into a :class:`DataError` naming it."""
+    try:
+        yield
+    except OSError as err:
+        raise DataError(f"{path}: cannot read {what} ({err.strerror})") from None
+    except (UnicodeDecodeError, csv.Error) as err:
+        raise DataError(f"{path}: not a CSV text file ({type(err).__name__})") from None
+
+
+def _read_rows(path: Path, columns: tuple[str, ...], what: str) -> list[dict]:
+    """The rows of a CSV file with (at least) ``columns``; :class:`DataError` naming the file
+    when it cannot be read, is not text or lacks a column."""
+    with _readable(path, what), path.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in columns if c not in (reader.fieldnames or [])]
+        if missing:
+            raise DataError(f"{path}: missing column(s) {', '.join(missing)}; expected {','.join(columns)}")
+        return list(reader)
+
+
+def _numbers(path: Path, columns: tuple[str, ...], what: str, why_not_negative: str | None = None) -> dict[str, np.ndarray]:
+    """``{seriesuid: (n, len(columns) - 1) float array}`` of a CSV whose other columns are
+    finite numbers, the last one not negative when ``why_not_negative`` says why
+    (:class:`DataError` naming the file and line otherwise)."""
+    found: dict[str, list] = {}
+    for line, row in enumerate(_read_rows(path, columns, what), 2):
+        try:
+            values = [float(row[c]) for c in columns[1:]]
+        except (TypeError, ValueError):
+            raise DataError(f"{path}, line {line}: {', '.join(columns[1:])} must be numbers, got {[row[c] for c in columns[1:]]}") from None
+        if not np.all(np.isfinite(values)):
+            raise DataError(f"{path}, line {line}: {', '.join(columns[1:])} must be finite")
+        if why_not_negative and values[-1] < 0:
+            raise DataError(f"{path}, line {line}: {columns[-1]} must not be negative, got {values[-1]:g} ({why_not_negative})")
+        found.setdefault(row[columns[0]], []).append(values)
+    return {uid: np.asarray(v, dtype=np.float64).reshape(-1, len(columns) - 1) for uid, v in found.items()}
+
+
+def read_annotations(path: str | Path, series: Mapping[str, object] | None = None, excluded: bool = False) -> dict[str, np.ndarray]:
     """``{seriesuid: (n, 4) float array of x, y, z (LPS mm), diameter (mm)}`` from a LUNA16 CSV.
 
     Args:
         path: ``annotations.csv`` or ``annotations_excluded.csv``.
         series: the known scans; rows of other series are dropped with one warning naming the
             file (LUNA16's CSVs list all ten subsets, a user may hold a few).
+        excluded: the file lists irrelevant findings (``annotations_excluded.csv``), where a
+            negative diameter (LUNA16 writes -1) means "size unknown" and is kept as it is (the
+            evaluation takes 10 mm for it); in ``annotations.csv`` a nodule is rendered as a
+            training target and needs its size, so a negative diameter is refused there.
     """
     path = Path(path)
-    try:
-        with path.open(newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
-            if missing:
-                raise DataError(f"{path}: missing column(s) {', '.join(missing)}; expected {','.join(COLUMNS)}")
-            rows = list(reader)
-    except OSError as err:
-        raise DataError(f"{path}: cannot read annotations ({err.strerror})") from None
-    except (UnicodeDecodeError, csv.Error) as err:
-        raise DataError(f"{path}: not a CSV text file ({type(err).__name__})") from None
-    found: dict[str, list] = {}
-    for line, row in enumerate(rows, 2):
-        try:
-            values = [float(row[c]) for c in COLUMNS[1:]]
-        except (TypeError, ValueError):
-            raise DataError(f"{path}, line {line}: coordinates and diameter must be numbers, got {[row[c] for c in COLUMNS[1:]]}") from None
-        if not np.all(np.isfinite(values)):
-            raise DataError(f"{path}, line {line}: coordinates and diameter must be finite")
-        if values[3] < 0:
-            raise DataError(f"{path}, line {line}: diameter_mm must not be negative, got {values[3]:g}")
-        found.setdefault(row["seriesuid"], []).append(values)
+    why = None if excluded else "-1 marks an irrelevant finding, which belongs in annotations_excluded.csv"
+    found = _numbers(path, COLUMNS, "annotations", why)
     if series is not None:
         unknown = sorted(set(found) - set(series))
         if unknown:
             log.warning("%s: %d series without a scan here ignored (%s%s)", path, len(unknown), ", ".join(unknown[:3]), ", ..." if len(unknown) > 3 else "")
         found = {uid: v for uid, v in found.items() if uid in series}
-    return {uid: np.asarray(v, dtype=np.float64).reshape(-1, 4) for uid, v in found.items()}
+    return found
+
+
+def read_submission(path: str | Path) -> dict[str, np.ndarray]:
+    """``{seriesuid: (n, 4) x, y, z (LPS mm), probability}`` of a LUNA16 submission CSV
+    (``seriesuid,coordX,coordY,coordZ,probability``)."""
+    return _numbers(Path(path), SUBMISSION_COLUMNS, "submission")
+
+
+def read_seriesuids(path: str | Path) -> list[str]:
+    """The scans of LUNA16's ``seriesuids.csv``: one series UID per line, no header (the
+    official script takes every line's first field)."""
+    path = Path(path)
+    with _readable(path, "the series list"), path.open(newline="", encoding="utf-8") as f:
+        uids = [row[0].strip() for row in csv.reader(f) if row and row[0].strip()]
+    if not uids:
+        raise DataError(f"{path}: no series UID in it")
+    return uids
 
 
 def voxel_to_lps(index: np.ndarray, affine) -> np.ndarray:

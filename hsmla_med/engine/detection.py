@@ -10,7 +10,7 @@ import torch
 
 from hsmla_med.engine.base import item_keys, plain
 from hsmla_med.engine.segmentation import SegmentationModule
-from hsmla_med.metrics.detection import affine_points, extract_candidates, match_candidates, nodule_froc
+from hsmla_med.metrics.detection import ScanMatch, affine_points, extract_candidates, match_candidates, nodule_froc
 
 __all__ = ["DetectionModule", "scan_candidates"]
 
@@ -30,8 +30,10 @@ class DetectionModule(SegmentationModule):
     Validation batches are single scans: ``image`` ``(1, 1, X, Y, Z)`` with its affine,
     ``nodules`` and ``excluded`` ``(1, n, 4)`` (centre in the frame of :meth:`world_points` and
     diameter, mm) and ``case``. Each
-    scan gives one record: ``key`` (its ``case``), ``nodules`` (its nodule count), and its
-    candidates' ``probs`` and match ``codes`` (:func:`~hsmla_med.metrics.detection.match_candidates`).
+    scan gives one record: ``key`` (its ``case``) and its
+    :func:`~hsmla_med.metrics.detection.match_candidates` as ``nodule_probs`` (per nodule its
+    best hit's probability, NaN when missed), ``fp_probs`` and ``ignored`` (candidates on
+    excluded findings): a few numbers per scan, not its candidates.
     ``config["inference"]`` also holds ``candidate_threshold`` and ``max_candidates``.
     """
 
@@ -49,13 +51,13 @@ class DetectionModule(SegmentationModule):
         prob = self.predict_probabilities(plain(image))[0, 1].float().cpu().numpy()
         affine = image.affine[0] if image.affine.dim() == 3 else image.affine
         found = scan_candidates(prob, affine, inference, self.world_points)
-        nodules = torch.as_tensor(batch["nodules"]).reshape(-1, 4).numpy()
-        codes = match_candidates(found, nodules, torch.as_tensor(batch["excluded"]).reshape(-1, 4).numpy())
+        nodules, excluded = (torch.as_tensor(batch[k]).reshape(-1, 4).numpy() for k in ("nodules", "excluded"))
+        match = match_candidates(found, nodules, excluded)
         [key] = item_keys(batch)
-        return [{"key": key, "nodules": len(nodules), "probs": found[:, 3].tolist(), "codes": np.asarray(codes).tolist()}]
+        return [{"key": key, "nodule_probs": match.nodule_probs.tolist(), "fp_probs": match.fp_probs.tolist(), "ignored": match.ignored}]
 
     def summarize_records(self, records: list[dict]) -> dict:
-        scans = [(np.asarray(r["probs"], dtype=np.float64), np.asarray(r["codes"], dtype=np.int64), int(r["nodules"])) for r in records]
+        scans = [ScanMatch(np.asarray(r["nodule_probs"], dtype=np.float64), np.asarray(r["fp_probs"], dtype=np.float64), int(r["ignored"])) for r in records]
         summary = nodule_froc(scans)
         summary["cases"] = summary.pop("scans")
         return summary

@@ -1,28 +1,35 @@
 """LUNA16 nodule detection: candidates from a probability volume, the official hit rule, and
 FROC / CPM.
 
-The rules follow the LUNA16 evaluation script (noduleCADEvaluationLUNA16.py): a candidate hits a
-nodule when its distance to the nodule's centre is below the nodule's radius; a nodule counts
-once, with its most probable hit; a candidate that hits no nodule but an excluded finding
-(``annotations_excluded.csv``; a negative diameter there stands for 10 mm, as in the script) is
-ignored; any other candidate is a false positive. Sensitivity is read at 1/8 .. 8 false
-positives per scan and CPM is the mean of those seven.
+The rules are those of the LUNA16 evaluation script (noduleCADEvaluationLUNA16.py), followed
+step for step: a candidate hits a finding when its squared distance to the finding's centre is
+below the squared radius, a negative diameter standing for 10 mm (LUNA16's
+``annotations_excluded.csv`` marks irrelevant findings of unknown size with -1). A candidate
+inside an annotated nodule hits it, and every nodule it lies in (the script counts a candidate
+in two overlapping nodules for both); a nodule counts once, with its most probable hit, and its
+other hits are neither true nor false positives. A candidate that hits no nodule but an excluded
+finding is ignored; any other candidate is a false positive. Before matching, a scan keeps at
+most 100 candidates, those more probable than its 101st (ties at the cut go, as in the script).
+Sensitivity is read at 1/8 .. 8 false positives per scan (linear interpolation of the FROC
+curve, whose points are every distinct probability of a detected nodule or a false positive)
+and CPM is the mean of those seven.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 from scipy import ndimage
 
 from hsmla_med.metrics.froc import froc_summary
 
-__all__ = ["FP_RATES", "IGNORED", "FALSE_POSITIVE", "affine_points", "extract_candidates", "match_candidates", "nodule_froc"]
+__all__ = ["FP_RATES", "MAX_MARKS", "ScanMatch", "affine_points", "extract_candidates", "keep_most_probable", "match_candidates", "nodule_froc", "submission_froc"]
 
 FP_RATES = (0.125, 0.25, 0.5, 1, 2, 4, 8)
-FALSE_POSITIVE, IGNORED = -1, -2  # match codes besides the index of the nodule hit
-_EXCLUDED_DEFAULT_DIAMETER = 10.0
+MAX_MARKS = 100  # candidates per scan that the official script scores (maxNumberOfCADMarks)
+_UNKNOWN_DIAMETER = 10.0  # what the script takes for a negative diameter
 
 
 def affine_points(index: np.ndarray, affine) -> np.ndarray:
@@ -56,61 +63,109 @@ def extract_candidates(prob: np.ndarray, threshold: float = 0.2, max_candidates:
     return found[np.argsort(-found[:, -1], kind="stable")][:max_candidates]
 
 
-def match_candidates(candidates: np.ndarray, nodules: np.ndarray, excluded: np.ndarray | None = None) -> np.ndarray:
-    """Match the candidates of one scan (world mm) to its nodules.
+class ScanMatch(NamedTuple):
+    """The candidates of one scan matched to its findings.
+
+    Attributes:
+        nodule_probs: ``(m,)`` per annotated nodule, the probability of its most probable hit;
+            NaN for a nodule no candidate hits.
+        fp_probs: ``(k,)`` the probabilities of the false positives.
+        ignored: candidates that hit an excluded finding and no nodule.
+    """
+
+    nodule_probs: np.ndarray
+    fp_probs: np.ndarray
+    ignored: int
+
+
+def _inside(candidates: np.ndarray, findings: np.ndarray) -> np.ndarray:
+    """``(n, m)`` bool: candidate i lies within finding j's radius. Squared distances against
+    the squared radius, a negative diameter standing for 10 mm, as the official script has it."""
+    diameter = np.where(findings[:, 3] < 0, _UNKNOWN_DIAMETER, findings[:, 3])
+    squared = ((candidates[:, None, :3] - findings[None, :, :3]) ** 2).sum(axis=-1)
+    return squared < (diameter[None] / 2.0) ** 2
+
+
+def keep_most_probable(candidates: np.ndarray, max_marks: int = MAX_MARKS) -> np.ndarray:
+    """The candidates ``(n, 4)`` of one scan that the official script scores: all when there are
+    at most ``max_marks``, otherwise those strictly more probable than the ``max_marks + 1``-th
+    most probable (so ties at the cut are all dropped, as there)."""
+    candidates = np.asarray(candidates, dtype=np.float64).reshape(-1, 4)
+    if len(candidates) <= max_marks:
+        return candidates
+    cut = np.sort(candidates[:, 3])[::-1][max_marks]
+    return candidates[candidates[:, 3] > cut]
+
+
+def match_candidates(candidates: np.ndarray, nodules: np.ndarray, excluded: np.ndarray | None = None) -> ScanMatch:
+    """Match the candidates of one scan (world mm) to its nodules and excluded findings by the
+    official rules (module docstring).
 
     Args:
         candidates: ``(n, 4)`` x, y, z (mm) and probability.
         nodules: ``(m, 4)`` x, y, z (mm) and diameter (mm) of the annotated nodules.
-        excluded: ``(k, 4)`` likewise, the findings that count neither way.
-
-    Returns:
-        ``(n,)`` int: the index of the nodule hit (the closest, relative to its radius, when a
-        candidate lies in several), :data:`IGNORED` or :data:`FALSE_POSITIVE`.
+        excluded: ``(k, 4)`` likewise, the irrelevant findings (``annotations_excluded.csv``;
+            a negative diameter is 10 mm).
     """
     candidates = np.asarray(candidates, dtype=np.float64).reshape(-1, 4)
-    codes = np.full(len(candidates), FALSE_POSITIVE, dtype=np.int64)
     nodules = np.asarray(nodules, dtype=np.float64).reshape(-1, 4)
-    if len(nodules):
-        dist = np.linalg.norm(candidates[:, None, :3] - nodules[None, :, :3], axis=-1) / (nodules[None, :, 3] / 2)
-        inside = dist < 1
-        closest = np.argmin(np.where(inside, dist, np.inf), axis=1)
-        codes = np.where(inside.any(axis=1), closest, codes)
-    if excluded is not None and len(excluded):
-        excluded = np.asarray(excluded, dtype=np.float64).reshape(-1, 4)
-        radius = np.where(excluded[:, 3] < 0, _EXCLUDED_DEFAULT_DIAMETER, excluded[:, 3]) / 2
-        near = (np.linalg.norm(candidates[:, None, :3] - excluded[None, :, :3], axis=-1) < radius[None]).any(axis=1)
-        codes = np.where((codes == FALSE_POSITIVE) & near, IGNORED, codes)
-    return codes
+    excluded = np.zeros((0, 4)) if excluded is None else np.asarray(excluded, dtype=np.float64).reshape(-1, 4)
+    hits = _inside(candidates, nodules)
+    scored = np.where(hits, candidates[:, 3:], -np.inf)
+    nodule_probs = np.where(hits.any(axis=0), scored.max(axis=0, initial=-np.inf), np.nan)
+    on_nodule = hits.any(axis=1)
+    ignored = ~on_nodule & _inside(candidates, excluded).any(axis=1)
+    return ScanMatch(nodule_probs, candidates[~on_nodule & ~ignored, 3], int(ignored.sum()))
 
 
-def nodule_froc(scans: Sequence[tuple[np.ndarray, np.ndarray, int]], fp_rates: Sequence[float] = FP_RATES) -> dict:
-    """LUNA16 FROC over scans.
+def nodule_froc(scans: Sequence[ScanMatch], fp_rates: Sequence[float] = FP_RATES) -> dict:
+    """LUNA16 FROC over scans (a scan without candidates still counts in the false positives
+    per scan).
 
     Args:
-        scans: per scan, ``(probabilities (n,), match codes (n,) from :func:`match_candidates`,
-            number of nodules)``.
+        scans: per scan, its :func:`match_candidates`.
         fp_rates: false positives per scan at which sensitivity is read.
 
     Returns:
         ``{"cpm": mean sensitivity over fp_rates, "sensitivity_at_4fp", "froc": {str(rate):
-        sensitivity}, "nodules", "scans"}``; ``cpm`` and the sensitivities are ``None`` without
-        any nodule.
+        sensitivity}, "nodules", "detected", "false_positives", "ignored", "scans"}``;
+        ``cpm`` and the sensitivities are ``None`` without any nodule. ``ignored`` counts the
+        candidates on excluded findings (neither true nor false positives).
     """
-    fp_probs, tp_probs = [], []
-    for probs, codes, num_nodules in scans:
-        probs, codes = np.asarray(probs, dtype=np.float64), np.asarray(codes)
-        fp_probs += probs[codes == FALSE_POSITIVE].tolist()
-        best = np.zeros(num_nodules)
-        for k in range(num_nodules):  # a nodule counts once, by its most probable hit
-            if np.any(codes == k):
-                best[k] = probs[codes == k].max()
-        tp_probs += best.tolist()
-    summary = froc_summary(fp_probs, tp_probs, len(scans), fp_rates)
+    nodule_probs = np.concatenate([np.zeros(0), *(np.asarray(s.nodule_probs, dtype=np.float64) for s in scans)])
+    fp_probs = np.concatenate([np.zeros(0), *(np.asarray(s.fp_probs, dtype=np.float64) for s in scans)])
+    detected = nodule_probs[~np.isnan(nodule_probs)]
+    summary = froc_summary(fp_probs, detected, len(scans), fp_rates, num_targets=len(nodule_probs))
     return {
         "cpm": summary["froc"],
         "sensitivity_at_4fp": summary["sensitivity"].get("4"),
         "froc": summary["sensitivity"],
         "nodules": summary["targets"],
+        "detected": int(detected.size),
+        "false_positives": int(fp_probs.size),
+        "ignored": sum(int(s.ignored) for s in scans),
         "scans": len(scans),
     }
+
+
+def submission_froc(
+    candidates: Mapping[str, np.ndarray],
+    nodules: Mapping[str, np.ndarray],
+    excluded: Mapping[str, np.ndarray],
+    seriesuids: Sequence[str],
+    max_marks: int = MAX_MARKS,
+) -> dict:
+    """:func:`nodule_froc` of a LUNA16 submission, as the official script scores it.
+
+    Args:
+        candidates: ``{seriesuid: (n, 4) x, y, z (mm), probability}`` of the submission.
+        nodules, excluded: ``{seriesuid: (m, 4) x, y, z, diameter (mm)}``.
+        seriesuids: the scans evaluated (``seriesuids.csv``); candidates of other scans are
+            not scored, a scan without candidates counts with none.
+        max_marks: candidates scored per scan (:func:`keep_most_probable`).
+    """
+    none = np.zeros((0, 4))
+    return nodule_froc([
+        match_candidates(keep_most_probable(candidates.get(uid, none), max_marks), nodules.get(uid, none), excluded.get(uid, none))
+        for uid in seriesuids
+    ])
