@@ -291,3 +291,55 @@ def test_infer_ignores_temporaries_of_killed_runs(tmp_path):
     case = write_nifti(tmp_path / "in" / "case1.nii.gz", np.zeros((4, 4, 4), np.float32), np.eye(4))
     (tmp_path / "in" / ".case2.4242.tmp.nii.gz").write_bytes(b"half")
     assert input_files(tmp_path / "in", _nifti_files) == [case]
+
+
+def test_cache_filling_threads_have_ended_when_a_case_fails():
+    """A case that fails while another thread still reads its own: the error reaches the caller
+    only once that thread is done (a thread left running when the command exits aborts it)."""
+    import threading
+    import time
+
+    from monai.transforms import Lambda
+
+    from hsmla_med.engine.datamodule import CaseDataModule
+    from hsmla_med.errors import DataError, find_input_error
+
+    reading, finished = threading.Event(), []
+
+    def read(case):
+        if case["image"] == "bad":
+            reading.wait(30)
+            raise DataError("bad: refused")
+        reading.set()
+        time.sleep(0.5)  # reading a large volume, without the GIL
+        finished.append(case["image"])
+        return case
+
+    transform = Lambda(read)  # a MONAI transform without randomness: applied while the cache fills
+    module = CaseDataModule([{"image": "bad"}, {"image": "good"}], [{"image": "v"}], transform, transform, num_workers=2)
+    with pytest.raises(RuntimeError) as raised:  # MONAI wraps what a transform raises
+        module.setup("fit")
+    assert str(find_input_error(raised.value)) == "bad: refused"
+    assert finished == ["good"]
+
+
+def test_bad_training_volume_exits_2_without_abort(tmp_path):
+    """The real command in a process of its own: a 4D image among larger cases used to print its
+    line, then 'terminate called without an active exception' and exit 134 (a cache-filling
+    thread still in torch when Python shut down)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import make_dataset
+
+    data = make_dataset(tmp_path / "data", cases=6, shape=(128, 128, 48))
+    write_nifti(data / "imagesTr" / "img0001.nii.gz", np.zeros((128, 128, 48, 2), np.int16), np.diag([1.5, 1.5, 2.0, 1.0]))
+    done = subprocess.run(
+        [sys.executable, "-m", "hsmla_med.cli", "train", "--task", "btcv", "--data-dir", str(data), "--max-steps", "1",
+         "--output", str(tmp_path / "run"), "--accelerator", "cpu"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower() or "terminate" in line]
+    assert errors == [f"hsmla-med: error: {data / 'imagesTr' / 'img0001.nii.gz'}: image has 2 channel(s), the model expects 1"], done.stderr
+    assert "Traceback" not in done.stderr

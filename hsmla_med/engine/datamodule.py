@@ -3,13 +3,37 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from multiprocessing.pool import ThreadPool
 
 import lightning as L
 from monai.data import CacheDataset, DataLoader, list_data_collate
 
 from hsmla_med.errors import DataError
 
-__all__ = ["CaseDataModule"]
+__all__ = ["CaseDataModule", "JoinedCacheDataset"]
+
+
+class JoinedCacheDataset(CacheDataset):
+    """MONAI's ``CacheDataset`` whose cache-filling threads have all ended when it returns or raises.
+
+    MONAI fills the cache inside ``with ThreadPool(...)``, whose exit terminates the pool without
+    joining its threads. When one case raises (a 4D image, NaN voxels, a bad frame), the other
+    threads are still reading theirs, in torch, NumPy or zlib without the GIL, while the command
+    prints its one-line error and Python shuts down; a daemon thread that takes the GIL back then
+    is ended by ``pthread_exit``, whose unwinding through torch's C++ frames calls
+    ``std::terminate`` ("terminate called without an active exception", exit 134 instead of 2).
+    Here the pool is terminated (cases not started are dropped) and then joined.
+    """
+
+    def _fill_cache(self, indices=None) -> list:
+        if self.cache_num <= 0:
+            return []
+        pool = ThreadPool(self.num_workers)
+        try:
+            return list(pool.imap(self._load_cache_item, list(range(self.cache_num)) if indices is None else indices))
+        finally:
+            pool.terminate()
+            pool.join()
 
 
 class CaseDataModule(L.LightningDataModule):
@@ -50,7 +74,7 @@ class CaseDataModule(L.LightningDataModule):
         self.train_set = self.val_set = None
 
     def _dataset(self, cases: list[dict], transform: Callable) -> CacheDataset:
-        return CacheDataset(cases, transform, cache_rate=self.cache_rate, num_workers=max(1, self.num_workers), progress=False)
+        return JoinedCacheDataset(cases, transform, cache_rate=self.cache_rate, num_workers=max(1, self.num_workers), progress=False)
 
     def setup(self, stage: str | None = None) -> None:
         if stage in (None, "fit") and self.train_set is None:
