@@ -47,7 +47,10 @@ from hsmla_med.io import atomic_path
 from hsmla_med.metrics.detection import submission_froc
 from hsmla_med.pipelines.task import InferenceOptions, Task, input_files, predict_cases, synthetic_root
 
-__all__ = ["TASK", "LABELS", "datalist", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer", "read_findings", "hu_window", "score_submission"]
+__all__ = [
+    "TASK", "LABELS", "datalist", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer",
+    "read_findings", "hu_window", "score_submission",
+]
 
 log = logging.getLogger("hsmla_med")
 

@@ -57,7 +57,6 @@ class DetectionModule(SegmentationModule):
         return [{"key": key, "nodule_probs": match.nodule_probs.tolist(), "fp_probs": match.fp_probs.tolist(), "ignored": match.ignored}]
 
     def summarize_records(self, records: list[dict]) -> dict:
-        scans = [ScanMatch(np.asarray(r["nodule_probs"], dtype=np.float64), np.asarray(r["fp_probs"], dtype=np.float64), int(r["ignored"])) for r in records]
-        summary = nodule_froc(scans)
+        summary = nodule_froc([ScanMatch(np.asarray(r["nodule_probs"], float), np.asarray(r["fp_probs"], float), r["ignored"]) for r in records])
         summary["cases"] = summary.pop("scans")
         return summary

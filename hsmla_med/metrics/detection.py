@@ -25,7 +25,10 @@ from scipy import ndimage
 
 from hsmla_med.metrics.froc import froc_summary
 
-__all__ = ["FP_RATES", "MAX_MARKS", "ScanMatch", "affine_points", "extract_candidates", "keep_most_probable", "match_candidates", "nodule_froc", "submission_froc"]
+__all__ = [
+    "FP_RATES", "MAX_MARKS", "ScanMatch", "affine_points", "extract_candidates", "keep_most_probable", "match_candidates",
+    "nodule_froc", "submission_froc",
+]
 
 FP_RATES = (0.125, 0.25, 0.5, 1, 2, 4, 8)
 MAX_MARKS = 100  # candidates per scan that the official script scores (maxNumberOfCADMarks)
