@@ -77,14 +77,18 @@ def test_layout(root):
     assert (root / "testing" / "reference.csv").read_text() == "test_001,Tumor,Micro\n"
     meta = json.loads((root / "synthetic.json").read_text())
     assert meta["synthetic"] is True and set(meta["files"]) == EXPECTED - {"synthetic.json"}
-    assert meta["generator"]["size"] == list(SIZE) and meta["generator"]["seed"] == 0
+    assert meta["generator"]["size"] == [1023, 767] and meta["generator"]["seed"] == 0  # odd sides
 
 
 def test_slides_open_as_pyramids(root):
     for path in sorted(root.rglob("*.tif")):
         slide = openslide.OpenSlide(path)
         assert slide.properties["openslide.vendor"] == "generic-tiff"
-        assert slide.level_dimensions == ((1024, 768), (512, 384), (256, 192), (128, 96))
+        # odd sides halved and rounded up, as in real pyramids: no level is a whole downsample
+        assert slide.level_dimensions == ((1023, 767), (512, 384), (256, 192), (128, 96))
+        expected = [(1023 / w + 767 / h) / 2 for w, h in slide.level_dimensions]  # OpenSlide's mean ratio
+        assert slide.level_downsamples == pytest.approx(expected, rel=1e-12)
+        assert all(d != round(d) for d in slide.level_downsamples[1:])
         assert float(slide.properties["openslide.mpp-x"]) == pytest.approx(0.972, rel=1e-6)
 
 

@@ -9,7 +9,10 @@ user without it gets this stand-in with the same layout::
     testing/reference.csv                     synthetic.json
 
 Slides are RGB pyramidal tiled JPEG TIFFs (:func:`hsmla_med.io.tiff.write_pyramidal_tiff`)
-that OpenSlide opens, with the microns per pixel in the TIFF resolution. Each shows one to three
+that OpenSlide opens, with the microns per pixel in the TIFF resolution. Their sides are odd (an
+even side asked loses its last pixel), so that the levels, halved and rounded up, have downsamples
+that are not whole numbers (1.9995, 3.9985, ... for 4095 x 3071), as real pyramids do (Aperio's
+CMU-1.svs: 4.000121): code that assumes ``level_downsamples`` are integers fails on them. Each shows one to three
 tissue islands on bright glass, coloured by Beer-Lambert mixing of haematoxylin and eosin: pink
 fibrous stroma with small purple nuclei. Tumour slides add one to three metastases, a few hundred
 pixels across at the default size, of clearly different texture: denser, larger and darker nuclei
@@ -45,7 +48,7 @@ from hsmla_med.io import atomic_path, write_json
 
 __all__ = ["generate_camelyon16"]
 
-_GENERATOR_VERSION = 1
+_GENERATOR_VERSION = 2  # 2: odd sides, fractional level downsamples
 _MIN_SIDE = 256  # pixels; smaller slides leave no room for tissue islands with metastases
 
 # Optical density per unit stain (Ruifrok & Johnston's H&E vectors, normalised), and of glass.
@@ -81,7 +84,8 @@ def generate_camelyon16(
             every tumour slide has an ASAP XML file in ``training/lesion_annotations``.
         num_test: slides in ``testing/images``; odd-numbered ones have metastases (and XML files
             in ``testing/lesion_annotations``), and ``testing/reference.csv`` lists them all.
-        size: (width, height) of level 0 in pixels, each at least 256.
+        size: (width, height) of level 0 in pixels, each at least 256; an even side is cut by
+            one pixel (fractional level downsamples, see the module's docstring).
         mpp: microns per pixel of level 0, stored in the TIFF resolution.
         seed: a slide depends only on ``seed`` and its name, so the same seed gives the same
             pixels, and a larger dataset starts with the slides of a smaller one.
@@ -102,6 +106,7 @@ def generate_camelyon16(
     seed = int(seed)
     if seed < 0:
         raise ValueError(f"seed must be non-negative, got {seed}")
+    width, height = (n - 1 + n % 2 for n in (width, height))  # odd: the pyramid's downsamples are fractional
     params = {
         "version": _GENERATOR_VERSION,
         "seed": seed,
