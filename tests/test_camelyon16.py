@@ -17,10 +17,12 @@ from hsmla_med.cli import main
 from hsmla_med.config import merge_config, task_config
 from hsmla_med.data.synthetic.wsi import generate_camelyon16
 from hsmla_med.engine.classification import ClassificationModule, patch_images, slide_maps
+from hsmla_med.engine.run import load_module
 from hsmla_med.errors import DataError
 from hsmla_med.metrics.pathology import auc
 from hsmla_med.pipelines import camelyon16
 from hsmla_med.pipelines.task import InferenceOptions
+from tests.test_slide_maps_ddp import whole_gather_summary
 
 SMALL = {"num_normal": 2, "num_tumor": 3, "num_test": 2, "size": [1536, 1024], "seed": 0}
 
@@ -78,22 +80,26 @@ def test_patch_grid_labels_follow_the_annotation(slides):
     assert len(list((slides / "cache" / "camelyon16-patches").glob("*.npz"))) >= 1
 
 
-def test_summary_from_records_matches_direct_metrics():
-    # columns: index, slide, row, col, prob, label, lesion, slide_label
-    rows = torch.tensor([
-        [0, 0, 0, 0, 0.9, 1, 1, 1], [1, 0, 0, 1, 0.2, 0, 0, 1], [2, 0, 1, 1, 0.1, 0, 0, 1],
-        [3, 1, 0, 0, 0.3, 0, 0, 0], [4, 1, 2, 1, 0.6, 0, 0, 0],
-        [5, 2, 0, 0, 0.05, 0, 0, 0],
-    ], dtype=torch.float32)
-    fields = ("key", "slide", "row", "col", "prob", "label", "lesion", "slide_label")
-    records = [{k: (float(v) if k == "prob" else int(v)) for k, v in zip(fields, row.tolist())} for row in rows]
-    maps = slide_maps(records)
-    assert [m[0].shape for m in maps] == [(2, 2), (3, 2), (1, 1)]
-    assert np.isnan(maps[1][0][1, 0]) and maps[1][0][2, 1] == pytest.approx(0.6)
+def _module(network=None) -> ClassificationModule:
     config = merge_config(task_config("camelyon16"), {})
-    module = ClassificationModule(camelyon16.module_config(config, {"variant": "b0"}, camelyon16.LABELS), network=nn.Identity())
-    summary = module.summarize_records(records)
-    assert summary["patch_auc"] == pytest.approx(auc(rows[:, 4].numpy(), rows[:, 5].numpy()))
+    return ClassificationModule(camelyon16.module_config(config, {"variant": "b0"}, camelyon16.LABELS), network=network or nn.Identity())
+
+
+def test_summary_from_rows_matches_direct_metrics():
+    # columns: slide, row, col, prob, label, lesion, slide_label
+    rows = np.array([
+        [0, 0, 0, 0.9, 1, 1, 1], [0, 0, 1, 0.2, 0, 0, 1], [0, 1, 1, 0.1, 0, 0, 1],
+        [1, 0, 0, 0.3, 0, 0, 0], [1, 2, 1, 0.6, 0, 0, 0],
+        [2, 0, 0, 0.05, 0, 0, 0],
+    ])
+    maps = slide_maps(rows)
+    assert [m["prob"].shape for m in maps] == [(2, 2), (3, 2), (1, 1)]
+    assert np.isnan(maps[1]["prob"][1, 0]) and maps[1]["prob"][2, 1] == pytest.approx(0.6)
+    assert maps[0]["label"].tolist() == [[1, 0], [-1, 0]] and maps[0]["lesion"].tolist() == [[1, 0], [0, 0]]
+    assert [m["slide_label"] for m in maps] == [1, 0, 0]
+    module = _module()
+    summary = module.summarize_records(module.collect_records([rows[:4], rows[4:]]))
+    assert summary["patch_auc"] == pytest.approx(auc(rows[:, 3], rows[:, 4]))
     assert summary["slides"] == 3 and summary["cases"] == 6
     assert summary["froc"] == pytest.approx(1.0)  # the one lesion is the top detection; FPs come later
     json.dumps(summary)
@@ -136,17 +142,61 @@ def test_heatmap_export_with_a_stub_classifier(slides, tmp_path):
     assert not [p for p in out.iterdir() if "tmp" in p.name]
 
 
-def test_train_through_the_cli(slides, tmp_path, capsys):
+def _validation_records(module: ClassificationModule, config: dict) -> list[dict]:
+    """Every validation patch of ``config`` through ``module``, in the validation loader's
+    batches (the same sums, to the bit), as the records the metrics were once gathered from:
+    the reference of the reduced validation."""
+    reader, records, batch = camelyon16.ReadPatchd(uint8=True), [], config["data"]["batch_size"]
+    for s, case in enumerate(camelyon16.datalist(config).validation):
+        grid = camelyon16.slide_patches(case, config["data"])
+        records += [{"slide": s, "row": int(r), "col": int(c), "label": int(lab), "lesion": int(les), "slide_label": case["label"],
+                     "item": {"slide": case["slide"], "x": int(x), "y": int(y), "level": int(grid["level"]), "size": config["data"]["patch_size"]}}
+                    for (x, y), r, c, lab, les in zip(grid["coords"], grid["rows"], grid["cols"], grid["labels"], grid["lesions"])]
+    for start in range(0, len(records), batch):
+        part = records[start : start + batch]
+        with torch.no_grad():
+            images = torch.stack([reader(r.pop("item"))["image"] for r in part])
+            prob = torch.softmax(module.network(patch_images({"image": images})).float(), dim=1)[:, 1].tolist()
+        for key, (record, p) in enumerate(zip(part, prob), start):
+            record.update(key=key, prob=p)
+    return records
+
+
+def test_train_and_heatmaps_at_level_1_through_the_cli(slides, tmp_path, capsys):
+    """Train two steps on patches of pyramid level 1 (a fractional downsample, 1.998 on the
+    synthetic slides, as real pyramids have), then wsi-heatmap at --level 1. The metrics the run
+    reports are those of the saved weights on every validation patch, computed here apart."""
+    data = {"cache_dir": str(slides / "cache"), "patch_size": 32, "stride": 32, "level": 1, "samples_per_epoch": 16, "batch_size": 8,
+            "num_workers": 0}
     config = tmp_path / "c16.yaml"
-    config.write_text(json.dumps({"data": {"cache_dir": str(slides / "cache"), "patch_size": 64, "stride": 64,
-                                           "samples_per_epoch": 16, "batch_size": 8, "num_workers": 0},
-                                  "trainer": {"check_val_every_n_epoch": 1, "accelerator": "cpu", "progress_bar": False}}))
+    config.write_text(json.dumps({"data": data, "trainer": {"check_val_every_n_epoch": 1, "accelerator": "cpu", "progress_bar": False}}))
     run = tmp_path / "run"
     assert main(["train", "--task", "camelyon16", "--data-dir", str(slides / "data"), "--config", str(config),
                  "--max-steps", "2", "--output", str(run)]) == 0
     metrics = json.loads((run / "metrics.json").read_text())
-    assert {"auc", "patch_auc", "froc", "step"} <= set(metrics) and metrics["step"] == 2
-    assert (run / "best.ckpt").is_file()
+    assert metrics["step"] == 2 and (run / "best.ckpt").is_file()
+    module, meta = load_module(run / "last.ckpt", ClassificationModule)
+    assert meta["step"] == 2
+    task = _config(slides, **data)
+    with openslide.OpenSlide(camelyon16.datalist(task).validation[0]["slide"]) as slide:
+        assert slide.level_downsamples[1] != 2.0
+    expected = whole_gather_summary(_validation_records(module, task), module.config["inference"])
+    assert metrics["slides"] == expected["slides"] == 2 and metrics["cases"] == expected["cases"] > 20
+    for key in ("auc", "patch_auc", "froc"):
+        assert metrics[key] == pytest.approx(expected[key], abs=1e-6), key
+
+    heat = tmp_path / "heat"
+    test_slides = slides / "data" / "testing" / "images"
+    assert main(["wsi-heatmap", "--checkpoint", str(run / "best.ckpt"), "--slide", str(test_slides), "--output", str(heat),
+                 "--level", "1", "--device", "cpu"]) == 0
+    for path in sorted(test_slides.glob("*.tif")):
+        info = json.loads((heat / f"{path.stem}.json").read_text())
+        grid = camelyon16.slide_patches({"slide": str(path), "annotation": None, "label": 0}, task["data"])
+        assert int(grid["level"]) == 1 and info["patches"] == len(grid["coords"]) > 0
+        with openslide.OpenSlide(str(path)) as slide, openslide.OpenSlide(str(heat / f"{path.stem}_heatmap.tif")) as tif:
+            step = 32 * slide.level_downsamples[1]  # a cell in level-0 pixels: the heatmap covers the slide
+            cells = (np.ceil(np.array(slide.dimensions) / step) * info["heatmap_pixels_per_cell"]).astype(int)
+            assert tif.dimensions == tuple(cells)
     bad = slides / "data" / "training" / "lesion_annotations" / "tumor_001.xml"
     saved = bad.read_text()
     try:
@@ -244,7 +294,7 @@ def test_a_failed_background_write_fails_the_run_and_marks_nothing_done(slides, 
     slide = next((slides / "data" / "testing" / "images").glob("*.tif"))
     with pytest.raises(OSError, match="No space left"):
         camelyon16.infer(module, slide, tmp_path / "out", InferenceOptions(progress=lambda _: None, batch_size=7))
-    assert not list((tmp_path / "out").glob("*.json"))
+    assert not (tmp_path / "out" / f"{slide.stem}.json").exists()
 
 
 def test_read_patch_keeps_at_most_keep_slides_open(slides):

@@ -88,11 +88,13 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
     Subclasses implement ``task_loss(logits, batch)``, ``validation_records(batch)`` (one record
     per validated item: a dict with the item's ``"key"``, see :func:`gather_records`, and named
     fields) and ``summarize_records(records)``, and name in ``monitor`` the summary key that
-    selects ``best.ckpt`` (higher is better).
+    selects ``best.ckpt`` (higher is better). A task whose records grow with the data overrides
+    ``collect_records`` to reduce them across processes instead of gathering them whole.
 
-    After each validation, on every process: ``records`` holds the gathered records (each item
-    once, in key order), ``summary`` their metrics (JSON-friendly), and ``calibrated_tau`` the
-    ``{layer: tau}`` that the calibration before it set.
+    After each validation, on every process: ``records`` holds what ``collect_records`` made of
+    the records (by default the gathered records, each item once, in key order), ``summary``
+    their metrics (JSON-friendly), and ``calibrated_tau`` the ``{layer: tau}`` that the
+    calibration before it set.
     """
 
     monitor = "dice"
@@ -125,6 +127,11 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
     @abstractmethod
     def summarize_records(self, records: list[dict]) -> dict:
         """Metrics (JSON-friendly) from the gathered validation records, one per item."""
+
+    def collect_records(self, records: list[dict]):
+        """This process's validation records -> what ``summarize_records`` takes, the same on
+        every process: by default every process's records (:func:`gather_records`)."""
+        return gather_records(records)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         image = plain(batch["image"])
@@ -163,7 +170,7 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
         self._records.extend(self.validation_records(batch))
 
     def on_validation_epoch_end(self) -> None:
-        self.records = gather_records(self._records)
+        self.records = self.collect_records(self._records)
         self._records = []
         self.summary = self.summarize_records(self.records)
         # every rank holds the same gathered summary, so logging needs no further reduction

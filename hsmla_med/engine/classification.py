@@ -1,39 +1,75 @@
 """The patch-classification ``LightningModule`` (whole-slide pathology): cross-entropy plus the
 gate regularisers; validation over every tissue patch of the validation slides, reporting patch
-AUC, slide AUC and lesion-level FROC gathered across processes."""
+AUC, slide AUC and lesion-level FROC. Across processes the patches are reduced into per-slide
+maps on the patch grid, never gathered whole (a real CAMELYON16 validation has millions)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from hsmla_med.engine.base import GatedModule, item_keys, plain
+from hsmla_med.engine.base import GatedModule, plain
 from hsmla_med.nn import GatedNetwork
 from hsmla_med.metrics.pathology import auc, detect_lesions, lesion_froc, slide_score
 
-__all__ = ["ClassificationModule", "patch_images", "slide_maps"]
+__all__ = ["COLUMNS", "ClassificationModule", "patch_images", "slide_maps"]
 
-_FIELDS = ("slide", "row", "col", "prob", "label", "lesion", "slide_label")  # of a validation record, with "key"
+COLUMNS = ("slide", "row", "col", "prob", "label", "lesion", "slide_label")  # of a validation row
 
 
-def slide_maps(records: list[dict]) -> list[tuple[np.ndarray, np.ndarray, int]]:
-    """Per slide (in slide-index order) of patch records (see :class:`ClassificationModule`):
-    the tumour-probability map on the patch grid (NaN where no patch), the lesion-id map on the
-    same grid, and the slide label."""
-    by_slide: dict[int, list[dict]] = {}
-    for record in records:
-        by_slide.setdefault(int(record["slide"]), []).append(record)
+def _all_max(values: np.ndarray, device: torch.device | str = "cpu") -> np.ndarray:
+    """The elementwise maximum of ``values`` over the processes of ``torch.distributed`` (the
+    array itself in a single process); ``device``: where the backend reduces (CUDA for NCCL)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return values
+    tensor = torch.from_numpy(np.ascontiguousarray(values)).to(device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.cpu().numpy()
+
+
+def slide_maps(rows: np.ndarray, device: torch.device | str = "cpu") -> list[dict]:
+    """The validation patches as maps on each slide's patch grid, from every process.
+
+    Args:
+        rows: ``(n, 7)`` this process's patches, columns :data:`COLUMNS` (slide index, grid row
+            and column, tumour probability, patch label, lesion id, slide label).
+        device: where ``torch.distributed`` reduces (the module's device).
+
+    Returns:
+        Per slide with patches (slide-index order): ``prob`` (float64 ``(H, W)``, NaN where no
+        patch), ``label`` (int64, -1 where no patch), ``lesion`` (int64, 0 = none) and
+        ``slide_label``. Under ``torch.distributed`` every process gets the maps of all
+        processes' patches: the grid shapes, then the maps, are max-reduced (empty cells hold
+        -inf), so the traffic is a few numbers per grid cell, not a record per patch; a patch
+        validated twice (the distributed sampler's padding) falls on its own cell with the same
+        values. Every patch has its own cell (the grid of
+        :func:`~hsmla_med.data.slides.patch_grid`), so nothing is lost.
+    """
+    rows = np.asarray(rows, np.float64).reshape(-1, len(COLUMNS))
+    slide, row, col = (rows[:, i].astype(np.int64) for i in range(3))
+    count = int(_all_max(np.array([slide.max() + 1 if len(rows) else 0]), device)[0])
+    shape = np.full((count, 3), -1, np.int64)  # grid rows, grid columns, slide label
+    for k, values in enumerate((row + 1, col + 1, rows[:, 6].astype(np.int64))):
+        np.maximum.at(shape[:, k], slide, values)
+    shape = _all_max(shape, device)
+    sizes = shape[:, 0].clip(0) * shape[:, 1].clip(0)
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    flat = np.full((3, offsets[-1]), -np.inf, np.float32)  # float32: the probabilities are, ids < 2**24
+    cell = offsets[slide] + row * shape[slide, 1] + col
+    flat[:, cell] = rows[:, [3, 4, 5]].T
+    flat = _all_max(flat, device)
     maps = []
-    for slide in sorted(by_slide):
-        patches = by_slide[slide]
-        rr = np.array([p["row"] for p in patches], dtype=np.int64)
-        cc = np.array([p["col"] for p in patches], dtype=np.int64)
-        prob = np.full((rr.max() + 1, cc.max() + 1), np.nan)
-        lesion = np.zeros(prob.shape, dtype=np.int64)
-        prob[rr, cc] = [p["prob"] for p in patches]
-        lesion[rr, cc] = [p["lesion"] for p in patches]
-        maps.append((prob, lesion, int(patches[0]["slide_label"])))
+    for s in np.flatnonzero(sizes):
+        prob, label, lesion = flat[:, offsets[s] : offsets[s + 1]].reshape(3, *shape[s, :2]).astype(np.float64)
+        empty = np.isneginf(prob)
+        maps.append({
+            "prob": np.where(empty, np.nan, prob),
+            "label": np.where(empty, -1, label).astype(np.int64),
+            "lesion": np.where(empty, 0, lesion).astype(np.int64),
+            "slide_label": int(shape[s, 2]),
+        })
     return maps
 
 
@@ -52,9 +88,9 @@ class ClassificationModule(GatedModule):
     module's device, :func:`patch_images`). Validation
     batches also carry ``case`` (patch index), ``slide_index``, ``row``/``col`` (the
     patch's cell on the slide's grid), ``lesion`` (id of the annotated lesion under the patch,
-    0 = none) and ``slide_label``. A validation record is a patch: ``key`` (its ``case``),
-    ``slide``, ``row``, ``col``, ``prob`` (tumour probability), ``label``, ``lesion``,
-    ``slide_label``.
+    0 = none) and ``slide_label``. The validation records of a batch are one array, a row per patch
+    (:data:`COLUMNS`), and :meth:`collect_records` reduces them into per-slide maps
+    (:func:`slide_maps`), the same on every process, which :meth:`summarize_records` scores.
     """
 
     monitor = "auc"
@@ -75,27 +111,40 @@ class ClassificationModule(GatedModule):
         place = {k: torch.as_tensor(batch[k]).reshape(-1).cpu() for k in ("slide_index", "row", "col")}
         return {**place, "prob": prob.cpu(), "alpha": None if alpha is None else alpha.float().cpu()}
 
-    def validation_records(self, batch: dict) -> list[dict]:
-        prob = torch.softmax(self.network(patch_images(batch)).float(), dim=1)[:, 1].cpu().tolist()
-        ints = lambda k: torch.as_tensor(batch[k]).reshape(-1).long().tolist()  # noqa: E731
-        columns = zip(ints("slide_index"), ints("row"), ints("col"), prob, ints("label"), ints("lesion"), ints("slide_label"))
-        return [{"key": key, **dict(zip(_FIELDS, values))} for key, values in zip(item_keys(batch), columns)]
+    def validation_records(self, batch: dict) -> np.ndarray:
+        """``(B, 7)`` float64, a row per patch of the batch: :data:`COLUMNS`."""
+        columns = {"prob": torch.softmax(self.network(patch_images(batch)).float(), dim=1)[:, 1]}
+        for name in COLUMNS[:3] + COLUMNS[4:]:
+            columns[name] = torch.as_tensor(batch["slide_index" if name == "slide" else name]).reshape(-1)
+        return torch.stack([columns[name].double().cpu() for name in COLUMNS], dim=1).numpy()
 
-    def summarize_records(self, records: list[dict]) -> dict:
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        # one array per batch: per-patch dicts would hold millions of Python objects per validation
+        self._records.append(self.validation_records(batch))
+
+    def collect_records(self, records: list[np.ndarray]) -> list[dict]:
+        """This process's batches of rows -> every process's patches as per-slide maps (:func:`slide_maps`)."""
+        rows = np.concatenate(records) if records else np.zeros((0, len(COLUMNS)))
+        return slide_maps(rows, self.device)
+
+    def summarize_records(self, maps: list[dict]) -> dict:
+        """Slide AUC (``auc``, of :func:`slide_score`), patch AUC and lesion FROC from the slide
+        maps of :meth:`collect_records`."""
         inference = self.config["inference"]
-        maps = slide_maps(records)
-        scores = [slide_score(prob, inference["slide_sigma"]) for prob, _, _ in maps]
-        slide_labels = [label for _, _, label in maps]
-        detections = [detect_lesions(prob, inference["lesion_threshold"], inference["lesion_radius"]) for prob, _, _ in maps]
-        froc = lesion_froc(detections, [lesion for _, lesion, _ in maps])
+        scores = [slide_score(m["prob"], inference["slide_sigma"]) for m in maps]
+        detections = [detect_lesions(m["prob"], inference["lesion_threshold"], inference["lesion_radius"]) for m in maps]
+        froc = lesion_froc(detections, [m["lesion"] for m in maps])
+        patch = [m["label"] >= 0 for m in maps]
+        probs = np.concatenate([m["prob"][has] for m, has in zip(maps, patch)]) if maps else np.zeros(0)
+        labels = np.concatenate([m["label"][has] for m, has in zip(maps, patch)]) if maps else np.zeros(0, np.int64)
         finite = lambda v: None if v is None or not np.isfinite(v) else float(v)  # noqa: E731
         return {
-            "auc": finite(auc(scores, slide_labels)),
-            "patch_auc": finite(auc(np.array([r["prob"] for r in records]), np.array([r["label"] for r in records]))),
+            "auc": finite(auc(scores, [m["slide_label"] for m in maps])),
+            "patch_auc": finite(auc(probs, labels)),
             "froc": finite(froc["froc"]),
             "froc_sensitivity": froc["sensitivity"],
             "slides": len(maps),
-            "cases": len(records),
+            "cases": len(probs),
         }
 
 
