@@ -22,6 +22,7 @@ import numpy as np
 import openslide
 from skimage.color import rgb2hsv
 from skimage.filters import threshold_otsu
+from skimage.measure import block_reduce
 from skimage.morphology import remove_small_holes, remove_small_objects
 
 from hsmla_med.errors import DataError
@@ -166,10 +167,8 @@ def _level_bands(slide: openslide.OpenSlide, min_size: int, max_size: int):
     for top in range(0, height, rows):
         band_h = min(rows, height - top)
         band = read_region(slide, 0, round(top * slide.level_downsamples[level]), level, (width, band_h))
-        if factor > 1:
-            pad_h, pad_w = -band_h % factor, -width % factor
-            band = np.pad(band, ((0, pad_h), (0, pad_w), (0, 0)), constant_values=255)
-            band = band.reshape(band.shape[0] // factor, factor, out_size[1], factor, 3).mean(axis=(1, 3)) / 255.0
+        if factor > 1:  # blocks cut by the edge are padded with white (cval), as glass
+            band = block_reduce(band, (factor, factor, 1), np.mean, cval=255) / 255.0
         yield top // factor, band, out_size, downsample
 
 
