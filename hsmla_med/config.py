@@ -268,6 +268,23 @@ def _same_type(value, default, key: str) -> None:
             raise ConfigError(f"{key} must hold positive numbers, got {value!r}")
 
 
+def _check_trainable_backend(model, source: str) -> None:
+    """Refuse a model whose HSMLA layers are forced onto a kernel backend (``cpu``, ``triton``):
+    the kernels have no backward, so the first training step would raise (on any machine; on
+    one without CUDA the Triton kernels cannot run at all). The rest of the model section is
+    checked when the network is built."""
+    if model is None:
+        return
+    attention = model_config(model).get("attention")
+    backend = attention.get("backend", "auto") if isinstance(attention, dict) else "auto"
+    if backend in ("cpu", "triton"):
+        where = model if isinstance(model, (str, Path)) and str(model).endswith((".yaml", ".yml")) else source
+        raise ConfigError(
+            f"{where}: model.attention.backend {backend}: the {'C' if backend == 'cpu' else 'Triton'} kernels have no "
+            "backward, so a network cannot train on them; use auto (they run at inference where they can), reference or dense"
+        )
+
+
 def validate_config(config: dict, source: str = "config") -> dict:
     """Check every value of a merged task config against the task's packaged defaults (types)
     and the range table above; one :class:`ConfigError` naming ``source`` and the dotted key.
@@ -293,6 +310,7 @@ def validate_config(config: dict, source: str = "config") -> dict:
                 raise ConfigError(f"{source}: {err}") from None
 
     walk(config, defaults, "")
+    _check_trainable_backend(config.get("model"), source)
     trainer = config["trainer"]
     if trainer.get("max_steps") is None and trainer.get("max_epochs") is None:
         raise ConfigError(f"{source}: trainer.max_steps or trainer.max_epochs must be set")

@@ -55,6 +55,9 @@ TRAIN_CASES = [  # extra train arguments (a {yaml} placeholder: a --config with 
     (["--mode", "2d", "--config", "{yaml}mode: 4d"], "mode must be one of 2d, 3d"),
     (["--model", "{model}variant: b9"], "variant must be one of"),
     (["--model", "{model}attention: {window: 6}"], "window"),
+    (["--model", "{model}attention: {tau: .nan}"], "tau must be a finite number, got nan"),  # trained with no refinement
+    (["--model", "{model}attention: {backend: triton}"], "model.yaml: model.attention.backend triton: the Triton kernels have no backward"),
+    (["--model", "{model}attention: {backend: cpu}"], "model.attention.backend cpu: the C kernels have no backward"),
 ]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -23,6 +25,14 @@ def _positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}.")
     return value
+
+
+def _finite(name: str, value, positive: bool = False) -> float:
+    """``value`` as a float; a NaN ``tau`` would switch the refinement off without a word
+    (no gate is ``> nan``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or (positive and value <= 0):
+        raise ValueError(f"{name} must be a {'positive ' if positive else ''}finite number, got {value!r}.")
+    return float(value)
 
 
 class HSMLA(nn.Module):
@@ -90,6 +100,8 @@ class HSMLA(nn.Module):
             raise ValueError(f"scales must be a non-empty sequence of positive odd kernel sizes, got {scales!r}.")
         if not 0.0 <= rho <= 1.0:
             raise ValueError(f"rho must lie in [0, 1], got {rho!r}.")
+        _finite("tau", tau)
+        _finite("eps", eps, positive=True)
         self.spatial_dims = spatial_dims
         self.in_channels = in_channels
         self.head_dim = head_dim
