@@ -201,6 +201,14 @@ def _accelerator(value, key):
             raise ConfigError(f"{key} {value}: this machine has no CUDA GPU; use cpu or auto")
 
 
+def _crop(value, key):
+    """``data.crop`` (EndoVis): null (whole frames) or ``[top, left, height, width]`` in whole
+    pixels, offsets >= 0 (a frame without a top border has top 0)."""
+    pixels = isinstance(value, list) and len(value) == 4 and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    if value is not None and (not pixels or min(value[:2]) < 0 or min(value[2:]) < 1):
+        raise ConfigError(f"{key} must be null or [top, left, height, width] in whole pixels (offsets >= 0, sizes >= 1), got {value!r}")
+
+
 def _string(value, key):
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{key} must be a non-empty string, got {value!r}")
@@ -241,7 +249,9 @@ _CHECKS = {
     "data.stride": _number(1, integer=True),
     "data.level": _number(0, integer=True),
     "data.mpp": _number(0, low_open=True, nullable=True),
+    "data.crop": _crop,
 }
+_TYPED_BY_CHECK = {"data.crop"}  # keys whose check above is their whole type check (their default's type is not)
 
 
 def _same_type(value, default, key: str) -> None:
@@ -303,7 +313,8 @@ def validate_config(config: dict, source: str = "config") -> dict:
                 walk(value, default, f"{name}.")
                 continue
             try:
-                _same_type(value, default, name)
+                if name not in _TYPED_BY_CHECK:
+                    _same_type(value, default, name)
                 if name in _CHECKS:
                     _CHECKS[name](value, name)
             except ConfigError as err:

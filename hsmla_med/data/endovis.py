@@ -6,7 +6,11 @@ The challenge ships each video as::
     instrument_dataset_K/left_frames/frameNNN.png                    RGB, 1920 x 1080 (W x H)
     instrument_dataset_K/ground_truth/<Name>_labels/frameNNN.png     8-bit grey, one folder per instrument
 
-(test videos come without ``ground_truth``). Conventions, as the challenge data is prepared by
+(test videos come without ``ground_truth``). The label folders are spelled inconsistently in the
+distribution: ``Left_Prograsp_Forceps_labels``, ``Large_Needle_Driver_Left_labels`` (video 4),
+``Prograsp_Forceps`` and ``Left_Bipolar_Forceps`` without ``_labels`` (videos 6 and 7); every
+folder in ``ground_truth`` is an instrument, its type read from its name (an unknown name is an
+error rather than a silently dropped instrument). Conventions, as the challenge data is prepared by
 the public code of its winning team (``prepare_data.py`` of ternaus/robot-surgery-segmentation,
 Shvets et al., "Automatic Instrument Segmentation in Robot-Assisted Surgery using Deep
 Learning", ICMLA 2018):
@@ -73,7 +77,7 @@ PROBLEMS = {  # class names per task, index = label value
     "parts": ["background", "shaft", "wrist", "claspers"],
     "type": ["background"] + [name.lower() for name in INSTRUMENT_TYPES],
 }
-_FRAMES, _LABELS, _LABEL_SUFFIX = "left_frames", "ground_truth", "_labels"
+_FRAMES, _LABELS = "left_frames", "ground_truth"
 VIDEO_FOLDER = re.compile(r"^instrument_dataset_(\d+)$")  # one video of the challenge
 
 
@@ -156,7 +160,9 @@ def _warn_no_part(file: Path, values: np.ndarray) -> None:
         log.warning("%s: grey value(s) %s are no part label (%s): background in the parts task", file, ", ".join(map(str, new)), names)
 
 
-def merge_labels(files: Sequence[str | Path], problem: str, shape: tuple[int, int] | None = None) -> np.ndarray:
+def merge_labels(
+    files: Sequence[str | Path], problem: str, shape: tuple[int, int] | None = None, frame: str | Path | None = None
+) -> np.ndarray:
     """Merge one frame's per-instrument label PNGs into the label map ``(H, W)`` uint8 of a task.
 
     Args:
@@ -165,6 +171,7 @@ def merge_labels(files: Sequence[str | Path], problem: str, shape: tuple[int, in
         problem: ``binary`` (1 = instrument), ``parts`` (1 shaft, 2 wrist, 3 claspers) or
             ``type`` (1..7, :data:`INSTRUMENT_TYPES`); see the module docstring for the rules.
         shape: ``(H, W)`` every label must have (the frame's); default: the first label's.
+        frame: the frame the labels belong to, named in the error for a label of another size.
     """
     if problem not in PROBLEMS:
         raise ConfigError(f"data.problem must be one of {', '.join(PROBLEMS)}, got {problem!r}")
@@ -174,7 +181,7 @@ def merge_labels(files: Sequence[str | Path], problem: str, shape: tuple[int, in
         if shape is None:
             shape = grey.shape
         if grey.shape != tuple(shape):
-            raise DataError(f"{file}: label is {grey.shape[1]} x {grey.shape[0]} (W x H), its frame {shape[1]} x {shape[0]}")
+            raise DataError(f"{frame or file}: label {file} is {grey.shape[1]} x {grey.shape[0]} (W x H), the frame {shape[1]} x {shape[0]}")
         if merged is None:
             merged = np.zeros(shape, np.uint8)
         kind = instrument_type(file.parent)
@@ -199,7 +206,11 @@ def crop_box(shape: tuple[int, int], crop: Sequence[int] | None, path: str | Pat
 
     ``crop`` is ``(top, left, height, width)`` (:data:`CROP`) or None (the whole frame). A frame
     of exactly ``height x width`` is taken as cropped already (as the reference code stores its
-    prepared frames) and used whole; a frame too small for the crop is a :class:`DataError`.
+    prepared frames) and used whole; a frame too small for the crop is a :class:`DataError`
+    naming it. The crop says where the camera image lies in the da Vinci's 1920 x 1080 video
+    frame; in a frame of another size that place is unknown, and cropping or padding it anyway
+    would train on borders or shifted labels. (Inference uses such a frame whole instead, as the
+    challenge scores every test frame whole at its own size: ``pipelines.endovis.inference_box``.)
     """
     h, w = int(shape[0]), int(shape[1])
     if crop is None:
@@ -236,7 +247,7 @@ class LoadFramed(MapTransform):
         out = {k: v for k, v in data.items() if k != "labels"}
         out["image"], (top, left, h, w), shape = load_frame(data["image"], self.crop)
         if "labels" in data:
-            label = merge_labels(data["labels"], self.problem, shape)
+            label = merge_labels(data["labels"], self.problem, shape, data["image"])
             out["label"] = torch.from_numpy(np.ascontiguousarray(label[top : top + h, left : left + w]))[None].long()
         return out
 
@@ -257,7 +268,8 @@ def _frames(folder: Path) -> list[Path]:
 def find_videos(root: str | Path) -> list[dict]:
     """The videos ``instrument_dataset_K`` under ``root``, in order of K: dicts ``{"video": K,
     "frames": [case dicts]}``, a case being ``{"image": frame, "labels": [one label PNG per
-    instrument folder], "video": K}`` (``labels`` only when the video has ``ground_truth``).
+    instrument folder in ``ground_truth``], "video": K}`` (``labels`` only when the video has
+    ``ground_truth``).
 
     A labelled video must have every frame in every instrument folder: a missing label is a
     :class:`DataError` naming the frame and the file.
@@ -278,7 +290,8 @@ def find_videos(root: str | Path) -> list[dict]:
         if not frames:
             raise DataError(f"{folder / _FRAMES}: no PNG frames")
         truth = folder / _LABELS
-        label_dirs = sorted(p for p in truth.iterdir() if p.is_dir() and p.name.endswith(_LABEL_SUFFIX)) if truth.is_dir() else []
+        # every folder, with or without the _labels the distribution mostly (not always) appends
+        label_dirs = sorted(p for p in truth.iterdir() if p.is_dir() and not p.name.startswith(".")) if truth.is_dir() else []
         for d in label_dirs:
             instrument_type(d)  # an unknown instrument folder: an error now, not mid-training
         cases = []

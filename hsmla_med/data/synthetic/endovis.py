@@ -3,8 +3,17 @@
 The challenge data needs a registration, so a user without it gets this stand-in with the same
 layout (:mod:`hsmla_med.data.endovis`): ``instrument_dataset_K/left_frames/frameNNN.png`` RGB
 frames of 1920 x 1080 with black borders outside the standard 1280 x 1024 crop, and per
-instrument ``ground_truth/<Side>_<Instrument>_labels/frameNNN.png`` grey labels (10 shaft,
-20 wrist, 30 claspers). Test videos have no ``ground_truth``.
+instrument ``ground_truth/<folder>/frameNNN.png`` grey labels (10 shaft, 20 wrist, 30 claspers).
+
+The distribution's quirks are drawn too, so that the readers meet them:
+
+* label folders spelled as the challenge spells them, inconsistently: ``Left_Prograsp_Forceps_labels``
+  (videos 1-3), ``Large_Needle_Driver_Left_labels`` (side after the name, video 4) and
+  ``Prograsp_Forceps`` or ``Left_Bipolar_Forceps`` without ``_labels`` (videos 6 and 7); odd
+  videos here use the first spelling, even videos all three;
+* test videos (numbered after the labelled ones) have ``left_frames`` only, no ``ground_truth``;
+* the last frame of the first test video has another, odd size: 1279 x 1023, the camera window
+  less a row and a column, as a frame re-saved by another tool would be.
 
 Each frame is textured tissue (reddish, two octaves of smooth noise, darker towards the edges of
 the endoscope's light) with specular highlights, and one to three instruments entering from the
@@ -18,6 +27,7 @@ pixels. Nothing here is real surgery.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -27,10 +37,11 @@ from hsmla_med.data.datalist import read_json
 from hsmla_med.data.endovis import CROP
 from hsmla_med.io import atomic_path, write_json
 
-__all__ = ["generate_endovis", "FRAME_SIZE", "INSTRUMENTS"]
+__all__ = ["generate_endovis", "FRAME_SIZE", "INSTRUMENTS", "ODD_FRAME_SIZE"]
 
 FRAME_SIZE = (1080, 1920)  # H, W of the challenge's frames
-_GENERATOR_VERSION = 1
+_GENERATOR_VERSION = 2  # 2: the distribution's folder spellings, an odd-sized test frame
+ODD_FRAME_SIZE = (1023, 1279)  # H, W of the odd frame: see the module docstring
 # folder name (the instrument) -> (shaft half-width, jaw length, jaw half-width, jaw opening in
 # radians, jaw tint RGB), in pixels of the full frame
 INSTRUMENTS = {
@@ -142,6 +153,16 @@ def _frame(rng: np.random.Generator, instruments: list[tuple[str, str]]) -> tupl
     return np.clip(image, 0, 255).astype(np.uint8), labels
 
 
+def _label_folder(name: str, side: str, k: int, i: int) -> str:
+    """The ground-truth folder of instrument ``i`` of video ``k``, spelled as the challenge spells
+    it: odd videos ``Left_<Name>_labels``; even videos, instrument by instrument, without
+    ``_labels`` (``Left_Bipolar_Forceps``), side after the name (``<Name>_Left_labels``), then
+    side first. An instrument entering from the bottom has no side word."""
+    side = "" if side == "bottom" else side.capitalize()
+    words = [[side, name], [name, side, "labels"], [side, name, "labels"]][2 if k % 2 else i % 3]
+    return "_".join(word for word in words if word)
+
+
 def _save_png(array: np.ndarray, path: Path) -> None:
     with atomic_path(path) as tmp:
         Image.fromarray(array).save(tmp, compress_level=1)
@@ -159,7 +180,8 @@ def generate_endovis(
     Args:
         root: dataset folder; created if missing.
         num_videos: labelled videos ``instrument_dataset_1..num_videos`` (with ``ground_truth``).
-        num_test_videos: unlabelled videos numbered after them (``left_frames`` only).
+        num_test_videos: unlabelled videos numbered after them (``left_frames`` only); the
+            first one's last frame has the odd size :data:`ODD_FRAME_SIZE`.
         frames_per_video: frames ``frame000.png``... per video.
         seed: frame ``j`` of video ``k`` depends only on ``seed``, ``k`` and ``j``.
 
@@ -186,17 +208,21 @@ def generate_endovis(
         if meta["generator"] == params:
             return root
         marker.unlink()  # ours but stale: the folder is incomplete until the new one is written
+        for video in root.glob("instrument_dataset_*"):  # an older version's folder names would stay beside the new ones
+            shutil.rmtree(video)
     names = list(INSTRUMENTS)
     for k in range(1, num_videos + num_test_videos + 1):
         rng = np.random.default_rng((int(seed), k))
         chosen = rng.choice(len(names), size=int(rng.integers(1, 4)), replace=False)
         sides = rng.permutation(["left", "right", "bottom"])[: len(chosen)]
         instruments = [(names[c], side) for c, side in zip(chosen, sides)]
-        # folder names as the challenge spells them: Left_/Right_ prefixes for the side
-        folders = [f"{'' if side == 'bottom' else side.capitalize() + '_'}{name}_labels" for name, side in instruments]
+        folders = [_label_folder(name, side, k, i) for i, (name, side) in enumerate(instruments)]
         video = root / f"instrument_dataset_{k}"
         for j in range(frames_per_video):
             image, labels = _frame(np.random.default_rng((int(seed), k, j)), instruments)
+            if k == num_videos + 1 and j == frames_per_video - 1:
+                top, left = CROP[:2]
+                image = image[top : top + ODD_FRAME_SIZE[0], left : left + ODD_FRAME_SIZE[1]]
             _save_png(image, video / "left_frames" / f"frame{j:03d}.png")
             if k <= num_videos:
                 for folder, label in zip(folders, labels):
