@@ -139,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _config(args) -> dict:
     from hsmla_med.config import load_yaml, merge_config, task_config, validate_config
+    from hsmla_med.engine.distributed import check_cpu_processes
 
     get_task(args.task)  # unknown task: a clear error before anything else
     config = task_config(args.task)
@@ -158,7 +159,9 @@ def _config(args) -> dict:
         value = getattr(args, key, None)
         if value is not None:
             trainer[key] = int(value) if key == "devices" and str(value).isdigit() else value
-    return validate_config(config, source="command-line options")
+    config = validate_config(config, source="command-line options")
+    check_cpu_processes(config["trainer"].get("accelerator", "auto"), config["trainer"].get("devices", "auto"))  # before any data is read
+    return config
 
 
 def _train(config: dict, resume: bool = False) -> dict:
@@ -174,14 +177,15 @@ def _train(config: dict, resume: bool = False) -> dict:
     cases = task.datalist(config)
     log.info("%s: %d training / %d validation cases, %d labels", task.name, len(cases.training), len(cases.validation), cases.num_classes)
     module = task.build_module(config, model_config(config["model"]), cases)
-    write_yaml(output / "config.yaml", config)
+    if _first_process():
+        write_yaml(output / "config.yaml", config)
     summary = fit(module, task.datamodule(config, cases), output, config["trainer"], resume=resume)
     _print_summary(task, summary, output)
     return summary
 
 
 def _print_summary(task, summary: dict | None, output: Path) -> None:
-    if summary is None:
+    if summary is None or not _first_process():
         return
     print("\n" + "\n".join(task.summary_lines(summary)))
     print(f"metrics: {output / 'metrics.json'}")
@@ -268,11 +272,17 @@ def _export(args) -> list[Path]:
     return written
 
 
-def _report(line: str) -> None:
-    """Printed by the first process only (the others of a DDP prediction have their own lines)."""
+def _first_process() -> bool:
+    """Whether this is the first process (global rank 0) of the run, the one that reports and
+    writes summaries; the rank is set by Lightning's DDP set-up, or by torchrun/SLURM."""
     from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-    if rank_zero_only.rank == 0:
+    return rank_zero_only.rank == 0
+
+
+def _report(line: str) -> None:
+    """Printed by the first process only (the others of a DDP prediction have their own lines)."""
+    if _first_process():
         print(line)
 
 
@@ -308,6 +318,8 @@ def _evaluate(args) -> dict:
         raise InputError(f"--checkpoint {args.checkpoint} predicts {len(module.label_names)} classes {module.label_names}, "
                          f"the dataset has {len(cases.label_names)} {cases.label_names}")
     summary = evaluate(module, task.datamodule(config, cases), config["trainer"], output)
+    if not _first_process():  # every process holds the gathered summary; one writes and prints it
+        return summary
     write_json(output / "metrics.json", {**summary, **meta, "checkpoint": str(args.checkpoint), "routing": args.routing or "gate"})
     _print_summary(task, summary, output)
     return summary

@@ -73,7 +73,7 @@ def predict_cases(
     folder = Path(folder) if folder is not None else output_folder(items)
     items = options.shard.select(items)
     _refuse_outputs_over_inputs(items)
-    record = {"format": 1, "model": {"sha256": model_digest(module), "checkpoint": getattr(module, "checkpoint", None)},
+    record = {"format": 1, "model": {"sha256": model_digest(module), "checkpoint": getattr(module, "checkpoint_path", None)},
               "options": options.provenance()}
     todo = claim_outputs(items, folder, record, options.overwrite, write=rank_zero_only.rank == 0) if items else []
     if len(todo) < len(items):
@@ -88,10 +88,11 @@ def predict_cases(
 def _refuse_outputs_over_inputs(items: list[dict]) -> None:
     """An item whose ``output`` is one of its own input paths (``infer --output`` = ``--input``
     for frames or volumes) would be taken as done, or replace the input: an
-    :class:`~hsmla_med.errors.InputError`."""
+    :class:`~hsmla_med.errors.InputError`. Every path of an item but its ``name`` (which is
+    relative to the output folder, not to the working directory) is an input."""
     for item in items:
         output = Path(item["output"]).resolve()
-        if any(isinstance(v, (str, Path)) and Path(v).resolve() == output for k, v in item.items() if k != "output"):
+        if any(isinstance(v, (str, Path)) and Path(v).resolve() == output for k, v in item.items() if k not in ("name", "output")):
             raise InputError(f"{item['output']}: the output of {item['name']} would be its own input; give an --output folder apart from the input")
 
 
@@ -257,7 +258,7 @@ class Task(ABC):
         from hsmla_med.engine.run import load_module
 
         module, meta = load_module(checkpoint, self.module_class, task=self.name, inference={"tta": tta})
-        module.checkpoint = str(checkpoint)  # named in the provenance of its outputs
+        module.checkpoint_path = str(checkpoint)  # named in the provenance of its outputs
         return module, meta
 
     def build_module(self, config: dict, model: dict, cases: Datalist) -> GatedModule:

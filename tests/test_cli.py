@@ -81,6 +81,16 @@ def test_bad_data_one_clear_error(capsys, tmp_path, break_it, expected):
     assert not (tmp_path / "run" / "last.ckpt").exists()
 
 
+def test_more_cpu_processes_than_cores_are_refused_up_front(capsys, tmp_path, dataset):
+    """Lightning would start them all (each re-running the command): refused in one line."""
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    line = _error(capsys, _train(tmp_path, dataset, "--accelerator", "cpu", "--devices", str(cores + 1)))
+    assert f"--devices {cores + 1}: on the CPU each device is one process, and this machine has {cores} CPU core(s)" in line
+    assert not (tmp_path / "run").exists()  # before anything is read or written
+
+
 def test_infer_errors(capsys, tmp_path):
     out = str(tmp_path / "out")
     missing = tmp_path / "none.ckpt"

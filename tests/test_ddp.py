@@ -57,6 +57,68 @@ if __name__ == "__main__":
 """
 
 
+# Two CPU processes whose own lists of cases differ (rank 0: two cases, rank 1: none, as when a
+# case's output appears between the two looks): each writes its share of rank 0's list.
+PREDICT = """
+import os, sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from hsmla_med.engine.prediction import PredictionDataModule, run_prediction
+
+
+class Echo(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+
+    def predict_step(self, batch, batch_idx):
+        return batch
+
+
+def write(item):
+    path = Path(item["output"])
+    path.write_text(os.environ.get("LOCAL_RANK", "0"))
+    return [path]
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    items = [{"name": n, "output": str(out / n)} for n in ("a", "b")] if os.environ.get("LOCAL_RANK", "0") == "0" else []
+    run_prediction(Echo(), PredictionDataModule(items), write, "cpu", devices=2, strategy="ddp")
+"""
+
+
+def test_two_processes_predict_rank_zeros_cases_whatever_their_own_lists(tmp_path):
+    script = tmp_path / "predict_ddp.py"
+    script.write_text(PREDICT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    try:
+        result = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=ROOT, capture_output=True, text=True, env=env, timeout=180)
+    except subprocess.TimeoutExpired:
+        pytest.fail("rank 1 decided alone that it had nothing to predict; rank 0 waited for it")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert {n: (tmp_path / n).read_text() for n in ("a", "b")} == {"a": "0", "b": "1"}  # each process its share
+
+
+def test_a_run_whose_peers_never_come_stops_with_one_line_naming_them(tmp_path):
+    """``--num-nodes 2`` without a second node: rank 1 never comes. The run stops after
+    HSMLA_MED_START_TIMEOUT seconds with one line naming it (it used to wait 30 minutes)."""
+    data = make_dataset(tmp_path / "data")
+    cmd = [sys.executable, "-m", "hsmla_med.cli", "train", "--task", "btcv", "--data-dir", str(data), "--config", str(tiny_yaml(tmp_path / "tiny.yaml")),
+           "--max-steps", "1", "--output", str(tmp_path / "run"), "--accelerator", "cpu", "--devices", "1", "--num-nodes", "2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HSMLA_MED_START_TIMEOUT="5")
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the run waited for a peer that never comes")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("hsmla-med: error:")]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert len(errors) == 1 and "after 5 s, rank(s) 1 of 2 never started (2 node(s) x 1 process(es))" in errors[0], errors
+    assert not (tmp_path / "run" / "last.ckpt").exists()
+
+
 def _evaluate(tmp_path, data, config, ckpt, name, *extra) -> dict:
     out = tmp_path / name
     cmd = [sys.executable, "-m", "hsmla_med.cli", "evaluate", "--task", "btcv", "--data-dir", str(data), "--config", str(config),
@@ -64,6 +126,7 @@ def _evaluate(tmp_path, data, config, ckpt, name, *extra) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count(f"metrics: {out / 'metrics.json'}") == 1, result.stdout  # the first process reports, once
     return json.loads((out / "metrics.json").read_text())
 
 

@@ -52,7 +52,7 @@ def _stamps(out):
     return {p.name: p.stat().st_mtime_ns for p in out.glob("f*.png")}
 
 
-def test_another_checkpoint_or_options_refused_same_resumes_overwrite_rewrites(frames, tmp_path, capsys):
+def test_another_checkpoint_or_options_refused_same_resumes_overwrite_rewrites(frames, tmp_path, capsys, monkeypatch):
     (a, b), folder = frames
     out = tmp_path / "out"
     assert _infer(a, folder, out) == 0
@@ -72,6 +72,9 @@ def test_another_checkpoint_or_options_refused_same_resumes_overwrite_rewrites(f
     copy.write_bytes(a.read_bytes())
     assert _infer(copy, folder, out) == 0
     assert _stamps(out) == first and "3 of 3 case(s) done before" in capsys.readouterr().out
+    monkeypatch.chdir(out)  # outputs named relative to the working directory are no inputs
+    assert _infer(a, folder, ".") == 0 and _stamps(out) == first
+    monkeypatch.chdir(tmp_path)
     # --overwrite: every mask rewritten by the other checkpoint, whose outputs the folder then holds
     assert _infer(b, folder, out, "--overwrite") == 0
     assert all(_stamps(out)[name] != stamp for name, stamp in first.items())

@@ -256,10 +256,17 @@ def _quiet_lightning() -> Iterator[None]:
         rank_zero.setLevel(level)
 
 
-def _accelerator(device: str) -> tuple[str, int | list[int]]:
-    """Lightning's ``accelerator`` and ``devices`` for ``--device``: ``cuda:N`` is GPU ``N``."""
+def _accelerator(device: str, devices: int | None = None) -> tuple[str, int | list[int]]:
+    """Lightning's ``accelerator`` and ``devices`` for ``--device`` and ``--devices``: ``cuda:N``
+    is GPU ``N``. ``cuda:N`` with more than one process is refused rather than guessed at (GPUs
+    N, N+1, ...? Lightning would take 0, 1, ...): ``CUDA_VISIBLE_DEVICES`` chooses the GPUs."""
     kind, _, index = device.partition(":")
-    return ("gpu", [int(index)]) if index else ("gpu" if kind == "cuda" else "cpu", 1)
+    if index and devices is not None and devices > 1:
+        raise InputError(f"--device {device} names one GPU, --devices {devices} asks for {devices} processes: give --device cuda "
+                         f"--devices {devices} (choose the GPUs with CUDA_VISIBLE_DEVICES), or --device {device} alone")
+    if index:
+        return "gpu", [int(index)]
+    return ("gpu" if kind == "cuda" else "cpu"), devices or 1
 
 
 def run_prediction(
@@ -285,13 +292,15 @@ def run_prediction(
     Returns the paths this process wrote, those ``finish`` wrote (on the first process; else
     none) and whether this is the first process (the one that reports).
     """
+    from hsmla_med.engine.distributed import check_cpu_processes, start_up_deadline
     from hsmla_med.engine.run import _precision
 
-    accelerator, default_devices = _accelerator(device)
+    accelerator, devices = _accelerator(device, devices)
+    check_cpu_processes(accelerator, devices)
     with _quiet_lightning():
         trainer = L.Trainer(
             accelerator=accelerator,
-            devices=devices or default_devices,
+            devices=devices,
             strategy=strategy,
             num_nodes=num_nodes,
             precision=_precision({"precision": precision, "accelerator": accelerator}),
@@ -302,8 +311,11 @@ def run_prediction(
             enable_model_summary=False,
             enable_checkpointing=False,
         )
-        if data.items:
-            trainer.predict(module, datamodule=data, return_predictions=False)
+        # several processes all enter the loop, where PredictionDataModule.setup gives every one
+        # rank 0's list: deciding here on each process's own list could leave one waiting alone
+        if data.items or trainer.world_size > 1:
+            with start_up_deadline(trainer):
+                trainer.predict(module, datamodule=data, return_predictions=False)
         else:
             log.info("nothing to predict: every output exists")
     if trainer.world_size > 1:

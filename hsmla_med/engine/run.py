@@ -15,6 +15,7 @@ from lightning_utilities.core.imports import module_available
 
 from hsmla_med.engine.callbacks import MetricsWriter, StepProgressBar, ValidateFinalStep
 from hsmla_med.engine.checkpoint import AtomicCheckpointIO, exported_file, load_exported
+from hsmla_med.engine.distributed import check_cpu_processes, start_up_deadline
 from hsmla_med.errors import ConfigError, DataError, InputError
 from hsmla_med.io import remove_stale_temporaries
 
@@ -67,6 +68,7 @@ def build_trainer(trainer_cfg: dict, output: Path, callbacks: list | None = None
     enabled, counts steps when training by steps (:class:`StepProgressBar`).
     """
     max_steps, max_epochs = _limit(trainer_cfg, "max_steps"), _limit(trainer_cfg, "max_epochs")
+    check_cpu_processes(trainer_cfg.get("accelerator", "auto"), trainer_cfg.get("devices", "auto"))
     progress_bar = bool(trainer_cfg.get("progress_bar", True))
     return L.Trainer(
         default_root_dir=output,
@@ -126,7 +128,8 @@ def fit(module: L.LightningModule, datamodule: L.LightningDataModule, output: st
     logs = [output / "logs" / f"version_{v}" / "metrics.csv" for v in (range(version + 1) if resume else [version])]
     callbacks = [ValidateFinalStep(), MetricsWriter(output, logs), best_checkpoint, last_checkpoint]
     trainer = build_trainer(trainer_cfg, output, callbacks, loggers)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resume else None, weights_only=True)
+    with start_up_deadline(trainer):
+        trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resume else None, weights_only=True)
     if module.summary is None:  # resumed at or past its step limit: no step trained, none validated
         trainer.validate(module, datamodule=datamodule, verbose=False)
     return module.summary
@@ -136,7 +139,8 @@ def evaluate(module: L.LightningModule, datamodule: L.LightningDataModule, train
     """Validate ``module`` on the datamodule's validation cases (across all processes of the
     configured strategy) and return the gathered summary."""
     trainer = build_trainer(trainer_cfg, Path(output))
-    trainer.validate(module, datamodule=datamodule, verbose=False)
+    with start_up_deadline(trainer):
+        trainer.validate(module, datamodule=datamodule, verbose=False)
     return module.summary
 
 

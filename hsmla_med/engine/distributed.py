@@ -1,0 +1,127 @@
+"""Multi-process runs that cannot start: refused up front where the request cannot work, and a
+start-up deadline where peers never come.
+
+``torch.distributed`` waits for every rank of the world for ``timeout`` (Lightning's default: 30
+minutes), silently, and then raises a traceback that does not say which ranks are missing. The
+timeout of the process group cannot be shortened for the start alone: the same timeout then
+bounds every later collective, and a rank validating a long slide legitimately keeps the others
+waiting for minutes. So a watchdog thread bounds only the start (until the default process group
+exists) and names the ranks that never came: each process registers itself in the c10d store of
+rank 0 (the one ``init_process_group`` rendezvous through) as soon as that store answers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from hsmla_med.errors import ConfigError
+
+__all__ = ["START_TIMEOUT_ENV", "check_cpu_processes", "start_up_deadline"]
+
+#: seconds the processes of a run wait for each other to start (default 300)
+START_TIMEOUT_ENV = "HSMLA_MED_START_TIMEOUT"
+_KEY = "hsmla_med/started/"
+
+
+def check_cpu_processes(accelerator: str, devices, option: str = "--devices") -> None:
+    """Refuse more CPU processes than this machine has cores.
+
+    On the CPU a Lightning "device" is a process, and Lightning starts as many as asked (each one
+    re-running the command, holding its own data cache and network): beyond the core count they
+    only compete for cores and memory, and 99 on a small machine take the whole machine down
+    before they ever meet. ``accelerator``: as configured (``auto`` is the CPU without CUDA).
+    """
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if on_cpu and isinstance(devices, int) and not isinstance(devices, bool) and devices > cores:
+        raise ConfigError(f"{option} {devices}: on the CPU each device is one process, and this machine has {cores} CPU core(s); "
+                          f"give {option} {cores} or fewer")
+
+
+def _timeout() -> float:
+    text = os.environ.get(START_TIMEOUT_ENV, "300")
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ConfigError(f"{START_TIMEOUT_ENV}={text!r}: expected the seconds to wait for a run's processes to start (> 0)")
+    return seconds
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``[2, 3, 4, 7]`` -> ``"2-4, 7"``."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
+
+
+def _store(address: str, port: int):
+    """A client of rank 0's c10d store (``None`` while it does not answer)."""
+    try:
+        return dist.TCPStore(address, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=1))
+    except Exception:  # not listening yet, or not reachable: the caller tries again or reports
+        return None
+
+
+def _report(trainer, seconds: float, registered: bool) -> None:
+    """Print the missing ranks (rank 0, or a rank that never reached rank 0), stop the processes
+    this one started, and exit 2 (the main thread is blocked in the C++ rendezvous, where no
+    Python exception reaches it)."""
+    env, rank, world = trainer.strategy.cluster_environment, trainer.global_rank, trainer.world_size
+    store = _store(env.main_address, env.main_port) if registered else None
+    if store is not None:
+        missing = [r for r in range(world) if not store.check([f"{_KEY}{r}"])]
+        line = f"rank(s) {_ranks(missing)} of {world} never started" if missing else f"the {world} processes never completed their rendezvous"
+    else:
+        line = f"rank 0 (at {env.main_address}:{env.main_port}) never answered rank {rank} of {world}"
+    if rank == 0 or store is None:
+        print(f"hsmla-med: error: distributed start-up: after {seconds:g} s, {line} ({trainer.num_nodes} node(s) x "
+              f"{trainer.num_devices} process(es)); start the processes of every node (torchrun or SLURM on each), or ask for "
+              f"fewer --num-nodes/--devices; {START_TIMEOUT_ENV} sets the wait", file=sys.stderr, flush=True)
+    for proc in getattr(trainer.strategy.launcher, "procs", None) or []:  # the other local ranks Lightning started
+        proc.kill()
+    sys.stdout.flush()
+    os._exit(2)
+
+
+def _watch(trainer, seconds: float, stop: threading.Event) -> None:
+    env, rank = trainer.strategy.cluster_environment, trainer.global_rank
+    deadline, registered = time.monotonic() + seconds, False
+    while not stop.wait(0.5):
+        if dist.is_available() and dist.is_initialized():
+            return  # every rank joined: the deadline is over
+        if not registered and (store := _store(env.main_address, env.main_port)) is not None:
+            store.set(f"{_KEY}{rank}", "1")
+            registered = True
+        if time.monotonic() > deadline:
+            _report(trainer, seconds, registered)
+
+
+@contextmanager
+def start_up_deadline(trainer) -> Iterator[None]:
+    """Around ``trainer.fit/validate/predict``: when the run has several processes and they have
+    not all started within ``$HSMLA_MED_START_TIMEOUT`` seconds (default 300), print one line
+    naming the missing ranks and exit with status 2, rather than wait for them indefinitely."""
+    if trainer.world_size <= 1 or not dist.is_available():
+        yield
+        return
+    stop = threading.Event()
+    threading.Thread(target=_watch, args=(trainer, _timeout(), stop), name="hsmla-med-start-up", daemon=True).start()
+    try:
+        yield
+    finally:
+        stop.set()
