@@ -217,7 +217,7 @@ def infer(
         _write_csv(path, rows)
         return [path]
 
-    return predict_cases(module, items, Compose(preprocessing(cfg["data"], label=False)), write, options, finish=merge)
+    return predict_cases(module, items, Compose(preprocessing(cfg["data"], label=False)), write, options, finish=merge, folder=output)
 
 
 def _write_csv(path: Path, rows: list[list]) -> None:

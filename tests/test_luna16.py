@@ -242,6 +242,8 @@ def test_train_infer_evaluate_and_demo_through_the_cli(tmp_path, cache, capsys):
     scans = cache / "luna16-synthetic"
     assert main(["infer", "--task", "luna16", "--checkpoint", str(run / "best.ckpt"), "--input", str(scans), "--output", str(tmp_path / "pred")]) == 0
     submission = tmp_path / "pred" / "submission.csv"
+    # the record of which model wrote the candidates sits beside the submission made of them
+    assert (tmp_path / "pred" / "provenance.json").is_file() and not (tmp_path / "pred" / "candidates" / "provenance.json").exists()
     with submission.open(newline="") as f:
         reader = csv.DictReader(f)
         rows = list(reader)
