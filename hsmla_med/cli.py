@@ -37,8 +37,8 @@ _EPILOG = """examples:
 """
 
 
-def _add_task_options(p: argparse.ArgumentParser, data: bool = True) -> None:
-    p.add_argument("--task", required=True, help=f"task pipeline: {' | '.join(TASKS)}")
+def _add_task_options(p: argparse.ArgumentParser, data: bool = True, required: bool = True) -> None:
+    p.add_argument("--task", required=required, help=f"task pipeline: {' | '.join(TASKS)}")
     if data:
         p.add_argument("--data-dir", help="dataset folder (MSD/nnU-Net layout with dataset.json); default: the synthetic dataset")
         p.add_argument("--config", help="YAML merged over the task's default config (configs/<task>.yaml)")
@@ -99,10 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-probabilities", action="store_true", help="btcv: also write OUTPUT/<case>.npz, the class probabilities (float16) in the input's grid")
     _add_prediction_options(p)
 
-    p = sub.add_parser("evaluate", help="metrics of a checkpoint on a dataset's validation cases", description="Dice and HD95 of a checkpoint on the validation cases; writes OUTPUT/metrics.json.")
-    _add_task_options(p)
-    p.add_argument("--checkpoint", required=True, help="a checkpoint written by train")
-    p.add_argument("--output", default="runs/evaluate", help="folder for metrics.json (default runs/evaluate)")
+    p = sub.add_parser("evaluate", help="metrics of a checkpoint on a dataset's validation cases, or of any folder of predicted label maps",
+                       description="Dice and HD95 of a checkpoint (--task, --checkpoint) on the validation cases; writes OUTPUT/metrics.json. "
+                       "Or, with --predictions DIR --labels DIR, scores label maps from any tool (ours, nnU-Net's, MONAI's) against the "
+                       "reference label maps of the same file names, as nnU-Net's compute_metrics_on_folder does, plus HD95 and NSD in mm "
+                       "and bootstrap 95%% intervals; writes summary.json and metrics_per_case.csv into --output (default: DIR).")
+    _add_task_options(p, required=False)
+    p.add_argument("--checkpoint", help="a checkpoint written by train")
+    p.add_argument("--output", help="folder for metrics.json (default runs/evaluate), or for summary.json with --predictions (default: that folder)")
+    p.add_argument("--predictions", metavar="DIR", help="a folder of predicted NIfTI label maps, scored without a checkpoint")
+    p.add_argument("--labels", metavar="DIR", help="with --predictions: the reference label maps (same file names, same shape and affine)")
+    p.add_argument("--dataset-json", metavar="F", help="with --predictions: dataset.json naming the classes ('labels'; default: the label values found)")
+    p.add_argument("--nsd-tolerance", type=float, default=2.0, metavar="MM", help="with --predictions: NSD tolerance in mm (default 2)")
     p.add_argument("--tta", action="store_true", help="mirroring test-time augmentation")
     p.add_argument("--routing", choices=["gate", "off", "all"], help="override HSMLA routing: off = linear attention only, all = refine every tile")
     _add_trainer_options(p)
@@ -300,12 +308,38 @@ def _wsi_heatmap(args) -> list[Path]:
     return written
 
 
+def _evaluate_predictions(args) -> dict:
+    from hsmla_med.errors import InputError
+    from hsmla_med.evaluation import evaluate_folder
+
+    if args.labels is None:
+        raise InputError("--predictions needs --labels DIR, the folder of reference label maps")
+    if args.checkpoint is not None:
+        raise InputError("--checkpoint with --predictions: the predictions are scored as they are; give one or the other")
+    if args.task not in (None, "btcv"):
+        raise InputError(f"--predictions with --task {args.task}: only volume label maps (btcv) are scored from a folder")
+    if not Path(args.predictions).is_dir():  # before the default --output would create it
+        raise InputError(f"--predictions {args.predictions}: folder not found")
+    output = _writable_folder(args.output if args.output is not None else args.predictions, "--output")
+    summary = evaluate_folder(args.predictions, args.labels, args.dataset_json, output, args.nsd_tolerance)
+    means = {k: "n/a" if v is None else f"{v:.4f}" for k, v in summary["foreground_mean"].items()}
+    print(f"{len(summary['metric_per_case'])} cases, foreground mean: Dice {means['Dice']}, HD95 {means['HD95']} mm, "
+          f"NSD ({args.nsd_tolerance:g} mm) {means['NSD']}\nsummary: {output / 'summary.json'}, {output / 'metrics_per_case.csv'}")
+    return summary
+
+
 def _evaluate(args) -> dict:
     from hsmla_med.engine.run import evaluate
     from hsmla_med.errors import InputError
     from hsmla_med.io import write_json
 
+    if args.predictions is not None:
+        return _evaluate_predictions(args)
+    if args.task is None or args.checkpoint is None:
+        raise InputError("evaluate needs --task and --checkpoint, or --predictions DIR --labels DIR")
     task = get_task(args.task)
+    if args.output is None:  # the default of this mode (predictions mode writes beside the predictions)
+        args.output = "runs/evaluate"
     output = _writable_folder(args.output, "--output")
     module, meta = task.load(args.checkpoint, tta=args.tta)
     if args.routing:

@@ -1,0 +1,188 @@
+"""Score a folder of predicted label maps from any tool against a folder of reference label maps
+(``hsmla-med evaluate --predictions DIR --labels DIR``), as nnU-Net's
+``compute_metrics_on_folder`` does, with HD95, NSD and confidence intervals
+(:mod:`hsmla_med.metrics.summary`).
+
+Files pair by name (nnU-Net's convention: ``labels/X.nii.gz`` with ``predictions/X.nii.gz``;
+``.nii`` and ``.nii.gz`` count as the same name). With a dataset JSON whose ``training`` /
+``validation`` lists pair images with labels, a prediction named after its image (what
+``hsmla-med infer`` writes: ``img0001.nii.gz`` for BTCV's ``label0001.nii.gz``) pairs too. Every
+reference needs a prediction and every prediction a reference; the geometry of every pair
+(shape and affine) is checked from the headers before any volume is scored.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+
+# (private helpers of the dataset JSON reader, reused so both read `labels` and file names alike)
+from hsmla_med.data.datalist import _NIFTI, _label_names, case_name, read_header, read_json
+from hsmla_med.errors import DataError, InputError
+from hsmla_med.io import is_temporary
+from hsmla_med.metrics.summary import absent_class, case_metrics, summarize_cases, write_reports
+
+__all__ = ["evaluate_folder", "pair_files", "check_geometry", "read_labels"]
+
+log = logging.getLogger("hsmla_med")
+
+_AFFINE_ATOL = 1e-3  # mm, as hsmla_med.data.datalist.check_pair compares an image with its label
+
+
+def _nifti_files(folder: Path, option: str) -> dict[str, Path]:
+    """NIfTI files of ``folder`` by name without the extension."""
+    if not folder.is_dir():
+        raise InputError(f"{option} {folder}: folder not found")
+    files = {}
+    for path in sorted(folder.iterdir()):
+        if _NIFTI.search(path.name) and path.is_file() and not is_temporary(path):
+            stem = _NIFTI.sub("", path.name)
+            if stem in files:
+                raise DataError(f"{path}: {files[stem].name} has the same name in {option} {folder}")
+            files[stem] = path
+    if not files:
+        raise DataError(f"{option} {folder}: no NIfTI label maps (.nii, .nii.gz) in the folder")
+    return files
+
+
+def _image_names(meta: dict) -> dict[str, str]:
+    """Label stem -> the case name of its image, from the dataset JSON's image/label lists."""
+    aliases = {}
+    lists = [meta.get(key) for key in ("training", "validation")]
+    for entry in [e for entries in lists if isinstance(entries, list) for e in entries]:
+        if isinstance(entry, dict) and isinstance(entry.get("image"), str) and isinstance(entry.get("label"), str):
+            aliases[_NIFTI.sub("", Path(entry["label"]).name)] = case_name(entry["image"])
+    return aliases
+
+
+def pair_files(predictions: Path, labels: Path, aliases: dict[str, str] | None = None) -> list[tuple[Path, Path]]:
+    """``(reference, prediction)`` pairs by file name (or by the reference's image name in
+    ``aliases``), in the references' order; :class:`DataError` listing the references without a
+    prediction, or the predictions without a reference."""
+    references = _nifti_files(labels, "--labels")
+    found = _nifti_files(predictions, "--predictions")
+    pairs, missing = [], []
+    for stem, reference in references.items():
+        names = [stem] + ([aliases[stem]] if aliases and stem in aliases else [])
+        match = next((found[n] for n in names if n in found), None)
+        if match is None:
+            missing.append(reference.name)
+        else:
+            pairs.append((reference, match))
+    if missing:
+        raise DataError(f"--predictions {predictions}: no prediction for {len(missing)} of {len(references)} label maps in "
+                        f"{labels}: {_listing(missing)} (predictions pair with labels by file name)")
+    unmatched = sorted(set(found.values()) - {p for _, p in pairs})
+    if unmatched:
+        raise DataError(f"--labels {labels}: no label map for {len(unmatched)} prediction(s) in {predictions}: "
+                        f"{_listing([p.name for p in unmatched])}")
+    return pairs
+
+
+def _listing(names: list[str], most: int = 10) -> str:
+    return ", ".join(names[:most]) + (f", ... ({len(names) - most} more)" if len(names) > most else "")
+
+
+def _spatial(shape: tuple[int, ...], path: Path) -> tuple[int, ...]:
+    """The 3D shape of a label map, trailing length-1 axes (X, Y, Z, 1) dropped."""
+    if len(shape) < 3 or any(s != 1 for s in shape[3:]):
+        raise DataError(f"{path}: a label map must be 3D, got shape {shape}")
+    return shape[:3]
+
+
+def check_geometry(pairs: list[tuple[Path, Path]]) -> list[np.ndarray]:
+    """Each prediction must lie on its reference's voxel grid: the same shape and affine (within
+    1e-3). Returns each reference's voxel spacing in mm; :class:`DataError` naming the first
+    prediction that differs, in one line."""
+    spacings = []
+    for reference, prediction in pairs:
+        ref_shape, ref_affine = read_header(reference)
+        pred_shape, pred_affine = read_header(prediction)
+        if _spatial(pred_shape, prediction) != _spatial(ref_shape, reference):
+            raise DataError(f"{prediction}: shape {pred_shape} does not match the label map's {ref_shape} ({reference})")
+        if not np.allclose(pred_affine, ref_affine, atol=_AFFINE_ATOL):
+            worst = float(np.abs(pred_affine - ref_affine).max())
+            raise DataError(f"{prediction}: affine does not match the label map's ({reference}): largest difference {worst:.4g}")
+        spacings.append(nib.affines.voxel_sizes(ref_affine))
+    return spacings
+
+
+def read_labels(path: Path) -> np.ndarray:
+    """A label map as non-negative integers (3D); :class:`DataError` for other values."""
+    try:
+        data = np.asanyarray(nib.load(str(path)).dataobj)
+    except Exception as err:  # nibabel raises several types for truncated or foreign files
+        raise DataError(f"{path}: cannot read as NIfTI ({err})") from None
+    data = data.reshape(data.shape[:3])
+    if not np.issubdtype(data.dtype, np.integer):
+        if not np.all(np.isfinite(data)) or np.any(data != np.round(data)):
+            raise DataError(f"{path}: label values must be whole numbers")
+        data = data.astype(np.int64)
+    if data.size and data.min() < 0:
+        raise DataError(f"{path}: label values must not be negative, found {data.min()}")
+    return data
+
+
+def _foreground(path: Path, data: np.ndarray, names: dict[int, str] | None, dataset_json) -> set[int]:
+    """The non-zero label values of a label map; :class:`DataError` for a value ``names`` lacks."""
+    values = set(np.unique(data).tolist()) - {0}
+    if names is not None and (unknown := sorted(values - set(names))):
+        raise DataError(f"{path}: label values {unknown} are not in the labels of {dataset_json}")
+    return values
+
+
+def _dataset_labels(dataset_json: Path) -> tuple[dict[int, str], dict[str, str]]:
+    """Foreground class -> name, and the image-name aliases, from a dataset JSON."""
+    if not dataset_json.is_file():
+        raise InputError(f"--dataset-json {dataset_json}: file not found")
+    meta = read_json(dataset_json)
+    if "labels" not in meta:
+        raise DataError(f"{dataset_json}: missing 'labels' (label value -> name)")
+    names = _label_names(meta["labels"], dataset_json)
+    return {i: name for i, name in enumerate(names) if i > 0}, _image_names(meta)
+
+
+def evaluate_folder(predictions: str | Path, labels: str | Path, dataset_json: str | Path | None = None,
+                    output: str | Path | None = None, nsd_tolerance: float = 2.0, draws: int = 1000, seed: int = 0) -> dict:
+    """Score every prediction against its reference; write ``summary.json`` and
+    ``metrics_per_case.csv`` into ``output`` (default: the predictions folder).
+
+    Args:
+        predictions, labels: folders of NIfTI label maps, paired by file name.
+        dataset_json: its ``labels`` (MSD ``{"0": "background"}`` or nnU-Net v2
+            ``{"background": 0}``) name the classes scored, and a label value outside them is an
+            error; without it the classes are the non-zero values found in either folder.
+        output: folder for the two reports.
+        nsd_tolerance: NSD tolerance in mm.
+        draws, seed: of the bootstrap confidence intervals.
+
+    Returns:
+        The ``summary.json`` document (:func:`~hsmla_med.metrics.summary.summarize_cases`).
+    """
+    predictions, labels = Path(predictions), Path(labels)
+    if not (np.isfinite(nsd_tolerance) and nsd_tolerance >= 0):
+        raise InputError(f"--nsd-tolerance {nsd_tolerance}: must be a finite number of mm, 0 or more")
+    names, aliases = _dataset_labels(Path(dataset_json)) if dataset_json is not None else (None, {})
+    pairs = pair_files(predictions, labels, aliases)
+    spacings = check_geometry(pairs)
+    cases, sizes = [], []
+    for (reference, prediction), spacing in zip(pairs, spacings, strict=True):
+        ref, pred = read_labels(reference), read_labels(prediction)
+        found = _foreground(reference, ref, names, dataset_json) | _foreground(prediction, pred, names, dataset_json)
+        classes = list(names) if names is not None else sorted(found)
+        log.info("scoring %s against %s", prediction.name, reference.name)
+        cases.append({"reference_file": str(reference), "prediction_file": str(prediction),
+                      "metrics": case_metrics(ref, pred, classes, spacing.tolist(), nsd_tolerance)})
+        sizes.append(ref.size)
+    classes = list(names) if names is not None else sorted({k for c in cases for k in c["metrics"]})
+    if not classes:
+        raise DataError(f"--labels {labels}: no foreground label in any label map or prediction")
+    for case, size in zip(cases, sizes, strict=True):  # classes seen only in other cases: empty here
+        case["metrics"] = {k: case["metrics"].get(k) or absent_class(size) for k in classes}
+    summary = summarize_cases(cases, classes, names, draws=draws, seed=seed,
+                              nsd_tolerance_mm=nsd_tolerance, spacing="the label map's, from its affine")
+    write_reports(summary, output if output is not None else predictions)
+    return summary
