@@ -49,7 +49,7 @@ def _add_trainer_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--accelerator", help="cpu | gpu | auto (config: trainer.accelerator)")
     g.add_argument("--devices", help="number of devices, a list like 0,1, or auto")
     g.add_argument("--num-nodes", type=int, help="nodes for multi-node DDP")
-    g.add_argument("--strategy", help="auto | ddp | ddp_spawn | ... (Lightning strategies)")
+    g.add_argument("--strategy", help="auto | ddp: Lightning's DDP over --devices x --num-nodes processes (also under torchrun or SLURM)")
     g.add_argument("--precision", help="auto | 32-true | 16-mixed | bf16-mixed")
 
 
@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _config(args) -> dict:
     from hsmla_med.config import load_yaml, merge_config, task_config, validate_config
-    from hsmla_med.engine.distributed import check_cpu_processes
+    from hsmla_med.engine.run import check_trainer_config
 
     get_task(args.task)  # unknown task: a clear error before anything else
     config = task_config(args.task)
@@ -168,7 +168,7 @@ def _config(args) -> dict:
         if value is not None:
             trainer[key] = int(value) if key == "devices" and str(value).isdigit() else value
     config = validate_config(config, source="command-line options")
-    check_cpu_processes(config["trainer"].get("accelerator", "auto"), config["trainer"].get("devices", "auto"))  # before any data is read
+    check_trainer_config(config["trainer"])  # before any data is read
     return config
 
 

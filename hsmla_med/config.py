@@ -19,9 +19,11 @@ def load_yaml(path: str | Path) -> dict:
     """Read a YAML mapping with the safe loader; raise :class:`ConfigError` naming the file."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")  # YAML's own encoding, whatever the locale's
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); save the config as UTF-8") from None
     except OSError as err:
         raise ConfigError(f"{path}: cannot read config file ({err.strerror})") from None
     try:

@@ -91,6 +91,32 @@ def test_more_cpu_processes_than_cores_are_refused_up_front(capsys, tmp_path, da
     assert not (tmp_path / "run").exists()  # before anything is read or written
 
 
+@pytest.mark.parametrize("option, value", [("--strategy", "bogus"), ("--strategy", "deepspeed"), ("--strategy", "fsdp"),
+                                           ("--strategy", "ddp_spawn"), ("--precision", "64-true"), ("--precision", "16-true")])
+def test_unsupported_strategies_and_precisions_are_one_line(capsys, tmp_path, dataset, option, value):
+    supported = "auto, ddp" if option == "--strategy" else "auto, 32-true, 16-mixed, bf16-mixed"
+    line = _error(capsys, _train(tmp_path, dataset, option, value))
+    assert f"{option} {value!r} (trainer.{option[2:]}): not supported; use one of {supported}" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_into_a_run_of_another_model_or_task_names_both(capsys, tmp_path, dataset):
+    assert main(_train(tmp_path, dataset)) == 0
+    run = tmp_path / "run"
+    line = _error(capsys, _train(tmp_path, dataset, "--resume", "--model", "b1"))
+    assert (f"--resume: {run} holds a run of task btcv, model b0 (2D, 3 labels), this run asks for task btcv, model b1 (2D, 3 labels) "
+            "(network differ)") in line
+    line = _error(capsys, _train(tmp_path, dataset, "--resume", "--mode", "3d"))
+    assert "model b0 (2D, 3 labels), this run asks for task btcv, model b0 (3D, 3 labels) (spatial_dims differ)" in line
+
+
+def test_a_config_that_is_not_utf8_is_one_line(capsys, tmp_path):
+    latin = tmp_path / "latin1.yaml"
+    latin.write_bytes("# réglages\nseed: 1\n".encode("latin-1"))
+    line = _error(capsys, ["train", "--task", "btcv", "--config", str(latin)])
+    assert f"{latin}: not UTF-8 text (byte 0xe9 at offset 3)" in line
+
+
 def test_infer_errors(capsys, tmp_path):
     out = str(tmp_path / "out")
     missing = tmp_path / "none.ckpt"

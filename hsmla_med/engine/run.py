@@ -14,12 +14,12 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning_utilities.core.imports import module_available
 
 from hsmla_med.engine.callbacks import MetricsWriter, StepProgressBar, ValidateFinalStep
-from hsmla_med.engine.checkpoint import AtomicCheckpointIO, exported_file, load_exported
+from hsmla_med.engine.checkpoint import AtomicCheckpointIO, exported_file, load_exported, read_hparams
 from hsmla_med.engine.distributed import check_cpu_processes, start_up_deadline
 from hsmla_med.errors import ConfigError, DataError, InputError
 from hsmla_med.io import remove_stale_temporaries
 
-__all__ = ["build_trainer", "fit", "evaluate", "load_module"]
+__all__ = ["PRECISIONS", "STRATEGIES", "build_trainer", "check_trainer_config", "fit", "evaluate", "load_module"]
 
 # what hsmla_med.engine.base.hparams writes into every checkpoint
 _HPARAMS = ("task", "network", "spatial_dims", "in_channels", "label_names", "optim", "loss", "inference", "data")
@@ -27,9 +27,26 @@ _HPARAMS = ("task", "network", "spatial_dims", "in_channels", "label_names", "op
 log = logging.getLogger("hsmla_med")
 
 
+#: Lightning strategies these runs support. ddp_spawn/fork/notebook run fit in processes that do
+#: not hand the module's summary back to the launching one; deepspeed and fsdp shard the network,
+#: whose sharded checkpoints ``load_module`` cannot read whole.
+STRATEGIES = ("auto", "ddp")
+#: precisions these runs support. ``64-true`` is left out: it doubles every tensor, and HSMLA's
+#: kernels take float32 and half precision only (validation falls back to the reference path),
+#: at 2-3x the time of ``32-true`` for no gain (docs/design.md §6.3).
+PRECISIONS = ("auto", "32-true", "16-mixed", "bf16-mixed")
+
+
+def _choice(trainer_cfg: dict, key: str, supported: tuple[str, ...]) -> str:
+    value = str(trainer_cfg.get(key, "auto"))
+    if value not in supported:
+        raise ConfigError(f"--{key} {value!r} (trainer.{key}): not supported; use one of {', '.join(supported)}")
+    return value
+
+
 def _precision(trainer_cfg: dict) -> str:
     """``auto``: mixed precision on CUDA (bf16 where supported), full float32 elsewhere."""
-    precision = str(trainer_cfg.get("precision", "auto"))
+    precision = _choice(trainer_cfg, "precision", PRECISIONS)
     if precision != "auto":
         return precision
     on_cuda = torch.cuda.is_available() and trainer_cfg.get("accelerator", "auto") in ("auto", "gpu", "cuda")
@@ -57,6 +74,14 @@ def _limit(trainer_cfg: dict, key: str) -> int | None:
     return value
 
 
+def check_trainer_config(trainer_cfg: dict) -> None:
+    """Refuse, before any work, a ``trainer`` section these runs cannot execute: an unsupported
+    strategy or precision, more CPU processes than cores (one line each)."""
+    _choice(trainer_cfg, "strategy", STRATEGIES)
+    _choice(trainer_cfg, "precision", PRECISIONS)
+    check_cpu_processes(trainer_cfg.get("accelerator", "auto"), trainer_cfg.get("devices", "auto"))
+
+
 def build_trainer(trainer_cfg: dict, output: Path, callbacks: list | None = None, loggers: list | None = None) -> L.Trainer:
     """A ``lightning.Trainer`` from the ``trainer`` config section; ``accelerator``, ``devices``,
     ``num_nodes`` and ``strategy`` pass straight through, so ``strategy: ddp`` with several
@@ -68,14 +93,14 @@ def build_trainer(trainer_cfg: dict, output: Path, callbacks: list | None = None
     enabled, counts steps when training by steps (:class:`StepProgressBar`).
     """
     max_steps, max_epochs = _limit(trainer_cfg, "max_steps"), _limit(trainer_cfg, "max_epochs")
-    check_cpu_processes(trainer_cfg.get("accelerator", "auto"), trainer_cfg.get("devices", "auto"))
+    check_trainer_config(trainer_cfg)
     progress_bar = bool(trainer_cfg.get("progress_bar", True))
     return L.Trainer(
         default_root_dir=output,
         accelerator=trainer_cfg.get("accelerator", "auto"),
         devices=trainer_cfg.get("devices", "auto"),
         num_nodes=trainer_cfg.get("num_nodes", 1),
-        strategy=trainer_cfg.get("strategy", "auto"),
+        strategy=_choice(trainer_cfg, "strategy", STRATEGIES),
         precision=_precision(trainer_cfg),
         max_steps=max_steps or -1,
         max_epochs=max_epochs or (None if max_steps else 100),
@@ -109,6 +134,8 @@ def fit(module: L.LightningModule, datamodule: L.LightningDataModule, output: st
     last = output / "last.ckpt"
     if resume and not last.is_file():
         raise InputError(f"{last}: no checkpoint to resume from")
+    if resume:
+        _check_resumable(last, module)
     remove_stale_temporaries(output)
     best_checkpoint = ModelCheckpoint(
         dirpath=output,
@@ -133,6 +160,31 @@ def fit(module: L.LightningModule, datamodule: L.LightningDataModule, output: st
     if module.summary is None:  # resumed at or past its step limit: no step trained, none validated
         trainer.validate(module, datamodule=datamodule, verbose=False)
     return module.summary
+
+
+#: the hyper-parameters that shape a network's weights: a checkpoint resumes only into the same
+_SHAPES_WEIGHTS = ("task", "network", "spatial_dims", "in_channels", "label_names")
+
+
+def _describe(config: dict) -> str:
+    network = config.get("network") if isinstance(config.get("network"), dict) else {}
+    model = network.get("variant") or network.get("monai") or "a custom model"
+    return f"task {config.get('task')}, model {model} ({config.get('spatial_dims')}D, {len(config.get('label_names') or [])} labels)"
+
+
+def _check_resumable(last: Path, module: L.LightningModule) -> None:
+    """Refuse to resume from a checkpoint of another task or network (its weights would not fit:
+    Lightning's ``size mismatch`` traceback), naming the folder and both sides. A checkpoint that
+    cannot be read is left to the restore, which names the damage."""
+    try:
+        saved = read_hparams(last)
+    except DataError:
+        return
+    wanted = module.config
+    differ = [key for key in _SHAPES_WEIGHTS if not isinstance(saved, dict) or saved.get(key) != wanted.get(key)]
+    if differ:
+        raise InputError(f"--resume: {last.parent} holds a run of {_describe(saved if isinstance(saved, dict) else {})}, this run asks for "
+                         f"{_describe(wanted)} ({', '.join(differ)} differ); give another --output, or the run's own task and model")
 
 
 def evaluate(module: L.LightningModule, datamodule: L.LightningDataModule, trainer_cfg: dict, output: str | Path) -> dict:
