@@ -131,15 +131,19 @@ def test_counts_dice_iou_equal_nnunet_on_random_label_maps():
 # --- distances
 
 @pytest.mark.filterwarnings("ignore:.*always_return_as_numpy:FutureWarning")  # inside MONAI 1.5-1.6
-def test_hd95_equals_monai_at_the_original_spacing():
+@pytest.mark.parametrize("centre", [(16, 18, 20), (2, 30, 40)], ids=["inside", "at the image border"])
+def test_distances_equal_monai_at_the_original_spacing(centre):
+    """HD95 and NSD on the masks cropped around both equal MONAI's on the whole volume."""
     shape = (48, 40, 14)
-    ref = _ball(shape, SPACING, (16, 18, 20), 9.0)
-    pred = _ball(shape, SPACING, (18, 17, 22), 10.0) & ~_ball(shape, SPACING, (12, 14, 20), 3.0)
-    expected = compute_hausdorff_distance(torch.from_numpy(pred)[None, None].float(), torch.from_numpy(ref)[None, None].float(),
-                                          include_background=True, percentile=95, spacing=list(SPACING))
-    got = class_metrics(ref, pred, SPACING, 2.0)["HD95"]
-    assert got == pytest.approx(float(expected[0, 0]), abs=1e-4)
-    assert got != pytest.approx(class_metrics(ref, pred, (1.0, 1.0, 1.0), 2.0)["HD95"], abs=0.1)  # the spacing matters
+    ref = _ball(shape, SPACING, centre, 9.0)
+    pred = _ball(shape, SPACING, np.add(centre, (2, -1, 2)), 10.0) & ~_ball(shape, SPACING, np.add(centre, (-4, -4, 0)), 3.0)
+    t = lambda a: torch.from_numpy(a).float()[None, None]  # noqa: E731
+    hd95 = compute_hausdorff_distance(t(pred), t(ref), include_background=True, percentile=95, spacing=list(SPACING))
+    nsd = compute_surface_dice(t(pred), t(ref), [2.0], include_background=True, spacing=list(SPACING), use_subvoxels=True)
+    got = class_metrics(ref, pred, SPACING, 2.0)
+    assert got["HD95"] == pytest.approx(float(hd95[0, 0]), abs=1e-4)
+    assert got["NSD"] == pytest.approx(float(nsd[0, 0]), abs=1e-6)
+    assert got["HD95"] != pytest.approx(class_metrics(ref, pred, (1.0, 1.0, 1.0), 2.0)["HD95"], abs=0.1)  # the spacing matters
 
 
 @pytest.mark.parametrize("spacing", [(0.5, 0.5, 0.5), (0.5, 0.5, 1.0)])
