@@ -15,6 +15,7 @@ import time
 import warnings
 from pathlib import Path
 
+from hsmla_med.config import task_config
 from hsmla_med.pipelines import TASKS, get_task
 
 __all__ = ["main", "build_parser"]
@@ -75,7 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks for input errors too")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("train", help="train a network on a task", description="Train with Lightning; writes last.ckpt, best.ckpt (best mean Dice), metrics.json, metrics.csv, logs/ and training_curve.png into --output.")
+    tasks = {name: get_task(name) for name in TASKS}
+    monitors = ", ".join(f"{n} {t.module_class.monitor}" for n, t in tasks.items())
+    p = sub.add_parser("train", help="train a network on a task", description="Train with Lightning; writes last.ckpt, best.ckpt (highest "
+                       f"validation score: {monitors}), metrics.json, metrics.csv, logs/ and training_curve.png into --output.")
     _add_task_options(p)
     p.add_argument("--model", help="b0 | b1 | b2 | a model YAML (config: model)")
     p.add_argument("--mode", choices=["2d", "3d"], help="2d: axial slices; 3d: patches (config: mode)")
@@ -87,20 +91,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="random seed (config: seed)")
     _add_trainer_options(p)
 
-    tasks = {name: get_task(name) for name in TASKS}
     p = sub.add_parser("infer", help="run a checkpoint on new inputs", description="Run a checkpoint on new inputs. " + "; ".join(f"{n}: {t.outputs}" for n, t in tasks.items()) + ".")
     _add_task_options(p, data=False)
     p.add_argument("--checkpoint", required=True, help="a checkpoint written by train (best.ckpt or last.ckpt), or a network of hsmla-med export: model.ts or a bundle folder")
     p.add_argument("--input", required=True, help="a file or a folder: " + "; ".join(f"{t.inputs} ({n})" for n, t in tasks.items()))
     p.add_argument("--output", required=True, help="folder for the predictions")
     p.add_argument("--tta", action="store_true", help="mirroring test-time augmentation")
-    p.add_argument("--overlap", type=float, help="sliding-window overlap in [0, 1) (default: the checkpoint's, 0.5)")
+    overlaps = ", ".join(f"{n} {c['inference']['overlap']}" for n in TASKS if "overlap" in (c := task_config(n))["inference"])
+    p.add_argument("--overlap", type=float, help=f"sliding-window overlap in [0, 1) (default: the checkpoint's; as trained by default: {overlaps})")
     p.add_argument("--crop", choices=["auto", "none"], default="auto", help="endovis: auto crops frames of the challenge's raw size as in training and uses other sizes whole; none never crops")
     p.add_argument("--save-probabilities", action="store_true", help="btcv: also write OUTPUT/<case>.npz, the class probabilities (float16) in the input's grid")
     _add_prediction_options(p)
 
     p = sub.add_parser("evaluate", help="metrics of a checkpoint on a dataset's validation cases, or of any folder of predicted label maps",
-                       description="Dice and HD95 of a checkpoint (--task, --checkpoint) on the validation cases; writes OUTPUT/metrics.json. "
+                       description="The task's validation metrics of a checkpoint (--task, --checkpoint) on the validation cases (btcv: Dice "
+                       "and HD95 per class; endovis: Dice and IoU per frame; camelyon16: slide AUC, patch AUC and lesion FROC; luna16: FROC "
+                       "sensitivities and CPM); writes OUTPUT/metrics.json. "
                        "Or, with --predictions DIR --labels DIR, scores label maps from any tool (ours, nnU-Net's, MONAI's) against the "
                        "reference label maps of the same file names, as nnU-Net's compute_metrics_on_folder does, plus HD95 and NSD in mm "
                        "and bootstrap 95%% intervals; writes summary.json and metrics_per_case.csv into --output (default: DIR).")
@@ -125,14 +131,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="export a checkpoint's network: ONNX, TorchScript or a MONAI Bundle",
                        description="Export the network of a checkpoint for deployment (docs/deployment.md): --format onnx writes OUTPUT/model.onnx "
-                       "(opset 18, batch axis dynamic), torchscript OUTPUT/model.ts (traced; hsmla-med infer --checkpoint takes it), bundle a MONAI "
-                       "Bundle in OUTPUT (configs/, models/model.ts, models/model.pt, docs/README.md; tasks btcv and endovis). The spatial size is "
-                       "fixed: the checkpoint's sliding-window size unless --input-size. Each graph is checked against the PyTorch network "
+                       "(opset 18), torchscript OUTPUT/model.ts (traced; hsmla-med infer --checkpoint takes it), bundle a MONAI "
+                       "Bundle in OUTPUT (configs/, models/model.ts, models/model.pt, docs/README.md; tasks btcv and endovis). The batch axis is "
+                       "dynamic, and so are ONNX's spatial axes (traced at the checkpoint's sliding-window size or --input-size; export.json "
+                       "records the range proven); TorchScript keeps the size it was traced at. Each graph is checked against the PyTorch network "
                        "(max |logit difference| <= 1e-4) before it is written; OUTPUT/export.json records the figures.")
     p.add_argument("--checkpoint", required=True, help="a checkpoint written by train (best.ckpt or last.ckpt)")
     p.add_argument("--format", required=True, choices=["onnx", "torchscript", "bundle"], help="onnx | torchscript | bundle")
     p.add_argument("--output", required=True, help="folder for the exported files")
-    p.add_argument("--input-size", type=int, nargs="+", metavar="N", help="spatial size of the exported graph, H W (2D) or H W D (3D); default: the checkpoint's sliding-window size")
+    p.add_argument("--input-size", type=int, nargs="+", metavar="N", help="spatial size the graph is traced at (TorchScript's fixed size), H W (2D) or H W D (3D); default: the checkpoint's sliding-window size")
 
     # its options are the benchmark's own (hsmla-med bench --help), passed through unparsed
     sub.add_parser("bench", help="benchmarks of HSMLA networks vs SegFormer, SwinUNETR and UNet (CPU; --only gpu on a CUDA GPU)", add_help=False)

@@ -4,6 +4,8 @@ no traceback; help documents the commands."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import nibabel as nib
 import numpy as np
@@ -19,15 +21,74 @@ def _train(tmp_path, data, *extra):
             "--max-steps", "1", "--output", str(tmp_path / "run"), *extra]
 
 
-def test_help_lists_commands(capsys):
-    with pytest.raises(SystemExit):
-        main(["--help"])
-    out = capsys.readouterr().out
-    assert all(cmd in out for cmd in ("train", "infer", "evaluate", "bench", "demo"))
-    with pytest.raises(SystemExit):
-        main(["train", "--help"])
-    out = capsys.readouterr().out
-    assert all(opt in out for opt in ("--data-dir", "--config", "--model", "--max-steps", "--resume", "--strategy", "--devices"))
+def _subparsers() -> dict:
+    from hsmla_med.cli import build_parser
+
+    action = next(a for a in build_parser()._actions if a.dest == "command")
+    return action.choices
+
+
+def _readme_commands() -> list[str]:
+    """The usage lines of README's "Command line" block, continuation lines joined, comments cut."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = text.split("## Command line", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    commands: list[str] = []
+    for line in block.splitlines():
+        line = line.split("  #", 1)[0]
+        if line.startswith("hsmla-med "):
+            commands.append(line)
+        elif line.strip():
+            commands[-1] += " " + line.strip()
+    return commands
+
+
+def _help(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_readme_usage_is_what_the_parser_accepts(capsys):
+    """Every option README's usage lists is one of its command's, with the same choices (the
+    list of bench tables missed 'processes')."""
+    parsers, commands = _subparsers(), _readme_commands()
+    assert {c.split()[1] for c in commands} == set(parsers)
+    bench_help = _help(capsys, ["bench", "--help"])
+    for line in commands:
+        name = line.split()[1]
+        if name == "bench":
+            options = {m: None for m in re.findall(r"--[a-z][a-z0-9-]*", bench_help)}
+            options["--only"] = re.search(r"--only \{([^}]*)\}", bench_help).group(1).split(",")
+        else:
+            options = {o: a.choices for a in parsers[name]._actions for o in a.option_strings}
+        for option in re.findall(r"--[a-z][a-z0-9-]*", line):
+            assert option in options, f"README: hsmla-med {name} {option} is not an option of {name}"
+        for option, values in re.findall(r"(--[a-z][a-z0-9-]*) ([a-z0-9]+(?:\|[a-z0-9]+)+)", line):
+            if options[option] is not None:  # b0|b1|b2|M.yaml and 2d|3d are free values
+                assert sorted(values.split("|")) == sorted(options[option]), f"README: {name} {option} {values}"
+
+
+def test_help_says_what_the_code_does(capsys):
+    from hsmla_med.config import task_config
+    from hsmla_med.engine.run import PRECISIONS, STRATEGIES
+    from hsmla_med.pipelines import TASKS, get_task
+
+    assert all(cmd in _help(capsys, ["--help"]) for cmd in _subparsers())
+    flat = lambda text: " ".join(text.split())  # noqa: E731 - argparse wraps lines
+    train, evaluate, infer = (flat(_help(capsys, [c, "--help"])) for c in ("train", "evaluate", "infer"))
+    monitors = {name: get_task(name).module_class.monitor for name in TASKS}
+    # best.ckpt follows each task's own monitor, and evaluate promises each task's metric
+    assert f"best.ckpt (highest validation score: {', '.join(f'{n} {m}' for n, m in monitors.items())})" in train
+    assert all(m.lower() in evaluate.lower().split(f"{n}:")[1].split(";")[0] for n, m in monitors.items())
+    # the overlap each task trains with by default
+    for name in TASKS:
+        overlap = task_config(name)["inference"].get("overlap")
+        assert (f"{name} {overlap}" in infer) == (overlap is not None), name
+    # the strategies and precisions that train accepts
+    assert f"--strategy STRATEGY {' | '.join(STRATEGIES)}:" in train and f"--precision PRECISION {' | '.join(PRECISIONS)}" in train
+    for option, value in (("--strategy", "ddp"), ("--precision", "bf16-mixed")):
+        assert getattr(_subparsers()["train"].parse_args(["--task", "btcv", option, value]), option[2:]) == value
 
 
 def test_unknown_task_and_model(capsys, tmp_path, dataset):
