@@ -8,27 +8,17 @@ the generic engine's (:mod:`hsmla_med.engine`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from functools import partial
-from operator import lt, ne
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import nibabel as nib
 import numpy as np
 import torch
-from monai.transforms import (
-    Compose,
-    CropForegroundd,
-    EnsureTyped,
-    NormalizeIntensityd,
-    Orientationd,
-    ScaleIntensityRanged,
-    Spacingd,
-)
+from monai.bundle import ConfigParser
+from monai.transforms import Compose
 
 from hsmla_med.data.checks import CheckCased, LoadCased
 from hsmla_med.data.datalist import Datalist, case_name, load_datalist, read_header
-from hsmla_med.data.intensity import ForegroundPercentiled, ForegroundZScored, otsu_foreground
 from hsmla_med.data.synthetic.btcv import generate_btcv
 from hsmla_med.data.volume_crops import crop_and_augment, roi_size, spatial_dims
 from hsmla_med.engine.base import hparams
@@ -39,14 +29,19 @@ from hsmla_med.inference.geometry import invert
 from hsmla_med.io import atomic_path, is_temporary
 from hsmla_med.pipelines.task import InferenceOptions, Task, input_files, predict_cases, synthetic_root
 
-__all__ = ["TASK", "datalist", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer"]
+__all__ = ["TASK", "datalist", "check_config", "preprocessing_items", "UNCROPPED_BACKGROUND", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer"]
 
 OTSU_MARGIN = 2  # voxels around the Otsu foreground that the crop keeps
+# The background's probability outside the foreground crop. Subtracted from it before the
+# inverse transforms and added back after, so that the voxels the crop cut off, which its
+# inverse pads with 0, come back as this value. The exported bundle does the same around Invertd.
+UNCROPPED_BACKGROUND = 1.0
 
 
 def datalist(config: dict) -> Datalist:
     """The dataset of ``config["data"]``: the user's folder, or the synthetic default (generated
     once into ``cache_dir`` in BTCV's on-disk format, and logged as synthetic)."""
+    check_config(config)  # the first step of train and evaluate: bad values end here, before any data work
     data = config["data"]
     if data["data_dir"]:
         return load_datalist(data["data_dir"], data["dataset_json"], data["validation_fraction"], config["seed"])
@@ -56,43 +51,78 @@ def datalist(config: dict) -> Datalist:
     return load_datalist(root, seed=config["seed"])
 
 
-def _intensity(data: dict, keys: list[str]) -> tuple[CropForegroundd, Callable]:
+def check_config(config: dict) -> None:
+    """Refuse preprocessing and window values that cannot train (a reversed CT window, windows
+    too small: :func:`preprocessing_items`, :func:`~hsmla_med.data.volume_crops.roi_size`) with
+    a :class:`ConfigError` naming the option, before any data is read or generated."""
+    preprocessing_items(config["data"])
+    roi_size(config)
+
+
+def _intensity_items(data: dict, keys: list[str]) -> tuple[dict, dict]:
     """The foreground crop, on the raw (resampled) intensities, and the normalisation of
-    ``data.intensity``. The crop comes first because a normalised image has no fixed background
-    value: after a z-score, MONAI's default ``x > 0`` would keep only the above-mean voxels."""
+    ``data.intensity``, as config items. The crop comes first because a normalised image has no
+    fixed background value: after a z-score, MONAI's default ``x > 0`` would keep only the
+    above-mean voxels. The crop's ``select_fn`` is a ``functools.partial`` or a module function,
+    not a lambda, so that the transforms pickle into DataLoader workers and DDP processes."""
     spec = data["intensity"]
     kind = spec["kind"]
-    crop = partial(CropForegroundd, keys, source_key="image", allow_smaller=True)
+    crop = {"_target_": "CropForegroundd", "keys": keys, "source_key": "image", "allow_smaller": True}
     if kind == "ct_window":
+        a_min, a_max = spec["a_min"], spec["a_max"]
+        if not a_min < a_max:  # ScaleIntensityRange would invert the image without a word
+            raise ConfigError(f"data.intensity.a_min and a_max must be a CT window with a_min < a_max (HU), got {a_min!r} and {a_max!r}")
         # a_min < HU is exactly "windowed > 0": the CT crop is the one it always was
-        return crop(select_fn=partial(lt, spec["a_min"])), ScaleIntensityRanged("image", a_min=spec["a_min"], a_max=spec["a_max"], b_min=0.0, b_max=1.0, clip=True)
+        crop["select_fn"] = f"$functools.partial(operator.lt, {float(a_min)!r})"
+        return crop, {"_target_": "ScaleIntensityRanged", "keys": "image", "a_min": float(a_min), "a_max": float(a_max), "b_min": 0.0, "b_max": 1.0, "clip": True}
     if kind == "zscore":
-        return crop(select_fn=partial(ne, 0)), NormalizeIntensityd("image", nonzero=True, channel_wise=True)
+        crop["select_fn"] = "$functools.partial(operator.ne, 0)"
+        return crop, {"_target_": "NormalizeIntensityd", "keys": "image", "nonzero": True, "channel_wise": True}
     # Otsu kinds: a margin keeps the partial-volume rim, darker than the threshold, in the crop
+    crop.update(select_fn="$otsu_foreground", margin=OTSU_MARGIN)  # imported by preprocessing_items
     if kind == "zscore_foreground":
-        return crop(select_fn=otsu_foreground, margin=OTSU_MARGIN), ForegroundZScored("image")
+        return crop, {"_target_": "hsmla_med.data.intensity.ForegroundZScored", "keys": "image"}
     if kind == "percentile":
         lower, upper = spec["lower"], spec["upper"]
         if not 0 <= lower < upper <= 100:
             raise ConfigError(f"data.intensity.lower and upper must be percentiles with 0 <= lower < upper <= 100, got {lower!r} and {upper!r}")
-        return crop(select_fn=otsu_foreground, margin=OTSU_MARGIN), ForegroundPercentiled("image", lower, upper)
+        return crop, {"_target_": "hsmla_med.data.intensity.ForegroundPercentiled", "keys": "image", "lower": lower, "upper": upper}
     raise ConfigError(f"data.intensity.kind must be one of ct_window, zscore, zscore_foreground, percentile, got {kind!r}")
 
 
-def preprocessing(data: dict, in_channels: int, num_classes: int, keys: Sequence[str] = ("image", "label")) -> list:
-    """Load, check, RAS orientation, resampling, foreground crop, intensity normalisation, as
-    the ``data`` section (of a task config or a checkpoint: ``spacing``, ``intensity``) says."""
+def preprocessing_items(data: dict, keys: Sequence[str] = ("image",)) -> tuple[list[str], list[dict]]:
+    """The one definition of BTCV's preprocessing after loading: RAS orientation, resampling,
+    foreground crop, intensity normalisation, as the ``data`` section (of a task config or a
+    checkpoint: ``spacing``, ``intensity``) says, written as MONAI bundle config items. Training
+    and ``infer`` instantiate them (:func:`preprocessing`), ``export --format bundle`` writes
+    them into the bundle's ``configs/inference.json``. Returns the imports their expressions need
+    and the items."""
     keys = list(keys)
-    interp = ["bilinear" if k == "image" else "nearest" for k in keys]
-    crop, normalise = _intensity(data, keys)
-    return [
-        LoadCased(keys, ensure_channel_first=True, image_only=True),
-        CheckCased(in_channels, num_classes),
-        Orientationd(keys, axcodes="RAS", labels=(("L", "R"), ("P", "A"), ("I", "S"))),  # NIfTI world: RAS+
-        Spacingd(keys, pixdim=data["spacing"], mode=interp, dtype=torch.float32),
+    crop, normalise = _intensity_items(data, keys)
+    imports = ["$import functools", "$import operator", "$import torch"]
+    if crop["select_fn"] == "$otsu_foreground":
+        # "$import a.b.c" would bind the name "a.b.c" in MONAI's ConfigParser, which no expression can use
+        imports.append("$from hsmla_med.data.intensity import otsu_foreground")
+    return imports, [
+        {"_target_": "Orientationd", "keys": keys, "axcodes": "RAS", "labels": [["L", "R"], ["P", "A"], ["I", "S"]]},  # NIfTI world: RAS+
+        {"_target_": "Spacingd", "keys": keys, "pixdim": list(data["spacing"]), "mode": ["bilinear" if k == "image" else "nearest" for k in keys],
+         "dtype": "$torch.float32"},
         crop,
         normalise,
-        EnsureTyped(keys, dtype=[torch.float32 if k == "image" else torch.int64 for k in keys], track_meta=True),
+        {"_target_": "EnsureTyped", "keys": keys, "dtype": ["$torch.float32" if k == "image" else "$torch.int64" for k in keys], "track_meta": True},
+    ]
+
+
+def preprocessing(data: dict, in_channels: int, num_classes: int, keys: Sequence[str] = ("image", "label")) -> list:
+    """Load, check, then :func:`preprocessing_items` instantiated by MONAI's ``ConfigParser``
+    (the parser the bundle runs under)."""
+    imports, items = preprocessing_items(data, keys)
+    parser = ConfigParser({"imports": imports, "preprocessing": items})
+    parser.get_parsed_content("imports")  # the modules the items' expressions name
+    return [
+        LoadCased(list(keys), ensure_channel_first=True, image_only=True),
+        CheckCased(in_channels, num_classes),
+        *parser.get_parsed_content("preprocessing"),
     ]
 
 
@@ -147,9 +177,12 @@ def infer(
     inference = options.apply(cfg["inference"])
     pre = Compose(preprocessing(cfg["data"], cfg["in_channels"], len(module.label_names), keys=("image",)))
     output = Path(output)
+    files = input_files(inputs, _nifti_files)
+    for f in files:
+        read_header(f)  # an unreadable header or an affine that places no voxel: one line, before any work
     items = [
         {"name": case_name(f), "image": str(f), "source": str(f), "output": output / f"{case_name(f)}.nii.gz", "inference": inference}
-        for f in input_files(inputs, _nifti_files)
+        for f in files
     ]
 
     def write(case: dict) -> list[Path]:
@@ -177,10 +210,15 @@ def labels_in_input_geometry(case: dict, transform: Compose, probabilities: bool
     instead of one per class (a 512 x 512 x 300 CT with 14 classes: 0.6 GB instead of 4.4 GB).
     Ties go to the lower class, as ``argmax``. With ``probabilities`` also every class's
     probability there, float16 ``(classes, *shape)``.
+
+    Outside the foreground crop the background's probability is 1 and every other class's 0, as
+    nnU-Net writes them: the crop's inverse pads with 0, so the background goes back shifted by
+    :data:`UNCROPPED_BACKGROUND` (resampling and flips are linear: the shift passes through them).
     """
     best = labels = stack = None
     for c, p in enumerate(case["probs"]):
-        p = invert(p[None], case["image"], transform)[0]
+        shift = UNCROPPED_BACKGROUND if c == 0 else 0.0
+        p = invert(p[None] - shift, case["image"], transform)[0] + shift
         if probabilities:
             if stack is None:
                 stack = np.empty((len(case["probs"]), *p.shape), np.float16)
@@ -193,13 +231,25 @@ def labels_in_input_geometry(case: dict, transform: Compose, probabilities: bool
     return labels.numpy(), stack
 
 
+# The header fields that place the voxels in the world: qform (quaternion, offsets, voxel sizes,
+# qfac in pixdim[0]) and sform (three rows), each with its code, and the units.
+_GEOMETRY_FIELDS = ("quatern_b", "quatern_c", "quatern_d", "qoffset_x", "qoffset_y", "qoffset_z",
+                    "srow_x", "srow_y", "srow_z", "qform_code", "sform_code", "xyzt_units")
+
+
 def write_labels(path: Path, labels: np.ndarray, reference: Path) -> Path:
-    """Write a uint8 label volume with the reference image's affine and q/s-form codes, atomically."""
-    ref = nib.load(str(reference))
-    img = nib.Nifti1Image(labels, ref.affine)
-    img.set_qform(ref.header.get_qform(), code=int(ref.header["qform_code"]) or 1)
-    img.set_sform(ref.header.get_sform(), code=int(ref.header["sform_code"]) or 1)
-    img.header.set_xyzt_units(*ref.header.get_xyzt_units())
+    """Write a uint8 label volume in the reference image's geometry, atomically: its qform and
+    sform matrices and codes are copied field by field, so a form whose code is 0 (unknown) stays
+    undeclared and a code 2 (aligned) stays 2, and every reader picks the same affine for both
+    files (nibabel: sform if its code is set, else qform, else the voxel sizes alone)."""
+    ref = nib.load(str(reference)).header
+    img = nib.Nifti1Image(labels, None)  # no affine: the header's fields below are kept on save
+    header = img.header
+    for name in _GEOMETRY_FIELDS:
+        header[name] = ref[name]
+    pixdim = header["pixdim"].copy()
+    pixdim[:4] = ref["pixdim"][:4]  # qfac and voxel sizes; the time step of a 4D input is not ours
+    header["pixdim"] = pixdim
     with atomic_path(path) as tmp:
         nib.save(img, str(tmp))
     return path

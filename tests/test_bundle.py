@@ -57,12 +57,17 @@ def _verify(bundle, tmp_path):
     verify_metadata(meta_file=meta, filepath=str(schema))
 
 
-def test_btcv_bundle_matches_infer(tmp_path):
+@pytest.mark.parametrize("kind", ["ct_window", "percentile"])
+def test_btcv_bundle_matches_infer(tmp_path, kind):
+    # percentile: an Otsu kind, whose crop names hsmla_med's otsu_foreground in the bundle (the
+    # former "$import hsmla_med.data.intensity" bound no usable name in MONAI's parser)
     import nibabel as nib
 
     from hsmla_med.cli import main
 
-    path, _ = checkpoint(tmp_path / "btcv.ckpt", "btcv", tiny_config(tmp_path, tmp_path / "run"), ["background", "a", "b"])
+    config = tiny_config(tmp_path, tmp_path / "run")
+    config["data"]["intensity"]["kind"] = kind
+    path, _ = checkpoint(tmp_path / "btcv.ckpt", "btcv", config, ["background", "a", "b"])
     flipped = np.diag([-1.2, 1.5, 2.5, 1.0])
     flipped[:3, 3] = [10.0, -5.0, 3.0]
     data = make_dataset(tmp_path / "data", cases=2, shape=(41, 35, 7), affines=[np.diag([1.5, 1.5, 2.0, 1.0]), flipped]) / "imagesTr"

@@ -154,3 +154,60 @@ def test_infer_keeps_shape_affine_and_voxels(tmp_path, name):
     # resampled to 1.5 x 1.5 x 2 mm and back: only voxels at the region's edge may differ
     assert (labels == bright).mean() > 0.95
     assert not list(tmp_path.glob("pred/.*tmp*"))
+
+
+@pytest.mark.parametrize("name", ["RAS", "LAS", "LPS-anisotropic"])
+def test_probabilities_outside_the_foreground_crop_are_background(tmp_path, name):
+    # air (-1000 HU, below the crop threshold a_min = -175) around a body box: the foreground
+    # crop really cuts, and nnU-Net's rule holds there: background 1, every other class 0
+    shape = (40, 34, 8)
+    x, y, z = np.meshgrid(*(np.arange(s) for s in shape), indexing="ij")
+    body = (x >= 10) & (x < 30) & (y >= 8) & (y < 26)
+    image = np.where(body, np.where((x > 14) & (x < 24) & (y > 10), 200.0, -100.0), -1000.0)
+    src = write_nifti(tmp_path / f"{name}.nii.gz", image.astype(np.float32), GEOMETRIES[name])
+    options = InferenceOptions(progress=lambda _: None, save_probabilities=True)
+    btcv.infer(_oracle_module(tmp_path), src, tmp_path / "pred", options)
+    probs = np.load(tmp_path / "pred" / f"{name}.npz")["probabilities"].astype(np.float32)
+    assert probs.shape == (2, *shape)
+    # the crop box and the voxels that resampling to 1.5 x 1.5 x 2 mm and back blends with it
+    near = (x >= 7) & (x < 33) & (y >= 5) & (y < 29)
+    np.testing.assert_array_equal(probs[0][~near], 1.0)
+    np.testing.assert_array_equal(probs[1][~near], 0.0)
+    np.testing.assert_allclose(probs.sum(0), 1.0, atol=2e-3)  # float16 output
+    labels = np.asanyarray(nib.load(str(tmp_path / "pred" / f"{name}.nii.gz")).dataobj)
+    np.testing.assert_array_equal(labels, probs.argmax(0))
+
+
+def _with_codes(path, image, affine, qform_code, sform_code):
+    """A NIfTI whose qform and sform hold different matrices (the sform shifted by 7 mm), with
+    the given codes, written as a scanner would: the header's fields, not nibabel's defaults."""
+    img = nib.Nifti1Image(image, None)
+    img.header.set_qform(affine, code=qform_code)
+    shifted = affine.copy()
+    shifted[:3, 3] += 7.0
+    img.header.set_sform(shifted, code=sform_code)
+    img.header.set_xyzt_units("mm")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nib.save(img, str(path))
+    return path
+
+
+@pytest.mark.parametrize("qform_code, sform_code", [(0, 0), (1, 0), (0, 1), (0, 2), (2, 0), (1, 2), (2, 1)])
+def test_labels_keep_the_input_header_codes_and_forms(tmp_path, qform_code, sform_code):
+    # a code 0 means "this form is not valid": the output must not declare it valid (issue 26:
+    # codes were forced to 1), and nibabel must read the same affine from both files
+    shape = (37, 29, 7)
+    rng = np.random.default_rng(2)
+    image = np.where(rng.random(shape) > 0.5, 200.0, -100.0).astype(np.float32)
+    src = _with_codes(tmp_path / "case.nii.gz", image, GEOMETRIES["LAS"], qform_code, sform_code)
+    [out] = btcv.infer(_oracle_module(tmp_path), src, tmp_path / "pred", InferenceOptions(progress=lambda _: None))
+    ref, pred = nib.load(str(src)), nib.load(str(out))
+    assert (int(pred.header["qform_code"]), int(pred.header["sform_code"])) == (qform_code, sform_code)
+    for form in ("get_qform", "get_sform"):
+        # the matrix whatever its code, and (matrix or None, code) as nibabel reads it
+        np.testing.assert_allclose(getattr(pred.header, form)(), getattr(ref.header, form)(), atol=1e-6)
+        (got, got_code), (want, want_code) = getattr(pred.header, form)(coded=True), getattr(ref.header, form)(coded=True)
+        assert got_code == want_code and (got is None) == (want is None), form
+    np.testing.assert_allclose(pred.affine, ref.affine, atol=1e-6)
+    assert pred.header.get_zooms()[:3] == ref.header.get_zooms()[:3]
+    assert pred.shape == shape and pred.get_data_dtype() == np.uint8

@@ -8,9 +8,10 @@ Three layouts describe the same thing, a list of image/label pairs and the label
 - nnU-Net v2 (``labels`` ``{"background": 0, ...}``, no lists: ``imagesTr/CASE_0000.nii.gz``
   pairs with ``labelsTr/CASE.nii.gz``).
 
-:func:`load_datalist` reads either into one :class:`Datalist`, checks that every file exists and
-that each image and label agree in shape and affine (headers only, so it is cheap), and raises a
-:class:`~hsmla_med.errors.DataError` naming the file otherwise.
+:func:`load_datalist` reads either into one :class:`Datalist` (the lists through MONAI's
+``load_decathlon_datalist``), checks that every file exists, that each affine places voxels
+(finite, no zero spacing) and that each image and label agree in shape and affine (headers only,
+so it is cheap), and raises a :class:`~hsmla_med.errors.DataError` naming the file otherwise.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ from pathlib import Path
 
 import nibabel as nib
 import numpy as np
-from monai.data import partition_dataset
+from monai.data import load_decathlon_datalist, partition_dataset
 
 from hsmla_med.errors import DataError
 
-__all__ = ["Datalist", "load_datalist", "find_dataset_json", "read_json", "read_header", "case_name", "check_pair", "split_cases"]
+__all__ = ["Datalist", "load_datalist", "find_dataset_json", "read_json", "read_header", "check_affine", "case_name", "check_pair", "split_cases"]
 
 _JSON_NAMES = ("dataset.json", "dataset_0.json")
 _NIFTI = re.compile(r"\.nii(\.gz)?$")
@@ -131,24 +132,44 @@ def _label_names(labels, path: Path) -> list[str]:
     return [by_value[i] for i in range(len(by_value))]
 
 
-def _resolve(data_dir: Path, entry, path: Path, keys: tuple[str, ...]) -> dict:
-    if isinstance(entry, str):
-        entry = {"image": entry}
-    if not isinstance(entry, dict) or any(k not in entry for k in keys):
-        raise DataError(f"{path}: each list entry needs {' and '.join(keys)}, got {entry!r}")
+def _entry_error(path: Path, key: str, fields: tuple[str, ...], entry) -> DataError:
+    return DataError(f"{path}: each '{key}' entry needs {' and '.join(fields)}, got {entry!r}")
+
+
+def _listed(data_dir: Path, path: Path, meta: dict, key: str, fields: tuple[str, ...]) -> list[dict]:
+    """The cases of the JSON's ``key`` list (``training``, ``validation``, ``test``), paths
+    resolved against ``data_dir`` by MONAI's ``load_decathlon_datalist`` (what MONAI's BTCV
+    tutorial reads ``dataset_0.json`` with), then checked here: MONAI passes entries of the
+    wrong shape through unchanged and never looks at the files."""
+    entries = meta.get(key) or []
+    if not isinstance(entries, list):
+        raise DataError(f"{path}: '{key}' must be a list")
+    if not entries:
+        return []
+    try:
+        resolved = load_decathlon_datalist(path, is_segmentation=True, data_list_key=key, base_dir=data_dir)
+    except TypeError:  # an entry that is not a mapping (MONAI's test lists may be plain paths)
+        raise _entry_error(path, key, fields, next(e for e in entries if not isinstance(e, dict))) from None
+    return [_checked(entry, original, path, key, fields) for entry, original in zip(resolved, entries)]
+
+
+def _checked(entry: dict, original, path: Path, key: str, fields: tuple[str, ...]) -> dict:
+    """One resolved entry as ``{field: existing file}``; ``original`` is the entry as written."""
+    written = original if isinstance(original, dict) else {"image": original}  # a test list's plain path
+    if any(k not in written for k in fields):
+        raise _entry_error(path, key, fields, original)
     case = {}
-    for key in keys:
-        value = entry[key]
+    for field_name in fields:
+        value, resolved = written[field_name], entry[field_name]
         if isinstance(value, list):  # MSD allows one file per modality; this project reads one
             if len(value) != 1:
-                raise DataError(f"{path}: multi-file {key} entries are not supported: {value!r}")
-            value = value[0]
+                raise DataError(f"{path}: multi-file {field_name} entries are not supported: {value!r}")
+            value, resolved = value[0], resolved[0]
         if not isinstance(value, str) or not value:
-            raise DataError(f"{path}: {key} entries must be file paths (strings), got {value!r}")
-        file = Path(value) if Path(value).is_absolute() else data_dir / value
-        if not file.is_file():
-            raise DataError(f"{file}: {key} file listed in {path.name} not found")
-        case[key] = str(file)
+            raise DataError(f"{path}: {field_name} entries must be file paths (strings), got {value!r}")
+        if not Path(resolved).is_file():
+            raise DataError(f"{resolved}: {field_name} file listed in {path.name} not found")
+        case[field_name] = resolved
     return case
 
 
@@ -167,14 +188,31 @@ def _pair_folders(data_dir: Path, path: Path) -> list[dict]:
 
 
 def read_header(path: str | Path) -> tuple[tuple[int, ...], np.ndarray]:
-    """Shape and affine of a NIfTI file from its header; :class:`DataError` if unreadable."""
+    """Shape and affine of a NIfTI file from its header; :class:`DataError` if unreadable or if
+    the affine cannot place voxels (:func:`check_affine`)."""
     try:
         img = nib.load(str(path))
-        return tuple(int(s) for s in img.shape), np.asarray(img.affine, dtype=np.float64)
+        shape, affine = tuple(int(s) for s in img.shape), np.asarray(img.affine, dtype=np.float64)
     except FileNotFoundError:
         raise DataError(f"{path}: file not found") from None
     except Exception as err:  # nibabel raises several types for truncated or foreign files
         raise DataError(f"{path}: cannot read as NIfTI ({err})") from None
+    check_affine(affine, path)
+    return shape, affine
+
+
+def check_affine(affine: np.ndarray, path: str | Path) -> None:
+    """Refuse an affine that maps no volume: NaN or infinite entries (resampling and the header
+    of the output fail on them: ``SVD did not converge``), a zero voxel spacing (a column of
+    zeros: resampling divides by it) or axes that are not independent."""
+    linear = np.asarray(affine, dtype=np.float64)[:3, :3]
+    if not np.isfinite(affine).all():
+        raise DataError(f"{path}: the header's affine (qform/sform) has NaN or infinite entries")
+    spacing = np.linalg.norm(linear, axis=0)
+    if (spacing == 0).any():
+        raise DataError(f"{path}: zero voxel spacing along axis {int(np.argmin(spacing))} in the header's affine (qform/sform), spacing {spacing.tolist()}")
+    if abs(np.linalg.det(linear / spacing)) < 1e-6:  # unit columns: a volume of 0 means parallel axes
+        raise DataError(f"{path}: the header's affine (qform/sform) is singular: its voxel axes are not independent")
 
 
 def check_pair(case: dict, atol: float = 1e-3) -> None:
@@ -209,14 +247,9 @@ def load_datalist(
         raise DataError(f"{path}: missing 'labels' (label value → name)")
     names = _label_names(meta["labels"], path)
     pair = ("image", "label")
-    if "training" in meta:
-        if not isinstance(meta["training"], list):
-            raise DataError(f"{path}: 'training' must be a list")
-        training = [_resolve(data_dir, e, path, pair) for e in meta["training"]]
-    else:
-        training = _pair_folders(data_dir, path)
-    validation = [_resolve(data_dir, e, path, pair) for e in meta.get("validation") or []]
-    test = [_resolve(data_dir, e, path, ("image",)) for e in meta.get("test") or []]
+    training = _listed(data_dir, path, meta, "training", pair) if "training" in meta else _pair_folders(data_dir, path)
+    validation = _listed(data_dir, path, meta, "validation", pair)
+    test = _listed(data_dir, path, meta, "test", ("image",))
     if not training:
         raise DataError(f"{path}: the dataset lists no training cases")
     if not validation:

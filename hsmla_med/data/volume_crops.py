@@ -18,10 +18,14 @@ from monai.transforms import (
 from hsmla_med.data.intensity import intensity_augmentations
 from hsmla_med.errors import ConfigError
 
-__all__ = ["MODES", "MRI_KINDS", "spatial_dims", "roi_size", "crop_and_augment"]
+__all__ = ["MODES", "MRI_KINDS", "MIN_ROI_SIDE", "spatial_dims", "roi_size", "crop_and_augment"]
 
 MODES = {"2d": 2, "3d": 3}
 MRI_KINDS = ("zscore", "zscore_foreground")  # data.intensity kinds that give tissue negative values
+# Smallest window side: below it the HSMLA networks' first attention stage (stride 16) holds one
+# token along that axis and MONAI networks of four stride-2 levels cannot concatenate their skips;
+# a 1 x 1 window trained, then ran sliding-window validation for hours (1024 windows per 32 x 32).
+MIN_ROI_SIDE = 16
 
 
 def spatial_dims(config: dict) -> int:
@@ -32,8 +36,18 @@ def spatial_dims(config: dict) -> int:
 
 
 def roi_size(config: dict) -> list[int]:
-    """The training crop and inference window of the config's mode."""
-    return list(config["data"]["roi_size_2d" if spatial_dims(config) == 2 else "roi_size_3d"])
+    """The training crop and inference window of the config's mode, whole voxels of at least
+    :data:`MIN_ROI_SIDE` per side (:class:`ConfigError` naming the option otherwise)."""
+    key = "roi_size_2d" if spatial_dims(config) == 2 else "roi_size_3d"
+    roi = config["data"][key]
+    if not all(isinstance(v, int) and not isinstance(v, bool) or isinstance(v, float) and v.is_integer() for v in roi):
+        raise ConfigError(f"data.{key} must be whole numbers of voxels, got {roi!r}")
+    if min(roi) < MIN_ROI_SIDE:
+        raise ConfigError(
+            f"data.{key} must be at least {MIN_ROI_SIDE} voxels per side (the network's first attention stage works at stride "
+            f"{MIN_ROI_SIDE}, and smaller windows multiply the sliding windows of validation), got {list(roi)}"
+        )
+    return [int(v) for v in roi]
 
 
 def crop_and_augment(config: dict) -> list:

@@ -1,20 +1,23 @@
 """The configs and README of a MONAI Bundle of ``hsmla-med export --format bundle``.
 
-The bundle's network is the TorchScript file ``models/model.ts``: the bundle runs with MONAI
-alone (``python -m monai.bundle run``), no ``hsmla_med`` import, as MONAI Deploy and the Model
-Zoo's runners expect. ``models/model.pt`` (the state dict) and the config item
-``network_def_hsmla`` rebuild the PyTorch network where ``hsmla_med`` is installed.
+The bundle's network is the TorchScript file ``models/model.ts``, run by MONAI's own runner
+(``python -m monai.bundle run``), as MONAI Deploy and the Model Zoo's runners expect.
+``models/model.pt`` (the state dict) and the config item ``network_def_hsmla`` rebuild the
+PyTorch network where ``hsmla_med`` is installed.
 
-The transforms are those of ``hsmla-med infer``, written as MONAI's own: for BTCV
-(:func:`hsmla_med.pipelines.btcv.preprocessing`) load, RAS orientation, resampling to the
-checkpoint's spacing, foreground crop, intensity normalisation, then the sliding window
+The transforms are those of ``hsmla-med infer``, each written once: for BTCV the config items of
+:func:`hsmla_med.pipelines.btcv.preprocessing_items` (RAS orientation, resampling to the
+checkpoint's spacing, foreground crop, intensity normalisation), which training and ``infer``
+instantiate too, after loading; then the sliding window
 (:func:`hsmla_med.inference.sliding.predict_volume`: ``SliceInferer`` for a 2D network, Gaussian
 blending), softmax, ``Invertd`` of every class's probability and the argmax (what
 :func:`hsmla_med.pipelines.btcv.labels_in_input_geometry` computes), saved as uint8 NIfTI in the
-input's geometry. The Otsu intensity kinds (``zscore_foreground``, ``percentile``) have no MONAI
-equivalent and name ``hsmla_med``'s transforms. EndoVis: the frame cropped to the training
-window, resized to the network's size (area), the probabilities resized back (bilinear) and
-padded with background outside the crop, saved as PNG.
+input's geometry. With ``ct_window`` or ``zscore`` intensities it needs MONAI alone; the Otsu
+kinds (``zscore_foreground``, ``percentile``) have no MONAI equivalent and name ``hsmla_med``'s
+transforms. EndoVis: the part of the frame that ``infer`` segments, by the function ``infer``
+calls (:func:`hsmla_med.pipelines.endovis.inference_box`, so the bundle needs ``hsmla_med``),
+resized to the network's size (area), the probabilities resized back (bilinear) and padded with
+background outside it, saved as PNG.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import numpy
 import torch
 
 from hsmla_med.io import atomic_path
+from hsmla_med.pipelines.btcv import UNCROPPED_BACKGROUND, preprocessing_items
 
 __all__ = ["write_configs", "inference_config", "metadata"]
 
@@ -37,7 +41,7 @@ SCHEMA = "https://github.com/Project-MONAI/MONAI-extra-test-data/releases/downlo
 
 def _common(config: dict, size, extra_imports: list[str] | None = None) -> dict:
     return {
-        "imports": ["$import glob", "$import os", "$import numpy", "$import torch", *(extra_imports or [])],
+        "imports": list(dict.fromkeys(["$import glob", "$import os", "$import numpy", "$import torch", *(extra_imports or [])])),
         "bundle_root": ".",
         "output_dir": "$@bundle_root + '/eval'",
         "dataset_dir": "$@bundle_root + '/data'",
@@ -60,33 +64,12 @@ def _common(config: dict, size, extra_imports: list[str] | None = None) -> dict:
     }
 
 
-def _btcv_intensity(data: dict) -> tuple[dict, dict]:
-    """The foreground crop and the normalisation of ``data.intensity``, as in
-    :func:`hsmla_med.pipelines.btcv._intensity`."""
-    spec = data["intensity"]
-    kind = spec["kind"]
-    crop = {"_target_": "CropForegroundd", "keys": "image", "source_key": "image", "allow_smaller": True}
-    if kind == "ct_window":
-        a_min, a_max = float(spec["a_min"]), float(spec["a_max"])
-        crop["select_fn"] = f"$lambda x: x > {a_min!r}"
-        return crop, {"_target_": "ScaleIntensityRanged", "keys": "image", "a_min": a_min, "a_max": a_max, "b_min": 0.0, "b_max": 1.0, "clip": True}
-    if kind == "zscore":
-        crop["select_fn"] = "$lambda x: x != 0"
-        return crop, {"_target_": "NormalizeIntensityd", "keys": "image", "nonzero": True, "channel_wise": True}
-    from hsmla_med.pipelines.btcv import OTSU_MARGIN
-
-    crop.update(select_fn="$hsmla_med.data.intensity.otsu_foreground", margin=OTSU_MARGIN)
-    if kind == "zscore_foreground":
-        return crop, {"_target_": "hsmla_med.data.intensity.ForegroundZScored", "keys": "image"}
-    if kind == "percentile":
-        return crop, {"_target_": "hsmla_med.data.intensity.ForegroundPercentiled", "keys": "image", "lower": spec["lower"], "upper": spec["upper"]}
-    raise ValueError(f"data.intensity.kind {kind!r} has no bundle form")
-
-
 def _btcv(config: dict, size) -> dict:
+    """BTCV volumes as :func:`hsmla_med.pipelines.btcv.infer`: loading, then the items of
+    :func:`~hsmla_med.pipelines.btcv.preprocessing_items` (the definition training and ``infer``
+    instantiate), the sliding window, ``Invertd`` and the argmax."""
     data, inference = config["data"], config["inference"]
-    crop, normalise = _btcv_intensity(data)
-    needs_hsmla = normalise["_target_"].startswith("hsmla_med")
+    imports, items = preprocessing_items(data)
     if config["spatial_dims"] == 2:
         inferer = {"_target_": "SliceInferer", "spatial_dim": 2, "roi_size": list(size), "sw_batch_size": int(inference["sw_batch_size"]) * int(inference["slab"]),
                    "overlap": float(inference["overlap"]), "mode": "gaussian"}
@@ -94,17 +77,13 @@ def _btcv(config: dict, size) -> dict:
         inferer = {"_target_": "SlidingWindowInferer", "roi_size": list(size), "sw_batch_size": int(inference["sw_batch_size"]),
                    "overlap": float(inference["overlap"]), "mode": "gaussian"}
     return {
-        **_common(config, size, ["$import hsmla_med.data.intensity"] if needs_hsmla else None),
+        **_common(config, size, imports),
         "datalist": "$list(sorted(glob.glob(@dataset_dir + '/*.nii.gz') + glob.glob(@dataset_dir + '/*.nii')))",
         "preprocessing": {
             "_target_": "Compose",
             "transforms": [
                 {"_target_": "LoadImaged", "keys": "image", "ensure_channel_first": True, "image_only": True},
-                {"_target_": "Orientationd", "keys": "image", "axcodes": "RAS", "labels": [["L", "R"], ["P", "A"], ["I", "S"]]},
-                {"_target_": "Spacingd", "keys": "image", "pixdim": list(data["spacing"]), "mode": "bilinear", "dtype": "$torch.float32"},
-                crop,
-                normalise,
-                {"_target_": "EnsureTyped", "keys": "image", "dtype": "$torch.float32", "track_meta": True},
+                *items,
             ],
         },
         "dataset": {"_target_": "Dataset", "data": "$[{'image': i} for i in @datalist]", "transform": "@preprocessing"},
@@ -113,8 +92,11 @@ def _btcv(config: dict, size) -> dict:
             "_target_": "Compose",
             "transforms": [
                 {"_target_": "Activationsd", "keys": "pred", "softmax": True},
-                # every class's probability back to the input's grid, then the argmax
+                # every class's probability back to the input's grid, then the argmax; the
+                # background shifted around Invertd so that it is 1 outside the foreground crop
+                {"_target_": "Lambdad", "keys": "pred", "func": f"$lambda p: torch.cat([p[:1] - {UNCROPPED_BACKGROUND!r}, p[1:]])"},
                 {"_target_": "Invertd", "keys": "pred", "transform": "@preprocessing", "orig_keys": "image", "nearest_interp": False, "to_tensor": True},
+                {"_target_": "Lambdad", "keys": "pred", "func": f"$lambda p: torch.cat([p[:1] + {UNCROPPED_BACKGROUND!r}, p[1:]])"},
                 {"_target_": "AsDiscreted", "keys": "pred", "argmax": True},
                 {"_target_": "SaveImaged", "keys": "pred", "output_dir": "@output_dir", "output_postfix": "", "output_ext": ".nii.gz",
                  "output_dtype": "$numpy.uint8", "resample": False, "separate_folder": False, "squeeze_end_dims": True, "print_log": False},
@@ -131,23 +113,17 @@ def _endovis(config: dict, size) -> dict:
     other sizes whole (:func:`hsmla_med.pipelines.endovis.inference_box`); area resize to the
     network's size; probabilities resized back bilinearly and placed in the frame with
     background outside the box; one PNG per frame, named as ``infer`` names them."""
-    data = config["data"]
-    if data["crop"] is None:
-        box = "$lambda shape: (0, 0, int(shape[0]), int(shape[1]))"
-    else:
-        top, left, height, width = (int(v) for v in data["crop"])
-        box = (f"$lambda shape: (0, 0, int(shape[0]), int(shape[1])) if tuple(shape) != ({height}, {width}) and "
-               f"(shape[0] < {top + height} or shape[1] < {left + width}) else ((0, 0, {height}, {width}) if tuple(shape) == ({height}, {width}) "
-               f"else ({top}, {left}, {height}, {width}))")
+    crop = None if config["data"]["crop"] is None else [int(v) for v in config["data"]["crop"]]
     h, w = (int(v) for v in size)
     return {
-        **_common(config, size, ["$import re", "$from PIL import Image as PILImage"]),
+        **_common(config, size, ["$import functools", "$import re", "$from PIL import Image as PILImage", "$from hsmla_med.pipelines.endovis import inference_box"]),
         "datalist": "$sorted(p for p in glob.glob(@dataset_dir + '/**/*.png', recursive=True) if 'ground_truth' not in p and not os.path.basename(p).startswith('.'))",
-        # (top, left, height, width) of the part of a frame of shape (H, W) that is segmented
-        "box": box,
+        # (top, left, height, width) of the part of a frame of shape (H, W) that is segmented: the
+        # function infer calls, so that the rule is written once
+        "box": f"$functools.partial(inference_box, crop={crop!r}, mode='auto')",
         "read": "$lambda f: torch.from_numpy(numpy.asarray(PILImage.open(f).convert('RGB')).transpose(2, 0, 1).copy()).float().div_(255.0)",
         "cut": "$lambda d, x, b: {**d, 'shape': tuple(x.shape[1:]), 'box': b, 'image': x[:, b[0]:b[0] + b[2], b[1]:b[1] + b[3]]}",
-        "load": "$lambda d: (lambda x: @cut(d, x, @box(x.shape[1:])))(@read(d['image']))",
+        "load": "$lambda d: (lambda x: @cut(d, x, @box(x.shape[1:], path=d['image'])))(@read(d['image']))",
         "preprocessing": {
             "_target_": "Compose",
             "transforms": [
@@ -220,14 +196,19 @@ def metadata(task: str, config: dict, size) -> dict:
 
 def _required(task: str, config: dict) -> dict:
     """Packages beyond MONAI and PyTorch that the bundle's inference needs."""
-    if task == "endovis":
-        return {"pillow": _version("PIL")}
-    packages = {"nibabel": _version("nibabel")}
-    if config["data"]["intensity"]["kind"] not in ("ct_window", "zscore"):
-        import hsmla_med
+    import hsmla_med
 
-        packages["hsmla-med"] = getattr(hsmla_med, "__version__", "")
-    return packages
+    ours = {"hsmla-med": getattr(hsmla_med, "__version__", "")}
+    if task == "endovis":  # the crop rule is hsmla_med's inference_box
+        return {"pillow": _version("PIL"), **ours}
+    packages = {"nibabel": _version("nibabel")}
+    return {**packages, **ours} if _needs_hsmla(task, config) else packages
+
+
+def _needs_hsmla(task: str, config: dict) -> bool:
+    """Whether the bundle's inference imports ``hsmla_med``: EndoVis's crop rule and the Otsu
+    intensity kinds do; BTCV with ``ct_window`` or ``zscore`` runs with MONAI alone."""
+    return task == "endovis" or config["data"]["intensity"]["kind"] not in ("ct_window", "zscore")
 
 
 def _version(module: str) -> str:
@@ -247,7 +228,7 @@ Labels: {labels}.
 
 ## Run
 
-From this folder, with MONAI and PyTorch installed (no `hsmla_med` needed{' for the ct_window and zscore intensities' if task == 'btcv' else ''}):
+From this folder, with MONAI and PyTorch installed{' and `hsmla_med` (its transforms are named in the config)' if _needs_hsmla(task, config) else ' (no `hsmla_med` needed)'}:
 
 ```bash
 python -m monai.bundle run --config_file configs/inference.json --meta_file configs/metadata.json \\
