@@ -100,3 +100,61 @@ def test_gpu_benchmark_tables_on_the_cpu(monkeypatch, tmp_path):
     assert next(float(r["speedup_vs_swinunetr"]) for r in cube if r["model"] == "SwinUNETR") == 1.0
     for r in training:
         assert float(r["images_per_s"]) == pytest.approx(2 / float(r["step_ms"]) * 1e3, rel=0.02, abs=0.1)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--size", "0"], "argument --size: must be positive, got 0"),
+    (["--size", "-8"], "argument --size: must be positive, got -8"),
+    (["--runs", "0"], "argument --runs: must be positive, got 0"),
+    (["--threads", "0"], "argument --threads: must be positive, got 0"),
+    (["--threads", "-2"], "argument --threads: must be positive, got -2"),
+    (["--layer-sides", "32", "0"], "argument --layer-sides: must be positive, got 0"),
+    (["--head-dim", "0"], "argument --head-dim: must be positive, got 0"),
+    (["--layer-channels", "100"], "--layer-channels 100 is not a multiple of --head-dim 32"),
+    (["--reps", "0"], "argument --reps: must be positive, got 0"),
+    (["--warmup", "-1"], "argument --warmup: must be >= 0, got -1"),
+    (["--steps", "zero"], "argument --steps: not a whole number: 'zero'"),
+    (["--device", "foo"], "argument --device: not a device: 'foo'"),
+    (["--out", "{file}"], "exists and is not a folder"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_bad_options_are_one_line_and_exit_2(capsys, monkeypatch, tmp_path, argv, expected):
+    def measured(*args, **kwargs):
+        raise AssertionError("measured although an option was bad")
+
+    for table in ("bench_models", "bench_layer"):
+        monkeypatch.setattr(bench_main, table, measured)
+    (tmp_path / "file").write_text("not a folder")
+    argv = [a.replace("{file}", str(tmp_path / "file")) for a in argv]
+    with pytest.raises(SystemExit) as raised:
+        bench_main.main(["--out", str(tmp_path / "out"), *argv, "--only", "models"])
+    err = capsys.readouterr().err
+    assert raised.value.code == 2
+    assert err.count("\n") == 1 and err.startswith("hsmla-med bench: error: ") and expected in err, err
+    assert not (tmp_path / "out" / "models.csv").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_gpu_table_without_cuda_is_refused(capsys, tmp_path):
+    """It used to exit 0 having measured nothing; --device cpu (the smoke run above) still runs."""
+    with pytest.raises(SystemExit) as raised:
+        bench_main.main(["--only", "gpu", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert raised.value.code == 2 and err.count("\n") == 1 and "--only gpu --device cuda: no such CUDA device" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_only_layers_writes_layers_csv(monkeypatch, tmp_path):
+    """``--only NAME`` writes ``NAME.csv`` for every table (layers wrote layer_scaling.csv)."""
+    import csv
+
+    calls = []
+
+    def fake_layers(sides, channels, head_dim):
+        calls.append((sides, channels, head_dim))
+        return [{"layer": "HSMLA (alpha 0.3)", "tokens": s * s, "side": s, "time_ms": 1.0, "peak_mib": 2.0} for s in sides]
+
+    monkeypatch.setattr(bench_main, "bench_layer", fake_layers)
+    assert bench_main.main(["--only", "layers", "--runs", "1", "--layer-sides", "8", "16", "--out", str(tmp_path)]) == 0
+    assert calls == [([8, 16], 128, 32)]
+    rows = list(csv.DictReader((tmp_path / "layers.csv").open()))
+    assert [int(r["tokens"]) for r in rows] == [64, 256]

@@ -2,10 +2,66 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import statistics
 import time
 from pathlib import Path
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line, as every bad input of hsmla-med (not the usage block
+    first): ``hsmla-med bench: error: argument --size: ...``, exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _integer(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be {'positive' if low == 1 else f'>= {low}'}, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (sizes, counts, threads)."""
+    return _integer(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: a whole number >= 0 (warm-up calls)."""
+    return _integer(text, 0)
+
+
+def device(text: str) -> str:
+    """argparse type: ``cpu``, ``cuda`` or ``cuda:N`` (whether this machine has it is checked
+    where a table needs it)."""
+    import torch
+
+    try:
+        kind = torch.device(text).type
+    except (RuntimeError, ValueError):
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"not a device: {text!r}; use cpu, cuda or cuda:N")
+    return text
+
+
+def out_folder(text: str) -> Path:
+    """argparse type: a folder for the tables, created now (a file there, or a folder that
+    cannot be made, is refused before anything is measured)."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} exists and is not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"cannot create the folder {path} ({err.strerror})") from None
+    return path
 
 
 def median_seconds(fn, warmup: int = 2, runs: int = 5, budget_s: float = 60.0) -> float:

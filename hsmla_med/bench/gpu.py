@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from hsmla_med.bench.common import device, non_negative_int, positive_int
 from hsmla_med.config import build_network, model_config
 from hsmla_med.nn import calibrate_tau
 
@@ -36,11 +37,19 @@ COPIES = 4  # input copies rotated through the timed calls
 
 def add_arguments(parser) -> None:
     g = parser.add_argument_group("GPU benchmark (--only gpu)")
-    g.add_argument("--device", default="cuda", help="cuda (default) | cuda:N | cpu (a smoke run of the same code)")
-    g.add_argument("--size-3d", type=int, default=96, help="cube side of the 3D table (default 96)")
-    g.add_argument("--train-batch", type=int, default=8, help="images per training step (default 8)")
-    g.add_argument("--warmup", type=int, default=5, help="untimed calls per model (default 5)")
-    g.add_argument("--reps", type=int, default=30, help="timed calls per model (default 30)")
+    g.add_argument("--device", type=device, default="cuda", help="cuda (default) | cuda:N | cpu (a smoke run of the same code)")
+    g.add_argument("--size-3d", type=positive_int, default=96, help="cube side of the 3D table (default 96)")
+    g.add_argument("--train-batch", type=positive_int, default=8, help="images per training step (default 8)")
+    g.add_argument("--warmup", type=non_negative_int, default=5, help="untimed calls per model (default 5)")
+    g.add_argument("--reps", type=positive_int, default=30, help="timed calls per model (default 30)")
+
+
+def device_problem(name: str) -> str | None:
+    """Why ``--device`` cannot run the tables on this machine (a CUDA device it lacks), or ``None``."""
+    index = torch.device(name).index or 0
+    if torch.device(name).type == "cuda" and index >= torch.cuda.device_count():
+        return f"no such CUDA device on this machine ({torch.cuda.device_count()} found); nothing measured (--device cpu runs a smoke test)"
+    return None
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
@@ -175,9 +184,6 @@ def run(args) -> int:
     from hsmla_med.bench.common import markdown, write_csv
 
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("hsmla-med bench --only gpu needs a CUDA GPU; none found, nothing measured (--device cpu runs a smoke test).")
-        return 0
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke run, not a benchmark)"
     print(f"GPU benchmark on {name}, torch {torch.__version__}, {args.warmup} warm-up + {args.reps} timed calls, {COPIES} inputs rotated")
     tables = {

@@ -40,7 +40,7 @@ import nibabel as nib
 import numpy as np
 import torch
 
-from hsmla_med.bench.common import markdown, write_csv
+from hsmla_med.bench.common import markdown, positive_int, write_csv
 from hsmla_med.data.mni import LABELS, write_mni_dataset
 from hsmla_med.errors import ConfigError
 from hsmla_med.io import atomic_path, write_json, write_yaml
@@ -282,13 +282,13 @@ def bench_learning(out: Path, steps: int = 400, seeds: int = 3, networks: list[s
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("learning benchmark (--only learning)")
-    g.add_argument("--steps", type=int, default=400, help="training steps per network (default 400)")
-    g.add_argument("--seeds", type=int, default=3, help="seeds of the routing ablation (default 3); other networks run seed 0")
+    g.add_argument("--steps", type=positive_int, default=400, help="training steps per network (default 400)")
+    g.add_argument("--seeds", type=positive_int, default=3, help="seeds of the routing ablation (default 3); other networks run seed 0")
     g.add_argument("--networks", help=f"comma-separated subset of: {', '.join(NETWORKS)}")
     g.add_argument("--data-dir", type=Path, help="where the MNI dataset is written once (default ~/.cache/hsmla-med/mni-learning)")
-    g.add_argument("--slices", type=int, default=24, help="axial slab thickness of each case in 1 mm slices (default 24)")
-    g.add_argument("--roi", type=int, default=96, help="side of the 2D training crops and inference windows (default 96)")
-    g.add_argument("--crops", type=int, default=8, help="random crops per training step (default 8)")
+    g.add_argument("--slices", type=positive_int, default=24, help="axial slab thickness of each case in 1 mm slices (default 24)")
+    g.add_argument("--roi", type=positive_int, default=96, help="side of the 2D training crops and inference windows (default 96)")
+    g.add_argument("--crops", type=positive_int, default=8, help="random crops per training step (default 8)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,8 +15,8 @@ median time, and peak memory measured as the resident-set growth of a fresh proc
 EndoVis 2017 (``--only endovis``): HSMLA-B0 vs SegFormer-B0 frames per second on one RGB frame
 of the standard 1024x1280 crop, 3 -> 8 channels, interleaved rounds.
 
-Writes ``models.csv``, ``layer_scaling.csv`` and ``benchmarks.png`` (``endovis.csv`` with
-``--only endovis``) into ``--out`` and prints markdown tables.
+Writes ``models.csv``, ``layers.csv`` and ``benchmarks.png`` into ``--out`` (``--only NAME``
+writes ``NAME.csv``) and prints markdown tables.
 
     hsmla-med bench --out bench_out        (or: python -m hsmla_med.bench --out bench_out)
 """
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from hsmla_med.bench import gpu, learning
-from hsmla_med.bench.common import markdown, write_csv
+from hsmla_med.bench.common import Parser, markdown, out_folder, positive_int, write_csv
 from hsmla_med.bench.layers import LAYER_KINDS, bench_layer
 from hsmla_med.bench.models import bench_endovis, bench_models
 from hsmla_med.runtime import tune_cpu_allocator
@@ -91,25 +91,30 @@ def plot(path: Path, models: list[dict], layers: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hsmla-med bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("bench_out"), help="output folder (default bench_out)")
-    parser.add_argument("--size", type=int, default=512, help="input side for the network table (default 512)")
-    parser.add_argument("--runs", type=int, default=7, help="timed rounds over all models after two warm-up runs each (default 7)")
+    parser = Parser(prog="hsmla-med bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=out_folder, default="bench_out", help="output folder (default bench_out)")
+    parser.add_argument("--size", type=positive_int, default=512, help="input side for the network table (default 512)")
+    parser.add_argument("--runs", type=positive_int, default=7, help="timed rounds over all models after two warm-up runs each (default 7)")
     parser.add_argument(
-        "--layer-sides", type=int, nargs="+", default=[32, 64, 128, 256], help="token-map sides for the layer table"
+        "--layer-sides", type=positive_int, nargs="+", default=[32, 64, 128, 256], help="token-map sides for the layer table"
     )
-    parser.add_argument("--layer-channels", type=int, default=128, help="channels of the benchmarked layer")
-    parser.add_argument("--head-dim", type=int, default=32, help="head width of the benchmarked layer")
+    parser.add_argument("--layer-channels", type=positive_int, default=128, help="channels of the benchmarked layer (a multiple of --head-dim)")
+    parser.add_argument("--head-dim", type=positive_int, default=32, help="head width of the benchmarked layer")
     parser.add_argument(
         "--only", choices=["models", "layers", "wsi", "endovis", "learning", "gpu", "volume", "processes", "export"],
         help="run one table (gpu: networks on a CUDA GPU, inference 2D/3D and training (scripts/bench_kernels.py: the Triton kernels); wsi: whole-slide heatmap throughput against the forward passes alone; volume: peak memory of infer on a 512x512x300 CT; processes: infer of 8 volumes in one vs two DDP processes; endovis: frames/s of HSMLA-B0 vs SegFormer-B0 on 1024x1280 RGB frames; learning: networks trained and scored on MNI152 grey/white matter; none of these is part of the default run)",
     )
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch CPU threads")
+    parser.add_argument("--threads", type=positive_int, default=os.cpu_count(), help="torch CPU threads")
     learning.add_arguments(parser)
     gpu.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.layer_channels % args.head_dim:
+        parser.error(f"--layer-channels {args.layer_channels} is not a multiple of --head-dim {args.head_dim}")
+    if args.only == "gpu":
+        problem = gpu.device_problem(args.device)
+        if problem:
+            parser.error(f"--only gpu --device {args.device}: {problem}")
     torch.set_num_threads(args.threads)
-    args.out.mkdir(parents=True, exist_ok=True)
     tuned = tune_cpu_allocator()
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"{args.threads} threads, heap top pad {'on' if tuned else 'off'} (hsmla_med.runtime)")
@@ -133,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.only != "models":
         print("layer scaling:", flush=True)
         layers = bench_layer(args.layer_sides, args.layer_channels, args.head_dim)
-        write_csv(args.out / "layer_scaling.csv", layers)
+        write_csv(args.out / "layers.csv", layers)
         print("\n" + markdown(layers) + "\n")
     if models and layers:
         plot(args.out / "benchmarks.png", models, layers)
