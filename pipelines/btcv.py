@@ -48,7 +48,7 @@ def datalist(config: dict) -> Datalist:
     synth = data["synthetic"]
     root = synthetic_root(data, "btcv", "BTCV-format volumes", "phantoms, not patients", lambda root: generate_btcv(
         root, synth["num_train"], synth["num_validation"], synth["num_test"], tuple(synth["shape"]), synth["seed"]))
-    return load_datalist(root, seed=config["seed"])
+    return load_datalist(root, "dataset_0.json", seed=config["seed"])  # MONAI's BTCV datalist name
 
 
 def check_config(config: dict) -> None:

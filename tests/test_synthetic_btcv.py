@@ -1,4 +1,5 @@
-"""Synthetic BTCV-format data: layout, headers, organs, orientation, determinism and the cache."""
+"""Synthetic BTCV-format data: layout, headers (codes 0 and 2, an oblique case), air below the
+CT window, organs, orientation, determinism and the cache; train, infer and evaluate on it."""
 
 import itertools
 import json
@@ -34,6 +35,7 @@ def _labelled(meta):
 
 def test_layout_and_json(dataset):
     root, meta = dataset
+    assert (root / "dataset_0.json").is_file() and not (root / "dataset.json").exists()  # MONAI's BTCV name
     assert meta["name"] == "BTCV-synthetic" and meta["synthetic"] is True
     assert meta["labels"] == {str(k): v for k, v in BTCV_LABELS.items()}
     assert meta["modality"] == {"0": "CT"} and meta["tensorImageSize"] == "3D"
@@ -59,14 +61,44 @@ def test_image_and_label_headers(dataset):
         assert image.shape == label.shape == SHAPE
         assert np.array_equal(image.affine, label.affine)
         for img in (image, label):
-            assert int(img.header["qform_code"]) == 1 and int(img.header["sform_code"]) == 1
             assert img.header.get_xyzt_units()[0] == "mm"
-            assert np.allclose(img.get_qform(), img.affine, atol=1e-4)
+            # both forms hold the matrix whatever their codes; at least one code is set
+            assert np.allclose(img.get_qform(), img.affine, atol=1e-4) and np.allclose(img.get_sform(), img.affine, atol=1e-4)
+            assert int(img.header["qform_code"]) or int(img.header["sform_code"])
+        assert [int(image.header[k]) for k in ("qform_code", "sform_code")] == [int(label.header[k]) for k in ("qform_code", "sform_code")]
         # Air outside the body, bone in the spine: the image is in HU.
         assert image_data.min() <= -950 and image_data.max() >= 400
-        zooms = image.header.get_zooms()
+        zooms = np.linalg.norm(image.affine[:3, :3], axis=0)
         # Spacing scales with the grid (2x coarser here) to keep a realistic field of view.
-        assert 2 * 1.2 <= zooms[0] <= 2 * 1.8 and zooms[0] == zooms[1] and 2 * 2.5 <= zooms[2] <= 2 * 4.0
+        assert 2 * 1.2 <= zooms[0] <= 2 * 1.8 and np.isclose(zooms[0], zooms[1]) and 2 * 2.5 <= zooms[2] <= 2 * 4.0
+
+
+def test_header_codes_and_an_oblique_case_as_real_files_have_them(dataset):
+    # what converters write: a form marked unknown (0) or aligned (2), and one oblique volume
+    root, meta = dataset
+    files = [root / c[k] for c in _labelled(meta) for k in ("image", "label")] + [root / f for f in meta["test"]]
+    codes = {(int(nib.load(str(f)).header["qform_code"]), int(nib.load(str(f)).header["sform_code"])) for f in files}
+    assert {c for pair in codes for c in pair} == {0, 1, 2}, codes
+    assert any(q == 0 for q, _ in codes) and any(s == 0 for _, s in codes)
+    oblique = []
+    for f in files:
+        linear = nib.load(str(f)).affine[:3, :3]
+        directions = np.abs(linear / np.linalg.norm(linear, axis=0))
+        if (np.sort(directions, axis=0)[:2] > 0.05).any():  # not a signed permutation of the world's axes
+            oblique.append(f.name)
+    assert sorted(oblique) == ["img0002.nii.gz", "label0002.nii.gz"], oblique  # one case: its image and label
+
+
+def test_air_around_the_body_is_below_the_ct_window(dataset):
+    # the foreground crop (HU above a_min = -175) must really cut on these volumes, as on real CT
+    root, meta = dataset
+    for case in _labelled(meta):
+        image = _load(root, case["image"])[1]
+        body = image > -175
+        for axis in (0, 1):
+            extent = np.flatnonzero(body.any(axis=tuple(a for a in range(3) if a != axis)))
+            assert extent[0] > 0 and extent[-1] < image.shape[axis] - 1, (case["image"], axis)
+        assert image[~body].max() <= -175 and np.median(image[~body]) < -900
 
 
 def test_every_organ_visible_with_distinct_hu(dataset):
@@ -137,19 +169,64 @@ def test_same_seed_same_bytes_other_seed_differs(dataset, tmp_path):
 
 def test_cache_skips_rewriting_and_guards_foreign_data(dataset, tmp_path):
     root, meta = dataset
-    files = [root / "dataset.json", root / meta["training"][0]["image"]]
+    files = [root / "dataset_0.json", root / meta["training"][0]["image"]]
     before = [f.stat().st_mtime_ns for f in files]
-    assert generate_btcv(root, shape=SHAPE, seed=0, **COUNTS) == root / "dataset.json"
+    assert generate_btcv(root, shape=SHAPE, seed=0, **COUNTS) == root / "dataset_0.json"
     assert [f.stat().st_mtime_ns for f in files] == before
 
     # Other parameters regenerate; a dataset.json written by someone else is never overwritten.
     small = tmp_path / "small"
     generate_btcv(small, num_train=1, num_validation=0, num_test=0, shape=SHAPE, seed=0)
     generate_btcv(small, num_train=2, num_validation=0, num_test=0, shape=SHAPE, seed=0)
-    assert len(json.loads((small / "dataset.json").read_text())["training"]) == 2
+    assert len(json.loads((small / "dataset_0.json").read_text())["training"]) == 2
     real = tmp_path / "real"
     real.mkdir()
-    (real / "dataset.json").write_text(json.dumps({"name": "btcv", "labels": {"0": "background"}}))
-    with pytest.raises(FileExistsError, match="not written by the synthetic BTCV generator"):
-        generate_btcv(real, num_train=1, num_validation=0, num_test=0, shape=SHAPE)
-    assert not (real / "imagesTr").exists()
+    for name in ("dataset_0.json", "dataset.json"):
+        (real / name).write_text(json.dumps({"name": "btcv", "labels": {"0": "background"}}))
+        with pytest.raises(FileExistsError, match="not written by the synthetic BTCV generator"):
+            generate_btcv(real, num_train=1, num_validation=0, num_test=0, shape=SHAPE)
+        assert not (real / "imagesTr").exists()
+        (real / name).unlink()
+
+
+def test_version_1_cache_is_replaced(tmp_path):
+    # version 1 wrote dataset.json, which readers look for before dataset_0.json
+    root = tmp_path / "cache"
+    root.mkdir()
+    (root / "dataset.json").write_text(json.dumps({"generator": {"version": 1}, "training": []}))
+    generate_btcv(root, num_train=2, num_validation=0, num_test=0, shape=SHAPE, seed=0)
+    assert not (root / "dataset.json").exists() and (root / "dataset_0.json").is_file()
+
+
+def test_train_infer_evaluate_keep_each_inputs_geometry_and_codes(tmp_path):
+    """The synthetic default as the commands meet it: train, evaluate and infer run on it, and
+    every label map keeps its input's shape, matrices and q/s-form codes as nibabel reads them."""
+    import yaml
+
+    from hsmla_med.cli import main
+    from tests.conftest import TINY
+
+    config = {**TINY, "data": {**TINY["data"], "spacing": [3.0, 3.0, 4.0], "cache_dir": str(tmp_path / "cache"),
+                               "synthetic": {"num_train": 2, "num_validation": 2, "num_test": 1, "shape": [48, 48, 20], "seed": 0}}}
+    overlay = tmp_path / "synthetic.yaml"
+    overlay.write_text(yaml.safe_dump(config))
+    run = tmp_path / "run"
+    assert main(["train", "--task", "btcv", "--config", str(overlay), "--max-steps", "2", "--output", str(run)]) == 0
+    assert main(["evaluate", "--task", "btcv", "--checkpoint", str(run / "last.ckpt"), "--config", str(overlay), "--output", str(tmp_path / "ev")]) == 0
+    assert json.loads((tmp_path / "ev" / "metrics.json").read_text())["cases"] == 2
+    root = tmp_path / "cache" / "btcv-synthetic"
+    inputs = sorted((root / "imagesTr").glob("*.nii.gz")) + sorted((root / "imagesTs").glob("*.nii.gz"))
+    codes = set()
+    for folder in ("imagesTr", "imagesTs"):
+        assert main(["infer", "--task", "btcv", "--checkpoint", str(run / "last.ckpt"), "--input", str(root / folder),
+                     "--output", str(tmp_path / "pred"), "--device", "cpu"]) == 0
+    for source in inputs:
+        ref, pred = nib.load(str(source)), nib.load(str(tmp_path / "pred" / source.name))
+        assert pred.shape == ref.shape and pred.get_data_dtype() == np.uint8
+        for form in ("get_qform", "get_sform"):
+            (got, got_code), (want, want_code) = getattr(pred.header, form)(coded=True), getattr(ref.header, form)(coded=True)
+            assert got_code == want_code and (got is None) == (want is None), (source.name, form)
+            np.testing.assert_allclose(getattr(pred.header, form)(), getattr(ref.header, form)(), atol=1e-5)
+        np.testing.assert_allclose(pred.affine, ref.affine, atol=1e-5)
+        codes.add((int(ref.header["qform_code"]), int(ref.header["sform_code"])))
+    assert {0, 2} <= {c for pair in codes for c in pair}  # the quirks were there to keep

@@ -1,15 +1,21 @@
 """Synthetic abdominal CT in the on-disk format of BTCV (Beyond the Cranial Vault), the default data.
 
-BTCV itself needs a registration to download, so a user without data gets this stand-in: the same
-folder layout (``imagesTr``/``labelsTr``/``imagesTs`` and an MSD-style ``dataset.json`` with
-MONAI's ``training``/``validation`` lists), the same 13 organ labels, int16 images in Hounsfield
-units and uint8 labels. Each case is a phantom: an elliptical body with a fat rim and a muscle
-wall, a spine, and the 13 organs as deformed ellipsoids and tubes at plausible positions, each
-with its own mean HU (:data:`ORGAN_HU`) so that a small network learns it in minutes on a CPU.
+BTCV itself needs a registration to download, so a user without data gets this stand-in, laid out
+as MONAI's BTCV tutorial reads the real one: ``imagesTr/img0001.nii.gz`` with
+``labelsTr/label0001.nii.gz``, held-out images in ``imagesTs/``, and ``dataset_0.json`` with the
+``training``/``validation`` lists and the ``test`` list of plain paths; the same 13 organ labels,
+int16 images in Hounsfield units and uint8 labels. Each case is a phantom: an elliptical body with
+a fat rim and a muscle wall, a spine, and the 13 organs as deformed ellipsoids and tubes at
+plausible positions, each with its own mean HU (:data:`ORGAN_HU`) so that a small network learns
+it in minutes on a CPU, and air (-1000 HU) around the body, below every CT window, so that the
+foreground crop cuts as it does on real scans.
 
 The files exercise what real data throws at a pipeline: anisotropic spacing that differs per case,
-arbitrary origins, and every third case stored in a non-RAS orientation (array flipped, affine
-adjusted), with the anatomy unchanged in world coordinates. Nothing here is real anatomy.
+arbitrary origins, every third case stored in a non-RAS orientation (array flipped, affine
+adjusted), one case whose axes are oblique to the world's (:data:`_OBLIQUE_CASE`), and NIfTI
+headers whose qform or sform is marked unknown (code 0) or "aligned" (code 2), as converters
+write them (:data:`_HEADER_CODES`); the anatomy stays put in world coordinates throughout.
+Nothing here is real anatomy.
 """
 
 from __future__ import annotations
@@ -79,7 +85,15 @@ _MIN_SEMI_AXIS_MM = 8.0
 # Visible voxels each organ must keep at the default shape (scaled with the voxel count).
 _MIN_ORGAN_VOXELS = 300
 _NON_RAS = ("LAS", "LPS", "RPS")
-_GENERATOR_VERSION = 1
+# (qform_code, sform_code) by case index modulo 4: both scanner (1); sform only, "aligned" (2),
+# as dcm2niix-style converters mark it; qform only (sform unknown, 0); qform aligned (2) and sform
+# scanner. One form is always set: a file with both codes 0 has no orientation at all (nibabel
+# then mirrors x), which no converter writes for CT. Image and label share their header.
+_HEADER_CODES = ((1, 1), (0, 2), (1, 0), (2, 1))
+_OBLIQUE_CASE = 2  # this case's voxel axes are rotated against the world's (gantry tilt, oblique plan)
+_OBLIQUE_DEGREES = (12.0, 6.0)  # about z (feet-head) and about x (tilt)
+_JSON_NAME = "dataset_0.json"  # MONAI's BTCV datalist
+_GENERATOR_VERSION = 2  # 2: dataset_0.json, header codes 0 and 2, an oblique case
 
 
 class _Ellipsoid(NamedTuple):
@@ -127,7 +141,7 @@ def generate_btcv(
     shape: tuple[int, int, int] = (128, 128, 48),
     seed: int = 0,
 ) -> Path:
-    """Write a synthetic BTCV-format dataset under ``root`` and return ``root/dataset.json``.
+    """Write a synthetic BTCV-format dataset under ``root`` and return ``root/dataset_0.json``.
 
     Args:
         root: dataset folder; created if missing.
@@ -139,11 +153,12 @@ def generate_btcv(
         seed: case ``i`` depends only on ``seed`` and ``i``, so the same seed gives the same
             bytes, and a larger dataset starts with the cases of a smaller one.
 
-    Returns immediately if ``root/dataset.json`` was written by this generator with the same
+    Returns immediately if ``root/dataset_0.json`` was written by this generator with the same
     parameters (its ``generator`` entry) and the files it lists exist. Every file is written under
-    a temporary name and renamed, ``dataset.json`` last, so a folder with a ``dataset.json`` is
-    complete. Raises :class:`FileExistsError` rather than overwrite a ``dataset.json`` that this
-    generator did not write (real data in the same folder).
+    a temporary name and renamed, the JSON last, so a folder with a ``dataset_0.json`` is
+    complete. Raises :class:`FileExistsError` rather than overwrite a dataset JSON that this
+    generator did not write (real data in the same folder); a ``dataset.json`` of version 1 of
+    this generator is removed.
     """
     root = Path(root)
     shape = tuple(int(n) for n in shape)
@@ -159,21 +174,26 @@ def generate_btcv(
         "num_validation": int(num_validation),
         "num_test": int(num_test),
     }
-    json_path = root / "dataset.json"
+    json_path = root / _JSON_NAME
     if json_path.is_file():
         if _is_cached(json_path, root, params):
             return json_path
         json_path.unlink()  # ours but stale: the folder is incomplete until the new one is written
+    former = root / "dataset.json"  # version 1's name: a reader looking for dataset.json first would take it
+    if former.is_file():
+        _is_cached(former, root, params)  # refuses a foreign one
+        former.unlink()
 
     cases = []
     for index in range(1, num_train + num_validation + num_test + 1):
         labelled = index <= num_train + num_validation
         image, label, affine = _case(np.random.default_rng((int(seed), index)), shape, index)
+        codes = _HEADER_CODES[index % len(_HEADER_CODES)]
         image_rel = f"imagesTr/img{index:04d}.nii.gz" if labelled else f"imagesTs/img{index:04d}.nii.gz"
-        _save_nifti(image, affine, root / image_rel)
+        _save_nifti(image, affine, root / image_rel, codes)
         if labelled:
             label_rel = f"labelsTr/label{index:04d}.nii.gz"
-            _save_nifti(label, affine, root / label_rel)
+            _save_nifti(label, affine, root / label_rel, codes)
             cases.append({"image": image_rel, "label": label_rel})
         else:
             cases.append(image_rel)
@@ -212,11 +232,12 @@ def _is_cached(json_path: Path, root: Path, params: dict) -> bool:
     return all((root / f).is_file() for f in files)
 
 
-def _save_nifti(array: np.ndarray, affine: np.ndarray, path: Path) -> None:
-    """Write ``array`` with ``affine`` as both qform and sform (code 1, scanner), units mm."""
+def _save_nifti(array: np.ndarray, affine: np.ndarray, path: Path, codes: tuple[int, int]) -> None:
+    """Write ``array`` with ``affine`` as both qform and sform, with the ``(qform, sform)``
+    ``codes`` (a form with code 0 still holds the matrix, as converters leave it), units mm."""
     img = nib.Nifti1Image(array, affine)
-    img.set_qform(affine, code=1)
-    img.set_sform(affine, code=1)
+    img.set_qform(affine, code=codes[0])
+    img.set_sform(affine, code=codes[1])
     img.header.set_xyzt_units("mm")
     with atomic_path(path) as tmp:  # keeps the .nii.gz suffix, from which nibabel picks gzip
         nib.save(img, str(tmp))
@@ -225,8 +246,9 @@ def _save_nifti(array: np.ndarray, affine: np.ndarray, path: Path) -> None:
 def _case(rng: np.random.Generator, shape: tuple[int, int, int], index: int):
     """One case as stored: int16 image, uint8 label and their affine.
 
-    Cases whose index is 1 modulo 3 are stored in a non-RAS orientation; a fixed rule rather than
-    chance, so that even a dataset of two cases has one of each.
+    Cases whose index is 1 modulo 3 are stored in a non-RAS orientation, and case
+    :data:`_OBLIQUE_CASE` with voxel axes rotated about the field's centre; fixed rules rather
+    than chance, so that even a dataset of two cases has one of each.
     """
     inplane = rng.uniform(*_INPLANE_MM)  # one value for x and y: square pixels, like CT's
     spacing = np.array(
@@ -250,6 +272,13 @@ def _case(rng: np.random.Generator, shape: tuple[int, int, int], index: int):
                 image, label = np.flip(image, axis), np.flip(label, axis)
                 affine[:3, 3] += affine[:3, axis] * (shape[axis] - 1)
                 affine[:3, axis] *= -1
+    if index == _OBLIQUE_CASE:
+        # the voxels stay, the world turns: the phantom is rotated in the world, not distorted
+        rotation = np.eye(4)
+        rotation[:3, :3] = _rotation(2, _OBLIQUE_DEGREES[0]) @ _rotation(0, _OBLIQUE_DEGREES[1])
+        to_centre = np.eye(4)
+        to_centre[:3, 3] = -centre
+        affine = np.linalg.inv(to_centre) @ rotation @ to_centre @ affine
     return np.ascontiguousarray(image), np.ascontiguousarray(label), affine
 
 
