@@ -1,7 +1,7 @@
 """Building the package's C kernels with the system C compiler, at first use.
 
-PyTorch's extension builder needs the PyTorch headers (a minute of compiling on two cores), so
-the kernels are plain C called through :mod:`ctypes`. ``$CC`` (default ``cc``) builds each
+The kernels are plain C11 called through :mod:`ctypes` (they take pointers and strides, no
+PyTorch headers). ``$CC`` (default ``cc``) builds each
 source once per source, compiler and CPU (``-O3 -march=native``) into
 ``$HSMLA_MED_CACHE_DIR`` (default ``~/.cache/hsmla-med/kernels``, beside the synthetic
 datasets), in about a second. OpenMP regions run on torch's own threads: the libraries'
@@ -17,8 +17,19 @@ Loading a library runs its code in this process, so a cached one is loaded only 
 - it is the file this process's build wrote: each build records the SHA-256 of the library in
   a sidecar ``<library>.sha256`` (written before the library is moved into place, each by an
   atomic rename), and both files must belong to this user, be writable by no one else and
-  agree. A library without its sidecar is rebuilt; one that does not match it is rebuilt with
-  a warning.
+  agree. A library without its sidecar is rebuilt; one that does not match it (or whose
+  sidecar is not a checksum at all) is rebuilt with a warning, and so is one that matches but
+  does not load (a damaged file).
+
+A cache folder that cannot be made or written (an unwritable or missing home) is treated like
+an untrusted one: the kernels are built privately at every start, with one warning, rather than
+giving up the kernels or failing.
+
+``torch.utils.cpp_extension.load`` was tried instead of this builder (docs/design.md §4.2): it
+compiles every source as C++ (these C11 kernels do not compile as C++ as they are), needs
+``ninja`` besides the compiler, and decides what to rebuild from ninja's timestamps, which know
+neither the compiler's version nor the CPU and trust any file in the folder; the checks above
+would all stay, so it would replace only the one compiler call of :func:`_build`.
 """
 
 from __future__ import annotations
@@ -41,13 +52,29 @@ __all__ = ["library", "failure", "int64s", "pointer"]
 
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-std=c11", "-fPIC", "-shared")
 _failures: dict[str, str] = {}  # name -> why library(name) is None
-_untrusted_warned: set[str] = set()  # cache folders already warned about
+_unusable_warned: set[str] = set()  # cache folders already warned about
 
 
 def _cache_dir() -> Path:
     if os.environ.get("HSMLA_MED_CACHE_DIR"):
         return Path(os.environ["HSMLA_MED_CACHE_DIR"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hsmla-med" / "kernels"
+
+
+def _usable_cache() -> tuple[Path | str, str | None]:
+    """The cache folder (created if missing) and why it cannot be used, or ``None``."""
+    try:
+        folder = _cache_dir()
+    except RuntimeError as err:  # Path.home(): no HOME and no password entry
+        return "~/.cache/hsmla-med/kernels", f"no home folder: {err}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as err:
+        return folder, f"it cannot be created: {err.strerror or err}"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return folder, "it is not writable"
+    problem = _not_private(folder)
+    return folder, problem and f"it is not trusted: {problem}"
 
 
 def _cpu_signature() -> str:
@@ -90,7 +117,7 @@ def _check_cached(target: Path) -> str | None:
         problem = _not_private(path)
         if problem:
             return f"{path.name}: {problem}"
-    if sidecar.read_text().strip() != _sha256(target):
+    if sidecar.read_bytes().strip() != _sha256(target).encode():
         return "it does not match the checksum recorded when it was built"
     return None
 
@@ -130,6 +157,24 @@ def _load_private(compiler: str, source: Path, name: str) -> ctypes.CDLL:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def _load_cached(compiler: str, source: Path, target: Path) -> ctypes.CDLL:
+    """``target`` loaded from the cache, (re)built first unless it is the library its build
+    recorded; a recorded one that does not load is rebuilt once."""
+    problem = _check_cached(target) if target.exists() else "not built yet"
+    if problem and _sidecar(target).exists():
+        warnings.warn(f"not loading the cached kernel {target} ({problem}); rebuilding it.")
+    if problem:
+        _build(compiler, source, target)
+    try:
+        return ctypes.CDLL(str(target))
+    except OSError as err:
+        if problem:  # built just now: the build itself is broken
+            raise
+        warnings.warn(f"the cached kernel {target} does not load ({err}); rebuilding it.")
+        _build(compiler, source, target)
+        return ctypes.CDLL(str(target))
+
+
 def failure(name: str) -> str | None:
     """Why :func:`library` returned ``None`` for ``name`` (``None`` if it was not asked or
     succeeded)."""
@@ -153,28 +198,17 @@ def library(name: str) -> ctypes.CDLL | None:
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
         key = hashlib.sha256("\0".join([source.read_text(), " ".join(FLAGS), version, _cpu_signature()]).encode())
-        folder = _cache_dir()
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        problem = _not_private(folder)
+        folder, problem = _usable_cache()
         if problem:
-            if str(folder) not in _untrusted_warned:
-                _untrusted_warned.add(str(folder))
+            if str(folder) not in _unusable_warned:
+                _unusable_warned.add(str(folder))
                 warnings.warn(
-                    f"the kernel cache {folder} is not trusted ({problem}): the C kernels are built into a "
-                    "private temporary folder at every start instead; make the folder private (chmod go-w) "
-                    "or point HSMLA_MED_CACHE_DIR elsewhere."
+                    f"the kernel cache {folder} cannot be used ({problem}): the C kernels are built into a "
+                    "private temporary folder at every start instead; make the folder private and writable "
+                    "(chmod go-w) or point HSMLA_MED_CACHE_DIR elsewhere."
                 )
             return _load_private(compiler, source, name)
-        target = folder / f"{name}-{key.hexdigest()[:16]}.so"
-        if target.exists():
-            problem = _check_cached(target)
-            if problem and _sidecar(target).exists():
-                warnings.warn(f"not loading the cached kernel {target} ({problem}); rebuilding it.")
-        else:
-            problem = "not built yet"
-        if problem:
-            _build(compiler, source, target)
-        return ctypes.CDLL(str(target))
+        return _load_cached(compiler, source, folder / f"{name}-{key.hexdigest()[:16]}.so")
     except (OSError, subprocess.SubprocessError) as err:
         _failures[name] = f"it could not be built ({err})"
         warnings.warn(f"the C kernel {name} could not be built ({err}); using the PyTorch reference.")

@@ -248,6 +248,54 @@ def test_a_cached_library_without_checksum_is_rebuilt(fresh_build, loads):
     assert loads[0][0] == library and loads[0][1] == Path(str(library) + ".sha256").read_text().strip()
 
 
+@pytest.mark.parametrize("how", ["garbage sidecar", "garbage library with its checksum"])
+def test_garbage_in_the_cache_is_rebuilt(how, fresh_build, loads, monkeypatch):
+    """A sidecar that is no checksum (binary bytes) used to end in UnicodeDecodeError; a damaged
+    library whose sidecar matches it (both written by this user) made the kernels give up for
+    the run. Both are rebuilt, with a warning, and the rebuilt library is the one loaded."""
+    assert refine_cpu.compiled()
+    # the cache moves to another folder: dlopen hands back a library already loaded from the
+    # same path without reading the file again
+    moved = fresh_build / "moved"
+    moved.mkdir(mode=0o700)
+    for path in list(fresh_build.iterdir()):
+        if path != moved:
+            path.rename(moved / path.name)
+    monkeypatch.setenv("HSMLA_MED_CACHE_DIR", str(moved))
+    library = _cached_refine_library(moved)
+    sidecar = Path(str(library) + ".sha256")
+    if how == "garbage sidecar":
+        sidecar.write_bytes(bytes(range(256)))
+    else:
+        _replace(library, b"\x7fELF garbage")
+        sidecar.write_text(hashlib.sha256(library.read_bytes()).hexdigest() + "\n")
+    _forget_libraries()
+    loads.clear()
+    with pytest.warns(UserWarning, match="rebuilding it"):
+        assert refine_cpu.compiled()
+    assert loads[-1] == (library, sidecar.read_text().strip())
+    assert hasattr(refine_cpu._library(), "hsmla_refine_tiles")
+
+
+@pytest.mark.parametrize("how", ["a file in the way", "no home"])
+def test_an_unusable_cache_folder_builds_privately(how, fresh_build, loads, monkeypatch):
+    """A cache folder that cannot be made (a file where a folder should be; a HOME that is not a
+    folder; no home at all) used to give up the kernels or end in a traceback: they are built
+    into a private temporary folder instead, with one warning."""
+    if how == "a file in the way":
+        (fresh_build / "file").write_text("")
+        monkeypatch.setenv("HSMLA_MED_CACHE_DIR", str(fresh_build / "file" / "kernels"))
+    else:
+        monkeypatch.delenv("HSMLA_MED_CACHE_DIR")
+        monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+        monkeypatch.setattr(Path, "home", lambda: (_ for _ in ()).throw(RuntimeError("Could not determine home directory.")))
+    _forget_libraries()
+    with pytest.warns(UserWarning, match="cannot be used") as caught:
+        assert refine_cpu.compiled() and gate_cpu._library() is not None
+    assert len([w for w in caught if "cannot be used" in str(w.message)]) == 1
+    assert len(loads) == 2 and not any(path.parent.exists() for path, _ in loads)
+
+
 @pytest.mark.parametrize("how", ["group-writable", "world-writable", "foreign owner"])
 def test_an_untrusted_cache_folder_is_not_loaded_from(how, fresh_build, loads, monkeypatch):
     """A cache folder that others may write to (or that belongs to someone else) is not loaded
