@@ -426,8 +426,6 @@ def main(argv: list[str] | None = None) -> int:
     from hsmla_med.errors import find_input_error
     from hsmla_med.runtime import tune_cpu_allocator
 
-    tune_cpu_allocator()
-
     commands = {
         "train": lambda: _train(_config(args), args.resume),
         "infer": lambda: _infer(args),
@@ -438,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         "demo": lambda: _demo(args),
     }
     try:
+        tune_cpu_allocator()  # a bad HSMLA_MED_MALLOC_TOP_PAD is an input error like any other
         result = commands[args.command]()
     except KeyboardInterrupt:
         print("hsmla-med: interrupted", file=sys.stderr)

@@ -14,12 +14,23 @@ import ctypes
 import ctypes.util
 import os
 
+from hsmla_med.errors import ConfigError
+
 __all__ = ["tune_cpu_allocator"]
 
 # glibc mallopt parameters
 _M_TOP_PAD, _M_MMAP_THRESHOLD = -2, -3
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc refuses larger thresholds on 64-bit
 DEFAULT_TOP_PAD = 1 << 30
+
+
+def _top_pad_variable() -> int:
+    """``HSMLA_MED_MALLOC_TOP_PAD`` in bytes (default 1 GiB)."""
+    text = os.environ.get("HSMLA_MED_MALLOC_TOP_PAD", str(DEFAULT_TOP_PAD))
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"HSMLA_MED_MALLOC_TOP_PAD={text!r}: not a whole number of bytes (0 keeps glibc's behaviour)") from None
 
 
 def tune_cpu_allocator(top_pad: int | None = None) -> bool:
@@ -34,9 +45,12 @@ def tune_cpu_allocator(top_pad: int | None = None) -> bool:
 
     Returns:
         whether the setting was applied.
+
+    Raises:
+        ConfigError: ``HSMLA_MED_MALLOC_TOP_PAD`` is not a whole number of bytes.
     """
     if top_pad is None:
-        top_pad = int(os.environ.get("HSMLA_MED_MALLOC_TOP_PAD", DEFAULT_TOP_PAD))
+        top_pad = _top_pad_variable()
     if top_pad <= 0 or "GLIBC_TUNABLES" in os.environ or any(k.startswith("MALLOC_") for k in os.environ):
         return False
     name = ctypes.util.find_library("c")

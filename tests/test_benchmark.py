@@ -158,3 +158,14 @@ def test_only_layers_writes_layers_csv(monkeypatch, tmp_path):
     assert calls == [([8, 16], 128, 32)]
     rows = list(csv.DictReader((tmp_path / "layers.csv").open()))
     assert [int(r["tokens"]) for r in rows] == [64, 256]
+
+
+def test_learning_data_folder_that_cannot_be_written(tmp_path):
+    """An unwritable home (the default folder) or --data-dir used to end in NotADirectoryError's
+    traceback; the learning table names the folder in one line instead."""
+    from hsmla_med.bench.learning import bench_learning
+    from hsmla_med.errors import ConfigError
+
+    (tmp_path / "home").write_text("a file, as HOME=/dev/null")
+    with pytest.raises(ConfigError, match=r"--data-dir .*home/mni: cannot write the MNI dataset there \(Not a directory\)"):
+        bench_learning(tmp_path / "out", steps=1, networks=["unet"], data_dir=tmp_path / "home" / "mni")

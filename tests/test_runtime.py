@@ -30,3 +30,13 @@ def test_environment_choices_win(monkeypatch):
         assert _child({"PATH": "", name: "2"}) == "False"
         monkeypatch.delenv(name)
     assert tune_cpu_allocator(top_pad=0) is False
+
+
+@pytest.mark.parametrize("value", ["abc", "1e9", "1 GiB"])
+def test_a_non_numeric_top_pad_is_one_line(capsys, monkeypatch, tmp_path, value):
+    """It used to end in int()'s ValueError traceback before any command ran."""
+    from tests.conftest import cli_error
+
+    monkeypatch.setenv("HSMLA_MED_MALLOC_TOP_PAD", value)
+    line = cli_error(capsys, ["export", "--checkpoint", str(tmp_path / "none.ckpt"), "--format", "onnx", "--output", str(tmp_path / "out")])
+    assert line == f"hsmla-med: error: HSMLA_MED_MALLOC_TOP_PAD={value!r}: not a whole number of bytes (0 keeps glibc's behaviour)"

@@ -262,7 +262,11 @@ def bench_learning(out: Path, steps: int = 400, seeds: int = 3, networks: list[s
     unknown = sorted(set(networks) - set(NETWORKS))
     if unknown:
         raise ConfigError(f"--networks: unknown network(s) {unknown}; known: {', '.join(NETWORKS)}")
-    data = write_mni_dataset(data_dir, slices)
+    try:
+        data = write_mni_dataset(data_dir, slices)
+    except OSError as err:  # an unwritable home (the default folder) or --data-dir
+        raise ConfigError(f"--data-dir {data_dir or '~/.cache/hsmla-med/mni-learning'}: cannot write the MNI dataset there "
+                          f"({err.strerror or err}); give --data-dir a writable folder") from None
     meta = json.loads((data / "dataset.json").read_text())
     setup = Setup(data, meta, _eval_inputs(data, meta, out / "eval_inputs"), steps, roi, crops, machine()["commit"])
     rows = []

@@ -34,6 +34,7 @@ from hsmla_med.bench import gpu, learning
 from hsmla_med.bench.common import Parser, markdown, out_folder, positive_int, write_csv
 from hsmla_med.bench.layers import LAYER_KINDS, bench_layer
 from hsmla_med.bench.models import bench_endovis, bench_models
+from hsmla_med.errors import ConfigError
 from hsmla_med.runtime import tune_cpu_allocator
 
 
@@ -115,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             parser.error(f"--only gpu --device {args.device}: {problem}")
     torch.set_num_threads(args.threads)
-    tuned = tune_cpu_allocator()
+    try:
+        tuned = tune_cpu_allocator()
+    except ConfigError as err:  # (python -m hsmla_med.bench: hsmla-med itself reports it first)
+        parser.error(str(err))
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"{args.threads} threads, heap top pad {'on' if tuned else 'off'} (hsmla_med.runtime)")
     if args.only in _TABLES:
