@@ -14,6 +14,8 @@ import hashlib
 import json
 import logging
 import time
+import zipfile
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -110,6 +112,27 @@ def _grid_params(data: dict) -> dict:
     return {k: data[k] for k in ("level", "mpp", "patch_size", "stride", "min_tissue", "tumour_coverage", "tissue_min_area_um2")}
 
 
+_GRID_KEYS = {"coords", "rows", "cols", "labels", "lesions", "level", "tissue_downsample", "tissue_fraction"}  # slide_patches: its result
+
+
+def _cached_grid(cache: Path) -> dict | None:
+    """The patch grid cached in ``cache``, or ``None`` when there is none or it is damaged (a
+    truncated or foreign file: then the grid is computed again and the file replaced, with a
+    log line saying so)."""
+    if not cache.is_file():
+        return None
+    try:
+        with np.load(cache) as f:  # no pickles: a foreign file is refused, not run
+            grid = {k: f[k] for k in f.files}
+        if set(grid) == _GRID_KEYS:
+            return grid
+        problem = f"it holds {sorted(grid)}"
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as err:
+        problem = str(err) or type(err).__name__
+    log.warning("%s: damaged patch-grid cache (%s); computing the grid again", cache, problem)
+    return None
+
+
 def slide_patches(case: dict, data: dict) -> dict:
     """The patch grid of one slide: level-0 ``coords`` (n, 2) of patches inside tissue, their
     grid ``rows``/``cols``, tumour ``labels`` (annotation coverage >= ``tumour_coverage``), the
@@ -122,9 +145,9 @@ def slide_patches(case: dict, data: dict) -> dict:
     notes = Path(case["annotation"]).stat().st_mtime_ns if case["annotation"] else None
     key = json.dumps([_GRID_VERSION, str(slide_path.resolve()), stat.st_size, stat.st_mtime_ns, case["annotation"], notes, params], sort_keys=True)
     cache = Path(data["cache_dir"]).expanduser() / "camelyon16-patches" / f"{slide_path.stem}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.npz"
-    if cache.is_file():
-        with np.load(cache) as f:
-            return {k: f[k] for k in f.files}
+    cached = _cached_grid(cache)
+    if cached is not None:
+        return cached
     slide = open_slide(slide_path)
     level = select_level(slide, None if params["mpp"] else params["level"], params["mpp"])  # mpp wins when set
     level_ds = float(slide.level_downsamples[level])

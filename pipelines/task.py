@@ -122,6 +122,8 @@ def synthetic_root(data: dict, task: str, files: str, nature: str, generate: Cal
                          "set data.cache_dir to a writable folder") from None
     try:
         generate(root)
+    except FileExistsError as err:  # a dataset the generator did not write (real data): never overwritten
+        raise DataError(f"{err}; set data.cache_dir to another folder") from None
     finally:
         lock.release()
     return root

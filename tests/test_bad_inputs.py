@@ -346,3 +346,45 @@ def test_bad_training_volume_exits_2_without_abort(tmp_path):
     errors = [line for line in done.stderr.splitlines() if "error" in line.lower() or "terminate" in line]
     assert errors == [f"hsmla-med: error: {data / 'imagesTr' / 'img0001.nii.gz'}: image has 2 channel(s), the model expects 1"], done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("task, marker", [("btcv", "dataset_0.json"), ("endovis", "synthetic.json"), ("camelyon16", "synthetic.json")])
+def test_foreign_dataset_in_the_synthetic_cache_is_one_line(capsys, tmp_path, task, marker):
+    """A dataset the generator did not write, where it would write its own, is refused (never
+    overwritten) in one line; it used to end in FileExistsError's traceback."""
+    foreign = tmp_path / "cache" / f"{task}-synthetic" / marker
+    foreign.parent.mkdir(parents=True)
+    foreign.write_text('{"name": "my own data"}')
+    config = _yaml(tmp_path, f"data: {{cache_dir: {tmp_path / 'cache'}}}\n")
+    line = _error(capsys, ["train", "--task", task, "--config", config, "--max-steps", "1", "--output", str(tmp_path / "run")])
+    assert line.startswith(f"hsmla-med: error: {foreign}: not written by the synthetic") and "set data.cache_dir to another folder" in line
+    assert foreign.read_text() == '{"name": "my own data"}'
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not an archive", "other arrays"])
+def test_damaged_patch_grid_cache_is_computed_again(tmp_path, caplog, damage):
+    """A patch-grid cache file cut short, overwritten or holding other arrays used to end in
+    numpy's traceback (BadZipFile, a pickle refusal) or a KeyError: the grid is computed again,
+    equal to the first, the file replaced, and a log line names it."""
+    from hsmla_med.data.synthetic.wsi import generate_camelyon16
+    from hsmla_med.pipelines import camelyon16
+
+    generate_camelyon16(tmp_path / "data", num_normal=1, num_tumor=1, num_test=0, size=(768, 512))
+    config = task_config("camelyon16")["data"] | {"cache_dir": str(tmp_path / "cache"), "patch_size": 64, "stride": 64}
+    case = {"slide": str(next((tmp_path / "data").rglob("tumor_*.tif"))), "annotation": None, "label": 0}
+    first = camelyon16.slide_patches(case, config)
+    (cache,) = (tmp_path / "cache" / "camelyon16-patches").glob("*.npz")
+    if damage == "truncated":
+        cache.write_bytes(cache.read_bytes()[:200])
+    elif damage == "not an archive":
+        cache.write_bytes(b"\x80\x04garbage")
+    else:
+        np.savez(cache, something=np.zeros(3))
+    with caplog.at_level("WARNING", logger="hsmla_med"):
+        again = camelyon16.slide_patches(case, config)
+    assert f"{cache}: damaged patch-grid cache" in caplog.text
+    assert set(again) == set(first)
+    for key in first:
+        np.testing.assert_array_equal(again[key], first[key])
+    with np.load(cache) as f:
+        assert set(f.files) == set(first)
