@@ -32,9 +32,11 @@ from hsmla_med.pipelines.task import InferenceOptions, Task, input_files, predic
 __all__ = ["TASK", "datalist", "check_config", "preprocessing_items", "UNCROPPED_BACKGROUND", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer"]
 
 OTSU_MARGIN = 2  # voxels around the Otsu foreground that the crop keeps
-# The background's probability outside the foreground crop. Subtracted from it before the
-# inverse transforms and added back after, so that the voxels the crop cut off, which its
-# inverse pads with 0, come back as this value. The exported bundle does the same around Invertd.
+# The background's probability outside the foreground crop. The exported bundle, whose Invertd
+# pads with 0, subtracts it from the background before Invertd and adds it back after (the
+# inverse resampling and flips are linear), which gives the same probabilities up to rounding;
+# infer sets the uncropped voxels instead, so that probabilities inside the crop, and their ties,
+# stay exact.
 UNCROPPED_BACKGROUND = 1.0
 
 
@@ -211,14 +213,12 @@ def labels_in_input_geometry(case: dict, transform: Compose, probabilities: bool
     Ties go to the lower class, as ``argmax``. With ``probabilities`` also every class's
     probability there, float16 ``(classes, *shape)``.
 
-    Outside the foreground crop the background's probability is 1 and every other class's 0, as
-    nnU-Net writes them: the crop's inverse pads with 0, so the background goes back shifted by
-    :data:`UNCROPPED_BACKGROUND` (resampling and flips are linear: the shift passes through them).
+    Outside the foreground crop the background's probability is :data:`UNCROPPED_BACKGROUND` (1)
+    and every other class's 0, as nnU-Net writes them (MONAI's inverse of the crop pads with 0).
     """
     best = labels = stack = None
     for c, p in enumerate(case["probs"]):
-        shift = UNCROPPED_BACKGROUND if c == 0 else 0.0
-        p = invert(p[None] - shift, case["image"], transform)[0] + shift
+        p = invert(p[None], case["image"], transform, uncropped=UNCROPPED_BACKGROUND if c == 0 else 0.0)[0]
         if probabilities:
             if stack is None:
                 stack = np.empty((len(case["probs"]), *p.shape), np.float16)

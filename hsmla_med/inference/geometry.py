@@ -19,7 +19,7 @@ from copy import deepcopy
 import numpy as np
 import torch
 from monai.data import MetaTensor
-from monai.transforms import Compose, InvertibleTransform, Spacingd
+from monai.transforms import Compose, CropForegroundd, InvertibleTransform, Spacingd
 from monai.utils import TraceKeys
 
 __all__ = ["invert", "separable_resample"]
@@ -74,11 +74,21 @@ def _undo_spacing(t: Spacingd, key: Hashable, img: MetaTensor) -> MetaTensor | N
     return out
 
 
-def invert(pred: torch.Tensor, image: MetaTensor, transform: Compose, key: Hashable = "image") -> torch.Tensor:
+def _fill_uncropped(img: MetaTensor, cropped, value: float) -> None:
+    """Set the voxels of ``img`` that a crop's inverse padded back (``cropped``: voxels cut
+    before and after, per spatial axis, MONAI's record) to ``value``, in place."""
+    for axis, (before, after) in enumerate(np.asarray(cropped, dtype=int).reshape(-1, 2), start=1):
+        img.narrow(axis, 0, before).fill_(value)
+        img.narrow(axis, img.shape[axis] - after, after).fill_(value)
+
+
+def invert(pred: torch.Tensor, image: MetaTensor, transform: Compose, key: Hashable = "image", uncropped: float = 0.0) -> torch.Tensor:
     """``pred`` ``(C, *spatial)``, on the grid of ``image`` (the output of ``transform`` under
     ``key``), mapped back to the grid ``transform`` started from: what ``Invertd("pred",
     transform, orig_keys=key, nearest_interp=False)`` returns, with ``Spacingd``'s inverse by
-    :func:`separable_resample` where it is axis-aligned and bilinear. A plain tensor."""
+    :func:`separable_resample` where it is axis-aligned and bilinear, and the voxels that a
+    ``CropForegroundd`` cut off set to ``uncropped`` (MONAI's inverse pads them with 0; the
+    background's probability there is 1). A plain tensor."""
     data = {key: MetaTensor(pred, meta=deepcopy(image.meta), applied_operations=deepcopy(image.applied_operations))}
     for t in reversed(transform.flatten().transforms):
         if not isinstance(t, InvertibleTransform):
@@ -86,6 +96,10 @@ def invert(pred: torch.Tensor, image: MetaTensor, transform: Compose, key: Hasha
         undone = _undo_spacing(t, key, data[key]) if isinstance(t, Spacingd) else None
         if undone is not None:
             data[key] = undone
+        elif isinstance(t, CropForegroundd) and uncropped:
+            cropped = t.cropper.get_most_recent_transform(data[key])[TraceKeys.EXTRA_INFO]["cropped"]
+            data = t.inverse(data)
+            _fill_uncropped(data[key], cropped, uncropped)
         else:
             data = t.inverse(data)
     out = data[key]
