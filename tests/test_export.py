@@ -149,3 +149,50 @@ def test_export_errors(btcv_ckpt, tmp_path, capsys):
     assert exported_file(foreign) == foreign and exported_file(path) is None
     assert "without hsmla-med's hsmla_med.json" in cli_error(capsys, ["infer", "--task", "btcv", "--checkpoint", str(foreign), "--input", "x", "--output", out])
     assert not (tmp_path / "out" / "model.onnx").exists() and not (tmp_path / "out" / "model.ts").exists()
+
+
+def test_onnx_of_a_window_whose_deepest_stage_is_one_token(tmp_path, capsys):
+    """An HSMLA checkpoint trained with 64 x 64 windows: torch.export cannot solve
+    ``((x/16)//4) - 1 == 0`` for dynamic spatial axes and the command died with its traceback.
+    The graph is exported with static spatial axes instead, checked, and export.json says so."""
+    import onnxruntime as ort
+
+    from hsmla_med.cli import main
+
+    config = tiny_config(tmp_path, tmp_path / "run")
+    config["data"]["roi_size_2d"] = [64, 64]
+    path, module = checkpoint(tmp_path / "b0.ckpt", "btcv", config, ["background", "a", "b"])
+    assert main(["export", "--checkpoint", str(path), "--format", "onnx", "--output", str(tmp_path / "onnx")]) == 0
+    report = json.loads((tmp_path / "onnx" / "export.json").read_text())
+    assert report["size"] == [64, 64] and report["spatial_ranges"] == [[64, 64], [64, 64]] and report["dynamic_batch"]
+    assert len(report["notes"]) == 1 and report["notes"][0].startswith("spatial axes static: the exporter could not make them dynamic")
+    assert "spatial axes static" in capsys.readouterr().out
+    x = torch.randn(3, 1, 64, 64, generator=torch.Generator().manual_seed(7))
+    session = ort.InferenceSession(str(tmp_path / "onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
+    assert np.abs(session.run(None, {"image": x.numpy()})[0] - _logits(module.network, x)).max() <= 1e-4
+
+
+def test_onnx_of_a_monai_unet_checks_sizes_it_takes(tmp_path):
+    """A MONAI UNet (total stride 4) concatenates skip connections whose sizes must agree: the
+    parity check at 69 x 69 died in onnxruntime's Concat. The other sizes checked are multiples
+    of 4, which the report and the model's metadata record; the graph runs at another one."""
+    import onnx
+    import onnxruntime as ort
+
+    from hsmla_med.cli import main
+
+    task = get_task("btcv")
+    config = tiny_config(tmp_path, tmp_path / "run")
+    config["data"]["roi_size_2d"] = [64, 64]
+    unet = {"monai": "UNet", "args": {"channels": [4, 8, 16], "strides": [2, 2], "num_res_units": 1}}
+    module = task.module_class(task.module_config(config, unet, ["background", "a", "b"]))
+    torch.save({"hyper_parameters": dict(module.hparams), "state_dict": module.state_dict(), "epoch": 0, "global_step": 0}, tmp_path / "unet.ckpt")
+    assert main(["export", "--checkpoint", str(tmp_path / "unet.ckpt"), "--format", "onnx", "--output", str(tmp_path / "onnx")]) == 0
+    report = json.loads((tmp_path / "onnx" / "export.json").read_text())
+    assert report["spatial_multiple"] == 4 and report["checked_sizes"] == [[64, 64], [68, 68], [32, 32]]
+    assert report["notes"] == ["the network takes spatial sizes that are multiples of 4 only"]
+    model = onnx.load(str(tmp_path / "onnx" / "model.onnx"))
+    assert json.loads(model.metadata_props[0].value)["spatial_multiple"] == 4
+    x = torch.randn(2, 1, 44, 36, generator=torch.Generator().manual_seed(3))  # multiples of 4, neither checked
+    session = ort.InferenceSession(str(tmp_path / "onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
+    assert np.abs(session.run(None, {"image": x.numpy()})[0] - _logits(module.network, x)).max() <= 1e-4

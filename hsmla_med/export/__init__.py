@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import re
 import time
 import warnings
 from collections.abc import Sequence
@@ -135,10 +136,13 @@ def export_onnx(network: nn.Module, size: Sequence[int], in_channels: int, path:
     into the model's ``metadata_props`` as JSON under ``hsmla_med``. Checked with
     ``onnx.checker`` and against the PyTorch network under onnxruntime (CPU) on
     :func:`parity_inputs` at ``size`` (``reference``: the network's logits of those, when already
-    computed) and, for dynamic spatial axes, at two other sizes (:func:`_other_sizes`). Returns
-    ``{"max_abs_diff", "seconds", "size", "opset", "dynamic_batch", "spatial_ranges",
-    "checked_sizes"}``: ``spatial_ranges`` per axis ``[min, max]`` (``max`` ``None``: unbounded;
-    ``min == max``: the axis came out static)."""
+    computed) and, for dynamic spatial axes, at two other sizes the network takes
+    (:func:`_other_sizes`). Returns ``{"max_abs_diff", "seconds", "size", "opset",
+    "dynamic_batch", "spatial_ranges", "spatial_multiple", "checked_sizes", "notes"}``:
+    ``spatial_ranges`` per axis ``[min, max]`` (``max`` ``None``: unbounded; ``min == max``: the
+    axis came out static), ``spatial_multiple`` what the sizes the network takes are multiples
+    of (1: any; ``None``: no other size found), ``notes`` what was not as asked (static axes,
+    sizes the network refuses)."""
     import onnx
     import onnxruntime as ort
 
@@ -147,26 +151,11 @@ def export_onnx(network: nn.Module, size: Sequence[int], in_channels: int, path:
     inputs = parity_inputs(in_channels, size)
     reference = reference if reference is not None else _reference(network, inputs)
     example = torch.randn(2, in_channels, *size)  # batch 2: a batch of 1 would be specialised
-    # spatial axes: Dim.AUTO, dynamic wherever the graph allows (a size the network needed fixed
-    # would come out static, and the check below says so) within the range the exporter proves
-    dynamic_shapes = ({0: torch.export.Dim("batch", min=1, max=MAX_BATCH), **{2 + i: torch.export.Dim.AUTO for i in range(len(size))}},)
     started = time.perf_counter()
     with warnings.catch_warnings(), atomic_path(path) as tmp:
         warnings.simplefilter("ignore")
-        with _quiet_exporter():  # the masks of the dense refinement are built in the graph, no cache is touched
-            program = torch.onnx.export(
-                net, (example,), dynamo=True, opset_version=OPSET, input_names=["image"], output_names=["logits"],
-                dynamic_shapes=dynamic_shapes, external_data=False, verbose=False,
-            )
+        program, notes = _onnx_program(net, example)
         ranges = _input_ranges(program.exported_program)
-        program.save(str(tmp), external_data=False)
-        model = onnx.load(str(tmp))
-        _name_spatial_axes(model, len(size))
-        if metadata is not None:
-            onnx.helper.set_model_props(model, {"hsmla_med": json.dumps({**metadata, "spatial_ranges": ranges[2:]})})
-        onnx.checker.check_model(model)
-        onnx.save(model, str(tmp))
-        session = ort.InferenceSession(str(tmp), providers=["CPUExecutionProvider"])
         dynamic = ranges[0][0] != ranges[0][1]
         if not dynamic:  # the exporter specialised the batch axis (seen on some tiny maps): say so, check that batch
             batch = ranges[0][0]
@@ -175,12 +164,58 @@ def export_onnx(network: nn.Module, size: Sequence[int], in_channels: int, path:
             reference = _reference(network, inputs)
         if any(lo == hi for lo, hi in ranges[2:]):
             log.warning("ONNX export: spatial axes came out static: %s", ranges[2:])
-        others = _other_sizes(size, ranges[2:])
-        extra = [parity_inputs(in_channels, s, batches=(inputs[0].shape[0],), seed=1)[0] for s in others]
-        diff = _max_diff([session.run(None, {"image": x.numpy()})[0] for x in inputs + extra], reference + _reference(network, extra))
+        others, extra, extra_reference, multiple = _other_sizes(network, in_channels, size, ranges[2:], inputs[0].shape[0])
+        if multiple != 1:
+            notes.append(f"the network takes spatial sizes that are multiples of {multiple} only" if multiple else
+                         "the network took none of the other sizes tried: parity checked at the traced size only")
+            log.warning("ONNX export: %s", notes[-1])
+        program.save(str(tmp), external_data=False)
+        model = onnx.load(str(tmp))
+        _name_spatial_axes(model, len(size))
+        if metadata is not None:
+            extras = {"spatial_ranges": ranges[2:], "spatial_multiple": multiple}
+            onnx.helper.set_model_props(model, {"hsmla_med": json.dumps({**metadata, **extras})})
+        onnx.checker.check_model(model)
+        onnx.save(model, str(tmp))
+        session = ort.InferenceSession(str(tmp), providers=["CPUExecutionProvider"])
+        diff = _max_diff([session.run(None, {"image": x.numpy()})[0] for x in inputs + extra], reference + extra_reference)
         _check("ONNX", diff, tolerance)
     return {"max_abs_diff": diff, "seconds": round(time.perf_counter() - started, 2), "size": list(size), "opset": OPSET,
-            "dynamic_batch": dynamic, "spatial_ranges": ranges[2:], "checked_sizes": [list(size), *map(list, others)]}
+            "dynamic_batch": dynamic, "spatial_ranges": ranges[2:], "spatial_multiple": multiple,
+            "checked_sizes": [list(size), *map(list, others)], "notes": notes}
+
+
+def _onnx_program(net: nn.Module, example: torch.Tensor):
+    """``(program, notes)``: the ONNX program of ``net``, batch axis dynamic and spatial axes
+    ``Dim.AUTO`` (dynamic wherever the graph allows, within the range the exporter proves). When
+    the exporter cannot make them dynamic (its solver gives up on the deepest stage of a small
+    window, e.g. ``((x/16)//4) - 1 == 0`` at 64 x 64), they are exported static, with a note."""
+    batch = {0: torch.export.Dim("batch", min=1, max=MAX_BATCH)}
+    spatial = {2 + i: torch.export.Dim.AUTO for i in range(example.dim() - 2)}
+    try:
+        return _export_onnx_program(net, example, {**batch, **spatial}), []
+    except Exception as err:  # any failure of the dynamic attempt: the static one decides
+        reason = _last_paragraph(str(err)) or type(err).__name__
+    note = f"spatial axes static: the exporter could not make them dynamic at this size ({reason})"
+    log.warning("ONNX export: %s", note)
+    return _export_onnx_program(net, example, batch), [note]
+
+
+def _last_paragraph(message: str, limit: int = 300) -> str:
+    """The last paragraph of an exporter's message on one line, without its colours and its
+    pointer to the stack trace: where it says what failed (its first paragraphs are advice)."""
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", message)
+    paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", plain)]
+    paragraphs = [p for p in paragraphs if p and not p.startswith("(Refer to the full stack trace")]
+    return paragraphs[-1][:limit] if paragraphs else ""
+
+
+def _export_onnx_program(net: nn.Module, example: torch.Tensor, dynamic: dict):
+    with _quiet_exporter():  # the masks of the dense refinement are built in the graph, no cache is touched
+        return torch.onnx.export(
+            net, (example,), dynamo=True, opset_version=OPSET, input_names=["image"], output_names=["logits"],
+            dynamic_shapes=(dynamic,), external_data=False, verbose=False,
+        )
 
 
 def _name_spatial_axes(model, dims: int) -> None:
@@ -213,15 +248,52 @@ def _input_ranges(program: torch.export.ExportedProgram) -> list[list[int | None
 MAX_SIZE = 1 << 30
 
 
-def _other_sizes(size: Sequence[int], ranges: list[list[int | None]]) -> list[tuple[int, ...]]:
-    """Two sizes besides ``size`` for the parity check of dynamic spatial axes, within
-    ``ranges``: every dynamic axis 5 larger (parity flipped), and about half (at least the
-    range's minimum); none when every axis is static."""
+def _other_sizes(network: nn.Module, in_channels: int, size: Sequence[int], ranges: list[list[int | None]], batch: int):
+    """``(sizes, inputs, logits, multiple)``: sizes besides ``size`` for the parity check of
+    dynamic spatial axes, within ``ranges``, that the PyTorch network takes, their inputs and
+    its logits of them, and the multiple those sizes keep.
+
+    First every dynamic axis 5 larger (parity flipped) and about half (at least the range's
+    minimum). A network that takes only multiples of its total stride (a UNet concatenates
+    skip connections whose sizes must agree; the exporter does not see that) refuses those:
+    then the same steps by the smallest power of two ``m`` dividing the size that it takes
+    (``size + m`` and about half, multiples of ``m``). No sizes when every axis is static
+    (``multiple`` 1) or none of these is taken (``multiple`` ``None``)."""
     if all(lo == hi for lo, hi in ranges):
-        return []
-    larger = tuple(s if lo == hi else (s + 5 if hi is None else min(s + 5, hi)) for s, (lo, hi) in zip(size, ranges))
-    smaller = tuple(s if lo == hi else max(lo, s // 2 + 1) for s, (lo, hi) in zip(size, ranges))
-    return [t for t in dict.fromkeys([larger, smaller]) if t != tuple(size)]
+        return [], [], [], 1
+    for multiple in _multiples(size, ranges):
+        sizes = _candidate_sizes(size, ranges, multiple)
+        inputs = [parity_inputs(in_channels, s, batches=(batch,), seed=1)[0] for s in sizes]
+        try:
+            return sizes, inputs, _reference(network, inputs), multiple
+        except RuntimeError:  # the network refuses one of these sizes
+            continue
+    return [], [], [], None
+
+
+def _multiples(size: Sequence[int], ranges: list[list[int | None]]) -> list[int]:
+    """1, 2, 4, ...: the powers of two dividing every dynamic axis of ``size``."""
+    dynamic = [s for s, (lo, hi) in zip(size, ranges) if lo != hi]
+    multiples = [1]
+    while all(s % (2 * multiples[-1]) == 0 for s in dynamic):
+        multiples.append(2 * multiples[-1])
+    return multiples
+
+
+def _candidate_sizes(size: Sequence[int], ranges: list[list[int | None]], multiple: int) -> list[tuple[int, ...]]:
+    """A larger and a smaller size, dynamic axes only, multiples of ``multiple`` (1: the larger
+    one 5 up, flipping parity)."""
+    def larger(s, hi):
+        up = s + (5 if multiple == 1 else multiple)
+        return up if hi is None or up <= hi else s
+
+    def smaller(s, lo):
+        half = s // 2 + 1 if multiple == 1 else max(multiple, s // 2 // multiple * multiple)
+        return max(lo, half)
+
+    up = tuple(s if lo == hi else larger(s, hi) for s, (lo, hi) in zip(size, ranges))
+    down = tuple(s if lo == hi else smaller(s, lo) for s, (lo, hi) in zip(size, ranges))
+    return [t for t in dict.fromkeys([up, down]) if t != tuple(size)]
 
 
 @contextmanager
@@ -336,5 +408,6 @@ def format_report(report: dict) -> str:
     ranges = report.get("spatial_ranges") or []
     axes = "batch and spatial axes dynamic" if any(lo != hi for lo, hi in ranges) else "batch dynamic"
     checked = ", ".join("x".join(map(str, s)) for s in report.get("checked_sizes", [report["size"]]))
+    notes = "".join(f"; {note}" for note in report.get("notes", []))
     return (f"{report['format']}: {report['task']} network traced at {size} ({axes}), max |logit difference| vs PyTorch "
-            f"{report['max_abs_diff']:.2e} at {checked} (tolerance {report['tolerance']:g}), {report['seconds']:.1f} s")
+            f"{report['max_abs_diff']:.2e} at {checked} (tolerance {report['tolerance']:g}), {report['seconds']:.1f} s{notes}")
