@@ -61,7 +61,7 @@ def _add_prediction_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--strategy", choices=["auto", "ddp"], default="auto", help="ddp: split the cases over --devices x --num-nodes processes (also under torchrun or SLURM)")
     g.add_argument("--num-nodes", type=int, default=1, help="nodes of a multi-node run")
     g.add_argument("--precision", choices=["auto", "32-true", "16-mixed", "bf16-mixed"], default="auto", help="auto: mixed precision on CUDA, float32 on the CPU")
-    g.add_argument("--shard", help="I/N: only shard I (from 0) of N of the sorted cases, for array jobs; outputs that exist are skipped")
+    g.add_argument("--shard", help="I/N: only shard I (from 0) of N of the sorted cases, for array jobs; outputs this checkpoint wrote with the same options are skipped (provenance.json)")
     g.add_argument("--num-workers", type=int, default=0, help="DataLoader workers reading and preprocessing inputs (default 0: in the main process)")
     g.add_argument("--overwrite", action="store_true", help="predict every case again, also into a folder that holds outputs of another checkpoint or other options (refused without it; OUTPUT/provenance.json says whose they are)")
 
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routing", choices=["gate", "off", "all"], help="override HSMLA routing: off = linear attention only, all = refine every tile")
     _add_trainer_options(p)
 
-    p = sub.add_parser("wsi-heatmap", help="tumour heatmaps of whole slides (CAMELYON16 checkpoint)", description="Streams the tissue patches of each slide through the classifier and writes <slide>_heatmap.tif (pyramidal, OpenSlide/QuPath), <slide>_overlay.png, <slide>_gates.png and <slide>.json into OUTPUT. Slides already done (their JSON exists) are skipped, so an interrupted run resumes.")
+    p = sub.add_parser("wsi-heatmap", help="tumour heatmaps of whole slides (CAMELYON16 checkpoint)", description="Streams the tissue patches of each slide through the classifier and writes <slide>_heatmap.tif (pyramidal, OpenSlide/QuPath), <slide>_overlay.png, <slide>_gates.png and <slide>.json into OUTPUT. Slides this checkpoint already did with the same options are skipped, so an interrupted run resumes; OUTPUT holding heatmaps of another checkpoint or other options is refused unless --overwrite.")
     p.add_argument("--checkpoint", required=True, help="a checkpoint written by train --task camelyon16")
     p.add_argument("--slide", required=True, help="a slide file (any format OpenSlide opens) or a folder of slides")
     p.add_argument("--output", required=True, help="folder for the heatmaps")
