@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from hsmla_med.cli import main
-from hsmla_med.config import model_config
 from hsmla_med.engine.run import evaluate, load_module
 from hsmla_med.engine.segmentation import SegmentationModule
 from hsmla_med.pipelines import btcv

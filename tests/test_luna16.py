@@ -211,7 +211,7 @@ def test_synthetic_generator_replaces_only_its_own_files(tmp_path):
 
 
 def test_bad_inputs_name_the_file(tmp_path, caplog):
-    path = _write_scan(tmp_path / "scan.mhd", np.zeros((4, 5, 6), np.int16), _rotated_geometry())
+    _write_scan(tmp_path / "scan.mhd", np.zeros((4, 5, 6), np.int16), _rotated_geometry())
     (tmp_path / "scan.raw").unlink()
     with pytest.raises(DataError, match=r"scan\.mhd: its voxel file .*scan\.raw is missing"):
         find_scans(tmp_path)
