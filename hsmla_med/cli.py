@@ -113,10 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_task_options(p, required=False)
     p.add_argument("--checkpoint", help="a checkpoint written by train")
     p.add_argument("--output", help="folder for metrics.json (default runs/evaluate), or for summary.json with --predictions (default: that folder)")
-    p.add_argument("--predictions", metavar="DIR", help="a folder of predicted NIfTI label maps, scored without a checkpoint")
-    p.add_argument("--labels", metavar="DIR", help="with --predictions: the reference label maps (same file names, same shape and affine)")
-    p.add_argument("--dataset-json", metavar="F", help="with --predictions: dataset.json naming the classes ('labels'; default: the label values found)")
-    p.add_argument("--nsd-tolerance", type=float, default=2.0, metavar="MM", help="with --predictions: NSD tolerance in mm (default 2)")
+    p.add_argument("--predictions", metavar="P", help="predictions of any tool, scored without a checkpoint: btcv (default) a folder of NIfTI "
+                   "label maps; luna16 a submission CSV; camelyon16 a folder of lesion CSVs and the slide CSV; endovis a folder of mask PNGs")
+    p.add_argument("--labels", metavar="L", help="with --predictions, the reference: btcv a folder of label maps (same file names, same shape "
+                   "and affine); luna16 annotations.csv; camelyon16 the folder of annotation XMLs; endovis the dataset folder")
+    p.add_argument("--dataset-json", metavar="F", help="btcv, with --predictions: dataset.json naming the classes ('labels'; default: the label values found)")
+    p.add_argument("--nsd-tolerance", type=float, default=2.0, metavar="MM", help="btcv, with --predictions: NSD tolerance in mm (default 2)")
+    p.add_argument("--excluded", metavar="F", help="luna16, with --predictions: annotations_excluded.csv (findings there count neither way)")
+    p.add_argument("--seriesuids", metavar="F", help="luna16, with --predictions: seriesuids.csv, the scans scored (default: those of --labels)")
     p.add_argument("--tta", action="store_true", help="mirroring test-time augmentation")
     p.add_argument("--routing", choices=["gate", "off", "all"], help="override HSMLA routing: off = linear attention only, all = refine every tile")
     _add_trainer_options(p)
@@ -317,21 +321,21 @@ def _wsi_heatmap(args) -> list[Path]:
 
 def _evaluate_predictions(args) -> dict:
     from hsmla_med.errors import InputError
-    from hsmla_med.evaluation import evaluate_folder
 
     if args.labels is None:
-        raise InputError("--predictions needs --labels DIR, the folder of reference label maps")
+        raise InputError("--predictions needs --labels, the reference files")
     if args.checkpoint is not None:
         raise InputError("--checkpoint with --predictions: the predictions are scored as they are; give one or the other")
-    if args.task not in (None, "btcv"):
-        raise InputError(f"--predictions with --task {args.task}: only volume label maps (btcv) are scored from a folder")
-    if not Path(args.predictions).is_dir():  # before the default --output would create it
-        raise InputError(f"--predictions {args.predictions}: folder not found")
-    output = _writable_folder(args.output if args.output is not None else args.predictions, "--output")
-    summary = evaluate_folder(args.predictions, args.labels, args.dataset_json, output, args.nsd_tolerance)
-    means = {k: "n/a" if v is None else f"{v:.4f}" for k, v in summary["foreground_mean"].items()}
-    print(f"{len(summary['metric_per_case'])} cases, foreground mean: Dice {means['Dice']}, HD95 {means['HD95']} mm, "
-          f"NSD ({args.nsd_tolerance:g} mm) {means['NSD']}\nsummary: {output / 'summary.json'}, {output / 'metrics_per_case.csv'}")
+    task = get_task(args.task or "btcv")
+    predictions, labels = Path(args.predictions), Path(args.labels)
+    for option, path in (("--predictions", predictions), ("--labels", labels)):
+        if not path.exists():  # before the default --output would create a folder there
+            raise InputError(f"{option} {path}: not found")
+    default = predictions if predictions.is_dir() else predictions.parent
+    output = _writable_folder(args.output if args.output is not None else default, "--output")
+    options = {k: getattr(args, k) for k in ("dataset_json", "nsd_tolerance", "excluded", "seriesuids")}
+    summary = task.score_predictions(predictions, labels, output, options)
+    print("\n".join(task.score_lines(summary, output)))
     return summary
 
 

@@ -29,7 +29,7 @@ from hsmla_med.inference.geometry import invert
 from hsmla_med.io import atomic_path, is_temporary
 from hsmla_med.pipelines.task import InferenceOptions, Task, input_files, predict_cases, synthetic_root
 
-__all__ = ["TASK", "datalist", "check_config", "preprocessing_items", "UNCROPPED_BACKGROUND", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer"]
+__all__ = ["TASK", "datalist", "check_config", "preprocessing_items", "UNCROPPED_BACKGROUND", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer", "score_predictions"]
 
 OTSU_MARGIN = 2  # voxels around the Otsu foreground that the crop keeps
 # The background's probability outside the foreground crop. The exported bundle, whose Invertd
@@ -255,6 +255,14 @@ def write_labels(path: Path, labels: np.ndarray, reference: Path) -> Path:
     return path
 
 
+def score_predictions(predictions: Path, labels: Path, output: Path, options: dict) -> dict:
+    """NIfTI label maps of any tool against reference label maps of the same names
+    (:func:`~hsmla_med.evaluation.evaluate_folder`)."""
+    from hsmla_med.evaluation import evaluate_folder
+
+    return evaluate_folder(predictions, labels, options.get("dataset_json"), output, options.get("nsd_tolerance", 2.0))
+
+
 class BTCV(Task):
     """BTCV and any NIfTI segmentation dataset in MSD / nnU-Net layout (CT or MRI)."""
 
@@ -263,6 +271,12 @@ class BTCV(Task):
     in_channels = 1
     inputs = "NIfTI volumes (.nii, .nii.gz)"
     outputs = "OUTPUT/<case>.nii.gz label maps with each input's shape and affine"
+
+    def score_lines(self, summary: dict, output: Path) -> list[str]:
+        means = {k: "n/a" if v is None else f"{v:.4f}" for k, v in summary["foreground_mean"].items()}
+        nsd = summary.get("nsd_tolerance_mm")
+        return [f"{len(summary['metric_per_case'])} cases, foreground mean: Dice {means['Dice']}, HD95 {means['HD95']} mm, "
+                f"NSD ({nsd:g} mm) {means['NSD']}", f"summary: {output / 'summary.json'}, {output / 'metrics_per_case.csv'}"]
 
 
 TASK = BTCV()

@@ -214,6 +214,7 @@ class Task(ABC):
 
     MODULE_FUNCTIONS: ClassVar[dict[str, str]] = {
         "datalist": "datalist", "datamodule": "datamodule", "module_config": "module_config", "held_out": "held_out", "predict": "infer",
+        "score_predictions": "score_predictions",
     }
 
     def __init_subclass__(cls, **kwargs) -> None:
@@ -251,6 +252,22 @@ class Task(ABC):
     def predict(self, module: GatedModule, inputs, output: str | Path, options: InferenceOptions) -> list[Path]:
         """Run ``module`` on ``inputs`` (a file, a folder or a list of them) and write the task's
         outputs into ``output``; returns the written paths."""
+
+    def score_predictions(self, predictions: Path, labels: Path, output: Path, options: dict) -> dict:
+        """``evaluate --predictions P --labels L``: score predictions of any tool in the task's
+        native format against the reference files, write ``summary.json`` (and the task's other
+        reports) into ``output`` and return it. ``options``: the command's task-specific options
+        (``dataset_json``, ``nsd_tolerance``, ``excluded``, ``seriesuids``), ``None`` where not given.
+        A task without a pipeline function ``score_predictions`` refuses."""
+        raise InputError(f"--predictions with --task {self.name}: this task does not score predictions without a checkpoint")
+
+    def score_lines(self, summary: dict, output: Path) -> list[str]:
+        """What ``evaluate --predictions`` prints after :meth:`score_predictions`."""
+        cases = summary.get("metric_per_case")
+        means = summary.get("foreground_mean") or {}
+        fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
+        return [f"{len(cases) if cases is not None else 'n/a'} cases; " + ", ".join(f"{k} {fmt(v)}" for k, v in means.items() if not isinstance(v, dict)),
+                f"summary: {output / 'summary.json'}"]
 
     def load(self, checkpoint: str | Path, tta: bool = False) -> tuple[GatedModule, dict]:
         """The module of a checkpoint of this task (``weights_only=True``), in eval mode on the

@@ -179,7 +179,7 @@ def test_bad_options_and_values(tmp_path, capsys):
     assert "--nsd-tolerance -1.0" in cli_error(capsys, ["evaluate", "--predictions", str(predictions), "--labels", str(labels),
                                                         "--nsd-tolerance", "-1"])
     missing = tmp_path / "nowhere"
-    assert f"--predictions {missing}: folder not found" in cli_error(capsys, ["evaluate", "--predictions", str(missing), "--labels", str(labels)])
+    assert f"--predictions {missing}: not found" in cli_error(capsys, ["evaluate", "--predictions", str(missing), "--labels", str(labels)])
     assert not missing.exists()
     # checkpoint mode keeps needing its options
     assert "needs --task and --checkpoint" in cli_error(capsys, ["evaluate", "--task", "btcv"])
