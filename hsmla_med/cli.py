@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     steps.add_argument("--max-epochs", type=int, help="epochs to train instead of steps")
     p.add_argument("--output", help="run folder (config: output, default runs/<task>)")
     p.add_argument("--resume", action="store_true", help="continue from OUTPUT/last.ckpt (weights, optimizer, schedule, step)")
-    p.add_argument("--seed", type=int, help="random seed (config: seed)")
+    p.add_argument("--seed", type=int, help="random seed (config: seed; the splits file, once made, keeps its folds)")
+    p.add_argument("--fold", type=int, help="cross-validation fold of splits_final.json to train (config: fold, default 0)")
     _add_trainer_options(p)
 
     p = sub.add_parser("infer", help="run a checkpoint on new inputs", description="Run a checkpoint on new inputs. " + "; ".join(f"{n}: {t.outputs}" for n, t in tasks.items()) + ".")
@@ -122,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--excluded", metavar="F", help="luna16, with --predictions: annotations_excluded.csv (findings there count neither way)")
     p.add_argument("--seriesuids", metavar="F", help="luna16, with --predictions: seriesuids.csv, the scans scored (default: those of --labels)")
     p.add_argument("--tta", action="store_true", help="mirroring test-time augmentation")
+    p.add_argument("--allow-training-cases", action="store_true", help="score validation cases the checkpoint trained on (refused by default: "
+                   "the checkpoint records its fold's case IDs)")
     p.add_argument("--routing", choices=["gate", "off", "all"], help="override HSMLA routing: off = linear attention only, all = refine every tile")
     _add_trainer_options(p)
 
@@ -166,7 +169,7 @@ def _config(args) -> dict:
         config = validate_config(merge_config(config, load_yaml(args.config), source=args.config), args.config)
     if getattr(args, "data_dir", None):
         config["data"]["data_dir"] = args.data_dir
-    for key in ("model", "mode", "seed", "output"):
+    for key in ("model", "mode", "seed", "output", "fold"):
         if getattr(args, key, None) is not None:
             config[key] = getattr(args, key)
     trainer = config["trainer"]
@@ -339,6 +342,21 @@ def _evaluate_predictions(args) -> dict:
     return summary
 
 
+def _check_unseen(module, cases, args) -> None:
+    """Refuse to score cases the checkpoint trained on (its ``split`` record) unless asked."""
+    from hsmla_med.errors import InputError
+
+    trained = set((module.config.get("split") or {}).get("train") or [])
+    if not trained:
+        log.warning("%s records no split (written before splits_final.json): cannot check that its validation cases are unseen", args.checkpoint)
+        return
+    seen = sorted(trained & set((cases.split or {}).get("val") or []))
+    if seen and not args.allow_training_cases:
+        raise InputError(f"--checkpoint {args.checkpoint} trained on {len(seen)} of the {len(cases.validation)} cases to score "
+                         f"(fold {cases.split['fold']} of {cases.split['file']}: {', '.join(seen[:5])}{' ...' if len(seen) > 5 else ''}); "
+                         "their scores would not be held-out scores; pass --allow-training-cases to score them anyway")
+
+
 def _evaluate(args) -> dict:
     from hsmla_med.engine.run import evaluate
     from hsmla_med.errors import InputError
@@ -359,6 +377,7 @@ def _evaluate(args) -> dict:
         module.network.set_routing(args.routing)
     config = task.evaluation_config(_config(args), module)
     cases = task.datalist(config)
+    _check_unseen(module, cases, args)
     if cases.label_names != module.label_names:
         raise InputError(f"--checkpoint {args.checkpoint} predicts {len(module.label_names)} classes {module.label_names}, "
                          f"the dataset has {len(cases.label_names)} {cases.label_names}")

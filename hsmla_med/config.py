@@ -211,6 +211,11 @@ def _crop(value, key):
         raise ConfigError(f"{key} must be null or [top, left, height, width] in whole pixels (offsets >= 0, sizes >= 1), got {value!r}")
 
 
+def _optional_string(value, key):
+    if value is not None:
+        _string(value, key)
+
+
 def _string(value, key):
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{key} must be a non-empty string, got {value!r}")
@@ -220,6 +225,7 @@ _CHECKS = {
     "task": _string,
     "mode": _choice("2d", "3d"),
     "seed": _number(0, integer=True),
+    "fold": _number(0, integer=True),
     "output": _string,
     "optim.lr": _number(0, low_open=True),
     "optim.weight_decay": _number(0),
@@ -241,7 +247,8 @@ _CHECKS = {
     "trainer.num_nodes": _number(1, integer=True),
     "trainer.strategy": _string,
     "trainer.precision": _choice("auto", "32-true", "32", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true"),
-    "data.validation_fraction": _number(0, 1, low_open=True, high_open=True),
+    "data.folds": _number(2, integer=True),
+    "data.splits_file": _optional_string,
     "data.batch_size": _number(1, integer=True),
     "data.num_workers": _number(0, integer=True),
     "data.cache_rate": _number(0, 1),
@@ -253,7 +260,7 @@ _CHECKS = {
     "data.mpp": _number(0, low_open=True, nullable=True),
     "data.crop": _crop,
 }
-_TYPED_BY_CHECK = {"data.crop"}  # keys whose check above is their whole type check (their default's type is not)
+_TYPED_BY_CHECK = {"data.crop", "data.splits_file"}  # keys whose check above is their whole type check (their default's type is not)
 
 
 def _same_type(value, default, key: str) -> None:

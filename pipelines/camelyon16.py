@@ -28,7 +28,8 @@ from monai.transforms import Compose, MapTransform, RandFlipd, RandRotate90d, Ra
 from torch.utils.data import WeightedRandomSampler
 
 from hsmla_med.data.asap import rasterise, read_asap_xml
-from hsmla_med.data.datalist import Datalist, split_cases
+from hsmla_med.data.datalist import Datalist
+from hsmla_med.data.splits import fold_cases
 from hsmla_med.data.patch_readers import open_patches, requested_reader
 from hsmla_med.data.slides import coverage, open_slide, patch_grid, select_level, slide_mpp, thumbnail, tissue_mask
 from hsmla_med.data.synthetic.wsi import generate_camelyon16
@@ -93,7 +94,8 @@ def find_slides(data_dir: str | Path) -> tuple[list[dict], list[dict]]:
 def datalist(config: dict) -> Datalist:
     """Training/validation/test slides: the user's folder or the synthetic default (generated
     once into ``cache_dir``, logged as synthetic). Validation is a seeded, stratified share of
-    the training slides."""
+    the training slides in ``splits_final.json`` (:func:`~hsmla_med.data.splits.fold_cases`),
+    stratified tumour/normal."""
     data = config["data"]
     root, synthetic = data["data_dir"], False
     if not root:
@@ -101,11 +103,10 @@ def datalist(config: dict) -> Datalist:
         root = synthetic_root(data, "camelyon16", "CAMELYON16-format slides", "textures, not tissue", lambda root: generate_camelyon16(
             root, synth["num_normal"], synth["num_tumor"], synth["num_test"], tuple(synth["size"]), seed=synth["seed"]))
         synthetic = True
-    training, test = find_slides(root)
-    training, validation = split_cases(training, data["validation_fraction"], config["seed"], classes=[c["label"] for c in training])
-    if not validation:
-        raise DataError(f"{root}: need at least two slides of a class to hold one out for validation")
-    return Datalist(LABELS, training, validation, test, Path(root), synthetic)
+    labelled, test = find_slides(root)
+    ids = [Path(c["image"]).stem for c in labelled]  # the slide name, as the challenge's files name it
+    training, validation, record = fold_cases(config, Path(root), labelled, ids, synthetic, classes=[c["label"] for c in labelled])
+    return Datalist(LABELS, training, validation, test, Path(root), synthetic, record)
 
 
 def _grid_params(data: dict) -> dict:

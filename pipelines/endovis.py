@@ -22,9 +22,10 @@ import torch.nn.functional as F
 from monai.transforms import Compose, RandFlipd, RandScaleIntensityd, RandShiftIntensityd, RandZoomd, Resized
 from PIL import Image
 
-from hsmla_med.data.datalist import Datalist, split_cases
+from hsmla_med.data.datalist import Datalist
 from hsmla_med.data.endovis import PROBLEMS, VIDEO_FOLDER, LoadFramed, crop_box, find_frames, find_videos, load_frame
 from hsmla_med.data.intensity import intensity_augmentations
+from hsmla_med.data.splits import fold_cases
 from hsmla_med.data.synthetic.endovis import generate_endovis
 from hsmla_med.engine.base import hparams, plain
 from hsmla_med.engine.datamodule import CaseDataModule
@@ -32,6 +33,8 @@ from hsmla_med.engine.segmentation import FrameSegmentationModule
 from hsmla_med.errors import ConfigError, DataError
 from hsmla_med.io import atomic_path
 from hsmla_med.pipelines.task import InferenceOptions, Task, predict_cases, synthetic_root
+
+VIDEO_PREFIX = "instrument_dataset_"  # the video folders, instrument_dataset_K: the case IDs of the splits
 
 __all__ = ["TASK", "datalist", "transforms", "datamodule", "module_config", "held_out", "infer", "inference_box"]
 
@@ -46,8 +49,9 @@ def _problem(config: dict) -> str:
 def datalist(config: dict) -> Datalist:
     """Frames of the user's folder or of the synthetic default (generated once into
     ``cache_dir``, logged as synthetic). Training and validation are labelled videos: those in
-    ``data.validation_videos`` or a seeded ``validation_fraction`` of them are validation; the
-    frames of unlabelled videos (the challenge's test set) are ``test``."""
+    whole videos of fold ``config["fold"]`` in ``splits_final.json`` (:func:`~hsmla_med.data.splits.fold_cases`;
+    ``data.validation_videos`` make fold 0) are validation; the frames of unlabelled videos
+    (the challenge's test set) are ``test``."""
     data = config["data"]
     problem = _problem(config)
     root, synthetic = data["data_dir"], False
@@ -59,12 +63,15 @@ def datalist(config: dict) -> Datalist:
     labelled = [v["video"] for v in videos if v["labelled"]]
     if len(labelled) < 2:
         raise DataError(f"{root}: need at least two videos with ground_truth to hold one out for validation, found {len(labelled)}")
+    fixed = {}
     if data["validation_videos"]:
         held = {int(k) for k in data["validation_videos"]}
         if not held <= set(labelled) or held == set(labelled):
             raise ConfigError(f"data.validation_videos {sorted(held)} must be some, not all, of the labelled videos {labelled} in {root}")
-    else:
-        held = set(split_cases(labelled, data["validation_fraction"], config["seed"])[1])
+        fixed = {f"{VIDEO_PREFIX}{k}": 0 for k in held}
+    ids = [f"{VIDEO_PREFIX}{k}" for k in labelled]  # the video folders: their frames stay together
+    record = fold_cases(config, Path(root), labelled, ids, synthetic, fixed=fixed)[2]
+    held = {int(i[len(VIDEO_PREFIX):]) for i in record["val"]}
     pick = lambda keep: [c for v in videos for c in v["frames"] if keep(v)]  # noqa: E731
     return Datalist(
         PROBLEMS[problem],
@@ -73,6 +80,7 @@ def datalist(config: dict) -> Datalist:
         pick(lambda v: not v["labelled"]),
         Path(root),
         synthetic,
+        record,
     )
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 from monai.transforms import Compose, DeleteItemsd, EnsureTyped, Orientationd, ScaleIntensityRanged, Spacingd
 
-from hsmla_med.data.datalist import Datalist, split_cases
+from hsmla_med.data.datalist import Datalist
 from hsmla_med.data.luna16 import (
     SUBMISSION_COLUMNS,
     LoadScand,
@@ -37,6 +38,7 @@ from hsmla_med.data.luna16 import (
     read_submission,
     voxel_to_lps,
 )
+from hsmla_med.data.splits import fold_cases
 from hsmla_med.data.synthetic.luna16 import generate_luna16
 from hsmla_med.data.volume_crops import crop_and_augment, roi_size, spatial_dims
 from hsmla_med.engine.base import hparams
@@ -55,6 +57,7 @@ __all__ = [
 log = logging.getLogger("hsmla_med")
 
 LABELS = ["background", "nodule"]
+SUBSET = re.compile(r"subset\d+")  # LUNA16's official folds: subset0 .. subset9
 SUBMISSION = "submission.csv"
 CANDIDATES = "candidates"  # one CSV per scan, merged into SUBMISSION
 
@@ -106,8 +109,10 @@ def hu_window(data: dict) -> tuple[float, float]:
 
 def datalist(config: dict) -> Datalist:
     """Scans with their nodules and excluded findings: the user's folder or the synthetic
-    default (generated once into ``cache_dir``, logged as synthetic). A seeded
-    ``validation_fraction`` of the scans is held out."""
+    default (generated once into ``cache_dir``, logged as synthetic). Fold K holds out the K-th
+    ``subsetK`` folder present (``subsetK`` itself with all ten: the official folds); scans
+    outside subset folders are dealt over the folds, seeded (``splits_final.json``,
+    :func:`~hsmla_med.data.splits.fold_cases`)."""
     data = config["data"]
     hu_window(data)  # before any scan is read or generated
     root, synthetic = data["data_dir"], False
@@ -126,8 +131,20 @@ def datalist(config: dict) -> Datalist:
     ]
     if len(cases) < 2:
         raise DataError(f"{root}: need at least two scans to hold one out for validation, found {len(cases)}")
-    training, validation = split_cases(cases, data["validation_fraction"], config["seed"])
-    return Datalist(LABELS, training, validation, [], root, synthetic)
+    groups = [_subset(path, root) for path in scans.values()]
+    subsets = sorted({g for g in groups if g is not None}, key=lambda g: int(g[len("subset"):]))
+    fixed = {g: k for k, g in enumerate(subsets)}
+    groups = [g if g is not None else uid for g, uid in zip(groups, scans)]
+    training, validation, record = fold_cases(config, root, cases, list(scans), synthetic, groups=groups, fixed=fixed)
+    return Datalist(LABELS, training, validation, [], root, synthetic, record)
+
+
+def _subset(path: Path, root: Path) -> str | None:
+    """The official fold of a scan: its ``subsetK`` folder (the nearest one above it)."""
+    for parent in Path(path).relative_to(root).parents:
+        if SUBSET.fullmatch(parent.name):
+            return parent.name
+    return None
 
 
 def preprocessing(data: dict, label: bool = True) -> list:

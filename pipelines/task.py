@@ -281,13 +281,19 @@ class Task(ABC):
         return module, meta
 
     def build_module(self, config: dict, model: dict, cases: Datalist) -> GatedModule:
-        return self.module_class(self.module_config(config, model, cases.label_names))
+        """The module of a new run; its checkpoints keep the fold it trains on (``split``:
+        :func:`~hsmla_med.data.splits.fold_cases`' record, with the case IDs of both sides)."""
+        return self.module_class({**self.module_config(config, model, cases.label_names), "split": cases.split})
 
     def evaluation_config(self, config: dict, module: GatedModule) -> dict:
         """``config`` with the data preparation of ``module``'s training (a checkpoint is
-        evaluated on data prepared exactly as it was trained on)."""
+        evaluated on data prepared exactly as it was trained on), and the fold it trained on
+        (its splits file too, where it still exists and ``data.splits_file`` is not set)."""
         data = {**config["data"], **module.config["data"]}
-        return {**config, "data": data, "mode": {2: "2d", 3: "3d"}[module.config["spatial_dims"]]}
+        split = module.config.get("split") or {}
+        if not data.get("splits_file") and split.get("file") and Path(split["file"]).is_file():
+            data["splits_file"] = split["file"]
+        return {**config, "data": data, "fold": split.get("fold", config["fold"]), "mode": {2: "2d", 3: "3d"}[module.config["spatial_dims"]]}
 
     def summary_lines(self, summary: dict) -> list[str]:
         """The validation summary as printed after training and evaluation."""

@@ -46,7 +46,7 @@ TRAIN_CASES = [  # extra train arguments (a {yaml} placeholder: a --config with 
     (["--config", "{yaml}data: {spacing: abc}"], "data.spacing must be a list"),
     (["--config", "{yaml}data: {spacing: [1, 0, 1]}"], "data.spacing must hold positive numbers"),
     (["--config", "{yaml}optim: {lr: -1}"], "optim.lr must be > 0"),
-    (["--config", "{yaml}data: {validation_fraction: 1.5}"], "data.validation_fraction must be < 1"),
+    (["--config", "{yaml}data: {folds: 1}"], "data.folds must be >= 2"),
     (["--max-steps", "-5"], "trainer.max_steps must be >= 1"),
     (["--max-steps", "0"], "trainer.max_steps must be >= 1"),
     (["--max-epochs", "0"], "trainer.max_epochs must be >= 1"),

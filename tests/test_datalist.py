@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from hsmla_med.data.datalist import case_name, load_datalist, split_cases
+from hsmla_med.data.datalist import case_name, load_datalist
 from hsmla_med.errors import DataError
 from tests.conftest import LABELS, make_dataset, write_nifti
 
@@ -20,17 +20,15 @@ def test_msd_lists_and_label_names(dataset):
     assert all(c["image"].startswith(str(dataset)) for c in cases.training)
 
 
-def test_nnunet_v2_folders_and_seeded_split(tmp_path):
+def test_nnunet_v2_folders(tmp_path):
     rng = np.random.default_rng(0)
     for i in range(5):
         write_nifti(tmp_path / "imagesTr" / f"case_{i:03d}_0000.nii.gz", rng.normal(size=(8, 8, 3)).astype(np.float32), np.eye(4))
         write_nifti(tmp_path / "labelsTr" / f"case_{i:03d}.nii.gz", np.zeros((8, 8, 3), np.uint8), np.eye(4))
     (tmp_path / "dataset.json").write_text(json.dumps({"labels": {"background": 0, "liver": 1}, "channel_names": {"0": "CT"}}))
-    a = load_datalist(tmp_path, validation_fraction=0.4, seed=1)
-    b = load_datalist(tmp_path, validation_fraction=0.4, seed=1)
+    a = load_datalist(tmp_path)
     assert a.label_names == ["background", "liver"]
-    assert len(a.validation) == 2 and len(a.training) == 3
-    assert a.validation == b.validation
+    assert len(a.training) == 5 and a.validation == []  # the folds come from splits_final.json (tests/test_splits.py)
     assert {case_name(c["image"]) for c in a.training + a.validation} == {f"case_{i:03d}" for i in range(5)}
     assert all(case_name(c["label"]) == case_name(c["image"]) for c in a.training)
 
@@ -89,33 +87,3 @@ def test_labels_mapping_forms_agree(tmp_path):
     a = make_dataset(tmp_path / "a", cases=2)
     _edit_json(a, labels={name: int(value) for value, name in LABELS.items()})
     assert load_datalist(a).label_names == ["background", "disc", "bar"]
-
-
-@pytest.mark.parametrize("n, fraction, held", [(2, 0.2, 1), (5, 0.4, 2), (10, 0.2, 2), (10, 0.0, 1), (3, 1.0, 2), (7, 0.5, 4)])
-def test_split_cases_counts_order_and_determinism(n, fraction, held):
-    items = [f"case{i}" for i in range(n)]
-    training, validation = split_cases(items, fraction, seed=3)
-    # max(1, round(fraction * n)) held out, never all; both lists keep the input's order
-    assert len(validation) == held and len(training) == n - held
-    assert sorted(training + validation) == sorted(items)
-    assert training == [c for c in items if c in training] and validation == [c for c in items if c in validation]
-    assert split_cases(items, fraction, seed=3) == (training, validation)
-
-
-def test_split_cases_depends_on_the_seed():
-    items = list(range(20))
-    splits = {tuple(split_cases(items, 0.25, seed)[1]) for seed in range(6)}
-    assert len(splits) > 1
-
-
-def test_split_cases_stratified_by_class():
-    items = [f"n{i}" for i in range(6)] + [f"t{i}" for i in range(4)] + ["x0"]
-    classes = [0] * 6 + [1] * 4 + [2]
-    training, validation = split_cases(items, 0.3, seed=0, classes=classes)
-    # round(0.3 * 6) = 2 normals, round(0.3 * 4) = 1 tumour, and none of the single class-2 item
-    assert sum(c.startswith("n") for c in validation) == 2
-    assert sum(c.startswith("t") for c in validation) == 1
-    assert "x0" in training and len(training) == 8
-    assert split_cases(["a"], 0.5, seed=0) == (["a"], [])  # nothing to hold out: the caller decides
-    with pytest.raises(ValueError, match="classes"):
-        split_cases(items, 0.3, seed=0, classes=[0, 1])

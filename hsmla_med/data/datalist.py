@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import nibabel as nib
 import numpy as np
-from monai.data import load_decathlon_datalist, partition_dataset
+from monai.data import load_decathlon_datalist
 
 from hsmla_med.errors import DataError
 
-__all__ = ["Datalist", "load_datalist", "find_dataset_json", "read_json", "read_header", "check_affine", "case_name", "check_pair", "split_cases"]
+__all__ = ["Datalist", "load_datalist", "find_dataset_json", "read_json", "read_header", "check_affine", "case_name", "check_pair"]
 
 _JSON_NAMES = ("dataset.json", "dataset_0.json")
 _NIFTI = re.compile(r"\.nii(\.gz)?$")
@@ -45,6 +44,7 @@ class Datalist:
     test: list[dict] = field(default_factory=list)
     source: Path | None = None
     synthetic: bool = False
+    split: dict | None = None  # the fold these lists are (hsmla_med.data.splits.fold_cases' record)
 
     @property
     def num_classes(self) -> int:
@@ -54,41 +54,6 @@ class Datalist:
 def case_name(path: str | Path) -> str:
     """``img0001`` for ``img0001.nii.gz``; nnU-Net's channel suffix is dropped (``case_0000``)."""
     return _CHANNEL_SUFFIX.sub("", _NIFTI.sub("", Path(path).name))
-
-
-def split_cases(
-    items: Sequence, validation_fraction: float, seed: int, classes: Sequence[Hashable] | None = None
-) -> tuple[list, list]:
-    """Seeded training/validation split: ``(training, validation)``, each in the input's order.
-
-    ``max(1, round(validation_fraction * n))`` of the ``n`` items are held out (but never all of
-    them), chosen by MONAI's ``partition_dataset`` (a shuffle seeded by ``seed``, so the same
-    items and seed give the same split on every run and every rank). With ``classes`` (one per
-    item) the split is stratified: each class of at least two items gives that share of its own
-    items, a class of one item gives none. ``partition_dataset_classes`` is not used for that,
-    because it applies one ratio to every class and so may hold out no item of a small class.
-
-    ``validation`` is empty only when no class (or, without classes, not the whole list) has
-    two items; callers raise their own error naming the dataset then.
-    """
-    if not 0 <= validation_fraction <= 1:
-        raise ValueError(f"validation_fraction must be in [0, 1], got {validation_fraction}")
-    if classes is not None and len(classes) != len(items):
-        raise ValueError(f"got {len(classes)} classes for {len(items)} items")
-    groups: dict = {}
-    for i, key in enumerate([None] * len(items) if classes is None else classes):
-        groups.setdefault(key, []).append(i)
-    held: set[int] = set()
-    for indices in groups.values():
-        n = len(indices)
-        if n < 2:
-            continue
-        count = min(n - 1, max(1, round(validation_fraction * n)))
-        # ratios in items: partition_dataset rounds r / sum * n, which is then exactly `count`
-        held.update(partition_dataset(indices, ratios=[count, n - count], shuffle=True, seed=seed)[0])
-    training = [item for i, item in enumerate(items) if i not in held]
-    validation = [item for i, item in enumerate(items) if i in held]
-    return training, validation
 
 
 def find_dataset_json(data_dir: str | Path, name: str | None = None) -> Path:
@@ -228,17 +193,15 @@ def check_pair(case: dict, atol: float = 1e-3) -> None:
         )
 
 
-def load_datalist(
-    data_dir: str | Path, dataset_json: str | None = None, validation_fraction: float = 0.2, seed: int = 0
-) -> Datalist:
+def load_datalist(data_dir: str | Path, dataset_json: str | None = None) -> Datalist:
     """Read a dataset folder into a :class:`Datalist` and check its files.
+
+    The lists are the JSON's (``validation`` empty when it has none); the folds of training
+    are drawn from them by :func:`hsmla_med.data.splits.fold_cases`.
 
     Args:
         data_dir: folder holding the dataset JSON; relative paths in it are relative to this folder.
         dataset_json: the JSON's file name; default ``dataset.json`` then ``dataset_0.json``.
-        validation_fraction: share of the training cases held out for validation when the JSON
-            has no ``validation`` list (:func:`split_cases`: seeded, so the split is reproducible).
-        seed: seed of that split.
     """
     data_dir = Path(data_dir)
     path = find_dataset_json(data_dir, dataset_json)
@@ -252,10 +215,8 @@ def load_datalist(
     test = _listed(data_dir, path, meta, "test", ("image",))
     if not training:
         raise DataError(f"{path}: the dataset lists no training cases")
-    if not validation:
-        if len(training) < 2:
-            raise DataError(f"{path}: need at least two cases to hold one out for validation")
-        training, validation = split_cases(training, validation_fraction, seed)
+    if len(training) + len(validation) < 2:
+        raise DataError(f"{path}: need at least two cases to hold one out for validation")
     for case in training + validation:
         check_pair(case)
     return Datalist(names, training, validation, test, path, bool(meta.get("synthetic", False)))
