@@ -9,7 +9,6 @@ the generic engine's (:mod:`hsmla_med.engine`).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import nibabel as nib
@@ -20,7 +19,7 @@ from monai.transforms import Compose
 
 from hsmla_med.data.checks import CheckCased, LoadCased
 from hsmla_med.data.datalist import Datalist, case_name, load_datalist, read_header
-from hsmla_med.data.splits import fold_cases
+from hsmla_med.data.splits import fold_datalist
 from hsmla_med.data.synthetic.btcv import generate_btcv
 from hsmla_med.data.volume_crops import crop_and_augment, roi_size, spatial_dims
 from hsmla_med.engine.base import hparams
@@ -54,18 +53,7 @@ def datalist(config: dict) -> Datalist:
         root = synthetic_root(data, "btcv", "BTCV-format volumes", "phantoms, not patients", lambda root: generate_btcv(
             root, synth["num_train"], synth["num_validation"], synth["num_test"], tuple(synth["shape"]), synth["seed"]))
         cases = load_datalist(root, "dataset_0.json")  # MONAI's BTCV datalist name
-    return _fold(config, cases)
-
-
-def _fold(config: dict, cases: Datalist) -> Datalist:
-    """The cases of fold ``config["fold"]`` (:func:`~hsmla_med.data.splits.fold_cases`); the
-    case ID is the image's name without extension and channel suffix (nnU-Net's); a JSON
-    ``validation`` list (BTCV's ``dataset_0.json``) is fold 0."""
-    labelled = cases.training + cases.validation
-    ids = [case_name(c["image"]) for c in labelled]
-    fixed = {case_name(c["image"]): 0 for c in cases.validation}
-    training, validation, record = fold_cases(config, cases.source.parent, labelled, ids, cases.synthetic, fixed=fixed)
-    return replace(cases, training=training, validation=validation, split=record)
+    return fold_datalist(config, cases)  # fold config["fold"] of splits_final.json
 
 
 def check_config(config: dict) -> None:

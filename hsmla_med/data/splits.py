@@ -22,13 +22,15 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
+from hsmla_med.data.datalist import Datalist, case_name
 from hsmla_med.errors import ConfigError, DataError
 
-__all__ = ["SPLITS_FILE", "make_splits", "read_splits", "fold_cases"]
+__all__ = ["SPLITS_FILE", "make_splits", "read_splits", "fold_cases", "fold_datalist"]
 
 SPLITS_FILE = "splits_final.json"
 
@@ -192,3 +194,15 @@ def fold_cases(
         raise DataError(f"{path}: fold {fold} leaves no {'validation' if not validation else 'training'} case of this dataset")
     record = {"file": str(path), "fold": fold, "folds": len(splits), "train": sorted(train & set(ids)), "val": sorted(val & set(ids))}
     return training, validation, record
+
+
+def fold_datalist(config: dict, cases: Datalist) -> Datalist:
+    """A dataset JSON's cases (:func:`~hsmla_med.data.datalist.load_datalist`) as fold
+    ``config["fold"]`` of :func:`fold_cases`: the case ID is the image's name without extension
+    and channel suffix (nnU-Net's), and the JSON's ``validation`` list (BTCV's
+    ``dataset_0.json``), if any, is fold 0."""
+    labelled = cases.training + cases.validation
+    ids = [case_name(c["image"]) for c in labelled]
+    fixed = {case_name(c["image"]): 0 for c in cases.validation}
+    training, validation, record = fold_cases(config, cases.source.parent, labelled, ids, cases.synthetic, fixed=fixed)
+    return replace(cases, training=training, validation=validation, split=record)
