@@ -94,14 +94,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("infer", help="run a checkpoint on new inputs", description="Run a checkpoint on new inputs. " + "; ".join(f"{n}: {t.outputs}" for n, t in tasks.items()) + ".")
     _add_task_options(p, data=False)
-    p.add_argument("--checkpoint", required=True, help="a checkpoint written by train (best.ckpt or last.ckpt), or a network of hsmla-med export: model.ts or a bundle folder")
+    p.add_argument("--checkpoint", required=True, nargs="+", metavar="CKPT", help="a checkpoint written by train (best.ckpt or last.ckpt), or a "
+                   "network of hsmla-med export: model.ts or a bundle folder; several (the folds of cross-validate): their ensemble, the "
+                   "mean of their class probabilities (float32) before the argmax (checkpoints of one task, label set, spatial dims and "
+                   "data preparation)")
     p.add_argument("--input", required=True, help="a file or a folder: " + "; ".join(f"{t.inputs} ({n})" for n, t in tasks.items()))
     p.add_argument("--output", required=True, help="folder for the predictions")
     p.add_argument("--tta", action="store_true", help="mirroring test-time augmentation")
     overlaps = ", ".join(f"{n} {c['inference']['overlap']}" for n in TASKS if "overlap" in (c := task_config(n))["inference"])
     p.add_argument("--overlap", type=float, help=f"sliding-window overlap in [0, 1) (default: the checkpoint's; as trained by default: {overlaps})")
     p.add_argument("--crop", choices=["auto", "none"], default="auto", help="endovis: auto crops frames of the challenge's raw size as in training and uses other sizes whole; none never crops")
-    p.add_argument("--save-probabilities", action="store_true", help="btcv: also write OUTPUT/<case>.npz, the class probabilities (float16) in the input's grid")
+    p.add_argument("--save-probabilities", action="store_true", help="btcv: also write OUTPUT/<case>.npz, the class probabilities (float16) in the input's grid (an ensemble's: their mean)")
+    p.add_argument("--postprocessing", metavar="F", help="btcv: the postprocessing.json to apply to the label maps (largest connected "
+                   "components, chosen on validation by cross-validate); default: the postprocessing.json beside the (first) checkpoint "
+                   "if there is one; none: no post-processing")
     _add_prediction_options(p)
 
     p = sub.add_parser("evaluate", help="metrics of a checkpoint on a dataset's validation cases, or of any folder of predicted label maps",
@@ -273,7 +279,8 @@ def _options(args, **extra):
 
 def _infer(args) -> list[Path]:
     task = get_task(args.task)
-    options = _options(args, crop=args.crop, save_probabilities=args.save_probabilities)
+    options = _options(args, crop=args.crop, save_probabilities=args.save_probabilities,
+                       postprocessing=_postprocessing(task, args.postprocessing, args.checkpoint[0]))
     _apart(args.input, args.output, "--input")
     output = _writable_folder(args.output, "--output")
     module, _ = task.load(args.checkpoint)
@@ -282,6 +289,26 @@ def _infer(args) -> list[Path]:
     _report(f"{len(written)} output file(s) in {output} ({time.perf_counter() - started:.1f} s): "
             + ", ".join(p.name for p in written[:3]) + (", ..." if len(written) > 3 else ""))
     return written
+
+
+def _postprocessing(task, given: str | None, checkpoint: str) -> list[dict] | None:
+    """The kept steps of ``--postprocessing F``, or of the ``postprocessing.json`` beside the
+    checkpoint, for a task that post-processes its label maps (``none``: no post-processing)."""
+    from hsmla_med.errors import InputError
+    from hsmla_med.inference.postprocessing import read_postprocessing
+
+    if given == "none":
+        return None
+    if not task.postprocesses:
+        if given is not None:
+            raise InputError(f"--postprocessing {given}: task {task.name} writes no label maps that it post-processes (btcv does)")
+        return None
+    path = Path(given) if given is not None else Path(checkpoint).parent / "postprocessing.json"
+    if given is None and not path.is_file():
+        return None
+    steps = read_postprocessing(path)
+    _report(f"post-processing ({path}): " + ("; ".join(f"largest connected component of classes {s['labels']}" for s in steps) or "none kept"))
+    return steps or None
 
 
 def _export(args) -> list[Path]:

@@ -27,6 +27,7 @@ from hsmla_med.engine.datamodule import CaseDataModule
 from hsmla_med.engine.segmentation import SegmentationModule
 from hsmla_med.errors import ConfigError, DataError
 from hsmla_med.inference.geometry import invert
+from hsmla_med.inference.postprocessing import apply_postprocessing
 from hsmla_med.io import atomic_path, is_temporary
 from hsmla_med.pipelines.task import InferenceOptions, Task, input_files, predict_cases, synthetic_root
 
@@ -194,6 +195,7 @@ def infer(
         source = Path(case["source"])
         shape, _ = read_header(source)
         labels, probabilities = labels_in_input_geometry(case, pre, options.save_probabilities)
+        labels = apply_postprocessing(labels, options.postprocessing)  # the probabilities stay as predicted
         if labels.shape != tuple(shape[:3]):
             raise RuntimeError(f"{source}: inverted prediction has shape {labels.shape}, expected {shape[:3]}")
         written = []
@@ -274,6 +276,7 @@ class BTCV(Task):
     in_channels = 1
     inputs = "NIfTI volumes (.nii, .nii.gz)"
     outputs = "OUTPUT/<case>.nii.gz label maps with each input's shape and affine"
+    postprocesses = True
 
     def score_lines(self, summary: dict, output: Path) -> list[str]:
         means = {k: "n/a" if v is None else f"{v:.4f}" for k, v in summary["foreground_mean"].items()}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
@@ -23,7 +23,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from hsmla_med.data.datalist import Datalist
 from hsmla_med.engine.base import GatedModule
-from hsmla_med.engine.prediction import PredictionDataModule, Shard, claim_outputs, model_digest, output_folder, run_prediction
+from hsmla_med.engine.prediction import PredictionDataModule, Shard, claim_outputs, model_record, output_folder, run_prediction
 from hsmla_med.errors import DataError, InputError
 
 __all__ = ["Task", "InferenceOptions", "input_files", "predict_cases", "synthetic_root"]
@@ -73,8 +73,7 @@ def predict_cases(
     folder = Path(folder) if folder is not None else output_folder(items)
     items = options.shard.select(items)
     _refuse_outputs_over_inputs(items)
-    record = {"format": 1, "model": {"sha256": model_digest(module), "checkpoint": getattr(module, "checkpoint_path", None)},
-              "options": options.provenance()}
+    record = {"format": 1, "model": model_record(module), "options": options.provenance()}
     todo = claim_outputs(items, folder, record, options.overwrite, write=rank_zero_only.rank == 0) if items else []
     if len(todo) < len(items):
         options.progress(f"{len(items) - len(todo)} of {len(items)} case(s) done before by this checkpoint with these options: skipped")
@@ -151,6 +150,9 @@ class InferenceOptions:
         shard: this job's :class:`~hsmla_med.engine.prediction.Shard` of the cases.
         num_workers: DataLoader workers that read and preprocess the inputs.
         save_probabilities: also write the class probabilities (volumes: ``<case>.npz``).
+        postprocessing: the kept steps of a ``postprocessing.json``
+            (:func:`~hsmla_med.inference.postprocessing.apply_postprocessing`), applied to each
+            label map; ``None`` for none (tasks with :attr:`Task.postprocesses`).
         overwrite: predict every case again, also into a folder of another checkpoint or other
             options (else refused; see :func:`predict_cases`).
         progress: called with one line per input.
@@ -172,6 +174,7 @@ class InferenceOptions:
     shard: Shard = Shard()
     num_workers: int = 0
     save_probabilities: bool = field(default=False, metadata=_SHAPES_OUTPUTS)
+    postprocessing: list[dict] | None = field(default=None, metadata=_SHAPES_OUTPUTS)
     overwrite: bool = False
     progress: Callable[[str], None] = field(default=print, compare=False)
 
@@ -230,6 +233,8 @@ class Task(ABC):
     in_channels: ClassVar[int]
     inputs: ClassVar[str]
     outputs: ClassVar[str]
+    #: whether :meth:`predict` applies ``options.postprocessing`` (``postprocessing.json``) to its label maps
+    postprocesses: ClassVar[bool] = False
 
     @abstractmethod
     def datalist(self, config: dict) -> Datalist:
@@ -269,16 +274,28 @@ class Task(ABC):
         return [f"{len(cases) if cases is not None else 'n/a'} cases; " + ", ".join(f"{k} {fmt(v)}" for k, v in means.items() if not isinstance(v, dict)),
                 f"summary: {output / 'summary.json'}"]
 
-    def load(self, checkpoint: str | Path, tta: bool = False) -> tuple[GatedModule, dict]:
+    def load(self, checkpoint: str | Path | Sequence[str | Path], tta: bool = False) -> tuple[GatedModule, dict]:
         """The module of a checkpoint of this task (``weights_only=True``), in eval mode on the
         CPU, with ``tta`` for its validation; a checkpoint of another task is refused with a
         :class:`~hsmla_med.errors.DataError` naming both. Returns it and the checkpoint's
-        ``epoch``/``step``."""
-        from hsmla_med.engine.run import load_module
+        ``epoch``/``step``.
 
-        module, meta = load_module(checkpoint, self.module_class, task=self.name, inference={"tta": tta})
-        module.checkpoint_path = str(checkpoint)  # named in the provenance of its outputs
-        return module, meta
+        Several checkpoints: their ensemble (:func:`~hsmla_med.inference.ensemble.ensemble`, the
+        float32 mean of their probabilities; members of other labels, dims or data preparation
+        are refused), with ``members``: each one's ``checkpoint``, ``epoch`` and ``step``."""
+        from hsmla_med.engine.run import load_module
+        from hsmla_med.inference.ensemble import ensemble
+
+        paths = [checkpoint] if isinstance(checkpoint, (str, Path)) else list(checkpoint)
+        modules, metas = [], []
+        for path in paths:
+            module, meta = load_module(path, self.module_class, task=self.name, inference={"tta": tta})
+            module.checkpoint_path = str(path)  # named in the provenance of its outputs
+            modules.append(module)
+            metas.append(meta)
+        if len(modules) == 1:
+            return modules[0], metas[0]
+        return ensemble(modules), {"members": [{"checkpoint": str(p), **m} for p, m in zip(paths, metas, strict=True)]}
 
     def build_module(self, config: dict, model: dict, cases: Datalist) -> GatedModule:
         """The module of a new run; its checkpoints keep the fold it trains on (``split``:

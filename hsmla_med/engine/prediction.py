@@ -41,8 +41,8 @@ from hsmla_med.errors import InputError
 from hsmla_med.io import write_json
 
 __all__ = [
-    "Shard", "PredictionDataModule", "PredictionWriter", "PROVENANCE", "claim_outputs", "model_digest", "output_folder", "run_prediction",
-    "first",
+    "Shard", "PredictionDataModule", "PredictionWriter", "PROVENANCE", "claim_outputs", "model_digest", "model_record", "output_folder",
+    "run_prediction", "first",
 ]
 
 log = logging.getLogger("hsmla_med")
@@ -85,7 +85,12 @@ def model_digest(module: torch.nn.Module) -> str:
     """sha256 of what makes a model's outputs: its weights (name, dtype, shape and bytes of every
     tensor of the state dict, in order) and its hyper-parameters (``module.config``, if any).
     The same weights give the same digest whether they come from a checkpoint, an exported
-    network or memory; a file hash would tell last.ckpt from best.ckpt of the same weights."""
+    network or memory; a file hash would tell last.ckpt from best.ckpt of the same weights.
+    An ensemble (a module with ``members``, :func:`~hsmla_med.inference.ensemble.ensemble`):
+    the digest of its members' digests, in order."""
+    members = getattr(module, "members", None)
+    if members:
+        return hashlib.sha256(b"ensemble:" + ",".join(model_digest(m) for m in members).encode()).hexdigest()
     digest = hashlib.sha256()
     digest.update(json.dumps(getattr(module, "config", None), sort_keys=True, default=str).encode())
     for name, tensor in module.state_dict().items():
@@ -93,6 +98,17 @@ def model_digest(module: torch.nn.Module) -> str:
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
         digest.update(tensor.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def model_record(module: torch.nn.Module) -> dict:
+    """The ``model`` entry of a provenance record: the weights' digest and the checkpoint
+    (``module.checkpoint_path``; None for a network in memory); an ensemble's also lists every
+    member's."""
+    record = {"sha256": model_digest(module), "checkpoint": getattr(module, "checkpoint_path", None)}
+    members = getattr(module, "members", None)
+    if members:
+        record["members"] = [model_record(m) for m in members]
+    return record
 
 
 def output_folder(items: Sequence[dict]) -> Path | None:
