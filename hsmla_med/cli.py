@@ -128,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nsd-tolerance", type=float, default=2.0, metavar="MM", help="btcv, with --predictions: NSD tolerance in mm (default 2)")
     p.add_argument("--excluded", metavar="F", help="luna16, with --predictions: annotations_excluded.csv (findings there count neither way)")
     p.add_argument("--seriesuids", metavar="F", help="luna16, with --predictions: seriesuids.csv, the scans scored (default: those of --labels)")
+    p.add_argument("--problem", choices=["binary", "parts", "type"], help="endovis, with --predictions: the task the masks answer (default binary)")
     p.add_argument("--tta", action="store_true", help="mirroring test-time augmentation")
     p.add_argument("--allow-training-cases", action="store_true", help="score validation cases the checkpoint trained on (refused by default: "
                    "the checkpoint records its fold's case IDs)")
@@ -363,7 +364,7 @@ def _evaluate_predictions(args) -> dict:
             raise InputError(f"{option} {path}: not found")
     default = predictions if predictions.is_dir() else predictions.parent
     output = _writable_folder(args.output if args.output is not None else default, "--output")
-    options = {k: getattr(args, k) for k in ("dataset_json", "nsd_tolerance", "excluded", "seriesuids")}
+    options = {k: getattr(args, k) for k in ("dataset_json", "nsd_tolerance", "excluded", "seriesuids", "problem")}
     summary = task.score_predictions(predictions, labels, output, options)
     print("\n".join(task.score_lines(summary, output)))
     return summary

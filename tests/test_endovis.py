@@ -21,7 +21,7 @@ from hsmla_med.data.endovis import CROP, LoadFramed, find_frames, find_videos, i
 from hsmla_med.data.synthetic.endovis import ODD_FRAME_SIZE, generate_endovis
 from hsmla_med.engine.segmentation import FrameSegmentationModule
 from hsmla_med.errors import DataError
-from hsmla_med.metrics import frame_scores, summarize_frames
+from hsmla_med.metrics import frame_reference_scores, frame_scores, summarize_frames
 from hsmla_med.pipelines import endovis
 from hsmla_med.pipelines.task import InferenceOptions
 from tests.conftest import cli_error
@@ -119,15 +119,18 @@ def test_frame_dice_and_iou_against_hand_computed_values():
     # frame 1: class 3 missed -> 0; frame 2: nothing anywhere -> not counted
     torch.testing.assert_close(dice, torch.tensor([[2 / 3, 2 / 3, nan], [nan, nan, 0.0], [nan, nan, nan]]), equal_nan=True)
     torch.testing.assert_close(iou, torch.tensor([[0.5, 0.5, nan], [nan, nan, 0.0], [nan, nan, nan]]), equal_nan=True)
-    summary = summarize_frames(dice, iou, ["a", "b", "c"])
-    assert summary["dice"] == pytest.approx((2 / 3 + 0) / 2) and summary["iou"] == pytest.approx((0.5 + 0) / 2)
+    # per frame by the reference rule (tests/test_endovis_scoring.py): 2/3, 0, and 1 for the empty frame
+    frame_dice, frame_iou = frame_reference_scores(pred, truth, 4)
+    summary = summarize_frames(dice, iou, frame_dice, frame_iou, ["a", "b", "c"])
+    assert summary["dice"] == pytest.approx((2 / 3 + 0 + 1) / 3) and summary["iou"] == pytest.approx((0.5 + 0 + 1) / 3)
     assert summary["dice_per_class"] == pytest.approx({"a": 2 / 3, "b": 2 / 3, "c": 0.0})
     assert summary["iou_per_class"] == pytest.approx({"a": 0.5, "b": 0.5, "c": 0.0})
     assert summary["cases"] == 3
-    # the module's records (key, dice, iou per frame) give the same summary
+    # the module's records (key, per-class dice and iou, frame scores) give the same summary
     module = FrameSegmentationModule.__new__(FrameSegmentationModule)
     module.label_names = ["background", "a", "b", "c"]
-    records = [{"key": k, "dice": d, "iou": i} for k, d, i in zip(range(3), dice.tolist(), iou.tolist())]
+    records = [{"key": k, "dice": d, "iou": i, "frame_dice": fd, "frame_iou": fi}
+               for k, d, i, fd, fi in zip(range(3), dice.tolist(), iou.tolist(), frame_dice.tolist(), frame_iou.tolist())]
     got = module.summarize_records(records)
     assert set(got) == set(summary) and got["cases"] == 3
     assert (got["dice"], got["iou"]) == pytest.approx((summary["dice"], summary["iou"]))

@@ -5,12 +5,13 @@ whole frames with Dice and IoU."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from monai.losses import DiceCELoss
 from torch import nn
 
 from hsmla_med.engine.base import GatedModule, item_keys, plain
 from hsmla_med.inference.sliding import accumulation_device, predict_volume
-from hsmla_med.metrics import case_scores, frame_scores, summarize, summarize_frames
+from hsmla_med.metrics import case_scores, frame_reference_scores, frame_scores, summarize, summarize_frames
 
 __all__ = ["SegmentationModule", "FrameSegmentationModule", "voxel_spacing"]
 
@@ -87,12 +88,18 @@ def _columns(records: list[dict], fields: tuple[str, ...], classes: int) -> list
 
 class FrameSegmentationModule(SegmentationModule):
     """:class:`SegmentationModule` for 2D frames (video, endoscopy): the same loss and
-    sliding-window prediction, validated per frame with Dice and IoU (mean over the classes
-    present, :func:`~hsmla_med.metrics.summarize_frames`) instead of per volume with HD95.
+    sliding-window prediction, validated per frame with Dice and IoU at the frame's original
+    size, averaged as the EndoVis 2017 reference evaluation does
+    (:func:`~hsmla_med.metrics.summarize_frames`), instead of per volume with HD95.
 
-    Batches are dicts with ``image`` ``(B, C, H, W)`` and ``label`` ``(B, 1, H, W)``; validation
-    batches also carry ``case`` (the frame's key). A validation record holds a frame's per-class
-    ``dice`` and ``iou`` lists (NaN where the class is absent from both). ``config["inference"]`` as for
+    Training batches are dicts with ``image`` ``(B, C, H, W)`` and ``label`` ``(B, 1, H, W)``.
+    Validation batches hold ``image`` at the network's size, ``label`` ``(B, 1, H0, W0)`` the
+    frames' original labels, ``box`` ``(B, 4)`` the ``(top, left, h, w)`` of each frame the
+    image was made from (absent: the whole label) and ``case`` (the frame's key): the prediction
+    goes back to the frame as ``infer`` puts it there (:meth:`labels_in_frame`) before scoring.
+    A validation record holds a frame's per-class ``dice`` and ``iou`` lists (NaN where the class
+    is absent from both) and its ``frame_dice`` and ``frame_iou`` by the reference rule
+    (:func:`~hsmla_med.metrics.frame_reference_scores`). ``config["inference"]`` as for
     :class:`SegmentationModule`, with ``slab`` 1 (a frame is one slice).
     """
 
@@ -101,11 +108,29 @@ class FrameSegmentationModule(SegmentationModule):
         volume of one slice to :meth:`SegmentationModule.predict_probabilities`."""
         return super().predict_probabilities(image[..., None], inference)[..., 0]
 
+    @staticmethod
+    def labels_in_frame(probs: torch.Tensor, box, shape) -> torch.Tensor:
+        """The label map ``(H0, W0)`` uint8 of a frame of ``shape`` from the class probabilities
+        ``(classes, h, w)`` of its part ``box`` = ``(top, left, height, width)`` at the network's
+        size: resized to the box (bilinear) before the argmax, background (0) outside the box.
+        ``infer`` writes this, and validation scores it against the original label."""
+        top, left, height, width = (int(v) for v in box)
+        resized = F.interpolate(probs[None].float(), size=(height, width), mode="bilinear", align_corners=False)
+        labels = torch.zeros(tuple(int(v) for v in shape), dtype=torch.uint8, device=probs.device)
+        labels[top : top + height, left : left + width] = resized.argmax(1)[0].to(torch.uint8)
+        return labels
+
     def validation_records(self, batch: dict) -> list[dict]:
-        pred = self.predict_probabilities(plain(batch["image"])).argmax(dim=1, keepdim=True)
-        dice, iou = frame_scores(pred.cpu(), plain(batch["label"]).cpu(), len(self.label_names))
-        return [{"key": k, "dice": d, "iou": i} for k, d, i in zip(item_keys(batch), dice.tolist(), iou.tolist())]
+        probs = self.predict_probabilities(plain(batch["image"]))
+        truth = plain(batch["label"]).cpu()
+        boxes = batch.get("box", torch.tensor([[0, 0, *truth.shape[-2:]]] * len(truth)))
+        pred = torch.stack([self.labels_in_frame(p, b, truth.shape[-2:]) for p, b in zip(probs, boxes)])[:, None].cpu()
+        dice, iou = frame_scores(pred, truth, len(self.label_names))
+        frame_dice, frame_iou = frame_reference_scores(pred, truth, len(self.label_names))
+        return [{"key": k, "dice": d, "iou": i, "frame_dice": fd, "frame_iou": fi}
+                for k, d, i, fd, fi in zip(item_keys(batch), dice.tolist(), iou.tolist(), frame_dice.tolist(), frame_iou.tolist())]
 
     def summarize_records(self, records: list[dict]) -> dict:
         dice, iou = _columns(records, ("dice", "iou"), len(self.label_names) - 1)
-        return summarize_frames(dice, iou, self.label_names[1:])
+        frame_dice, frame_iou = (torch.tensor([r[f] for r in records], dtype=torch.float64) for f in ("frame_dice", "frame_iou"))
+        return summarize_frames(dice, iou, frame_dice, frame_iou, self.label_names[1:])

@@ -1,5 +1,7 @@
-"""Per-case Dice and HD95 (mm) of segmentations with MONAI, and their JSON-friendly summary;
-per-frame Dice and IoU of 2D frames (EndoVis) and theirs.
+"""Per-case Dice and HD95 (mm) of segmentations with MONAI, and their JSON-friendly summary
+(with NSD where given);
+per-frame Dice and IoU of 2D frames (EndoVis), per class and by the EndoVis 2017 reference
+evaluation's per-frame rule (:func:`frame_reference_scores`), and theirs.
 
 Conventions for a (case, foreground class) pair:
 
@@ -18,10 +20,10 @@ import warnings
 from collections.abc import Sequence
 
 import torch
-from monai.metrics import compute_dice, compute_hausdorff_distance, compute_iou
+from monai.metrics import compute_dice, compute_hausdorff_distance
 from monai.networks.utils import one_hot
 
-__all__ = ["case_scores", "summarize", "frame_scores", "summarize_frames"]
+__all__ = ["case_scores", "summarize", "frame_confusion", "frame_scores", "frame_reference_scores", "summarize_frames"]
 
 
 def _one_hot(seg: torch.Tensor, num_classes: int, name: str) -> torch.Tensor:
@@ -156,48 +158,117 @@ def summarize(dice: torch.Tensor, hd95: torch.Tensor, label_names: Sequence[str]
     }
 
 
-def frame_scores(pred: torch.Tensor, truth: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dice and IoU of every frame and foreground class (MONAI ``compute_dice``/``compute_iou``).
+def frame_confusion(pred: torch.Tensor, truth: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """Confusion matrices of label-map frames: ``(B, num_classes, num_classes)`` int64 pixel
+    counts, ``[b, t, p]`` = pixels of class ``t`` in the truth and ``p`` in the prediction.
 
     Args:
-        pred, truth: ``(B, 1, H, W)`` label maps or ``(B, num_classes, H, W)`` 0/1 one-hot, as
-            for :func:`case_scores`.
+        pred, truth: ``(B, 1, H, W)`` (or ``(B, H, W)``) integer label maps with values in
+            ``[0, num_classes)``, the same shape.
+        num_classes: number of classes including the background.
+
+    One ``bincount`` per batch rather than MONAI's one-hot metrics: every score of a frame, both
+    averaging rules and the TP/FP/FN counts of a report come from these counts, and a one-hot of
+    eight classes at the frame's original 1920 x 1080 would hold 16 million floats per mask.
+    """
+    if num_classes < 2:
+        raise ValueError(f"num_classes counts the background and must be at least 2, got {num_classes}")
+    if pred.shape != truth.shape:
+        raise ValueError(f"pred and truth differ in shape: {tuple(pred.shape)}, {tuple(truth.shape)}")
+    pred, truth = (x.as_subclass(torch.Tensor).reshape(x.shape[0], -1).long() for x in (pred, truth))
+    for name, seg in (("pred", pred), ("truth", truth)):
+        if seg.numel() and (seg.min() < 0 or seg.max() >= num_classes):
+            raise ValueError(f"{name} labels must lie in [0, {num_classes}), got [{seg.min().item()}, {seg.max().item()}]")
+    frame = torch.arange(pred.shape[0], device=pred.device)[:, None]
+    index = (frame * num_classes + truth) * num_classes + pred
+    counts = torch.bincount(index.flatten(), minlength=pred.shape[0] * num_classes**2)
+    return counts.reshape(pred.shape[0], num_classes, num_classes)
+
+
+def _overlaps(confusion: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per frame and foreground class: true positives, reference and predicted pixel counts (float64)."""
+    confusion = confusion.double()
+    tp = confusion.diagonal(dim1=1, dim2=2)
+    return tp[:, 1:], confusion.sum(2)[:, 1:], confusion.sum(1)[:, 1:]
+
+
+def frame_scores(pred: torch.Tensor, truth: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dice and IoU of every frame and foreground class, from :func:`frame_confusion`.
+
+    Args:
+        pred, truth: ``(B, 1, H, W)`` label maps, as for :func:`frame_confusion`.
         num_classes: number of classes including the background.
 
     Returns:
         ``(dice, iou)``, float32 ``(B, num_classes - 1)``: NaN where the class is in neither
-        prediction nor truth of the frame (not counted), 0 where it is in exactly one.
+        prediction nor truth of the frame (not counted; nnU-Net's rule), 0 where it is in
+        exactly one. These fill the per-class tables; :func:`frame_reference_scores` averages a
+        frame's classes.
     """
-    pred_oh, truth_oh = _one_hot_pair(pred, truth, num_classes)
-    dice = compute_dice(pred_oh, truth_oh, include_background=False, ignore_empty=False)
-    iou = compute_iou(pred_oh, truth_oh, include_background=False, ignore_empty=False)
-    absent = ~(pred_oh[:, 1:].flatten(2).any(-1) | truth_oh[:, 1:].flatten(2).any(-1))
-    nan = torch.tensor(float("nan"), device=pred.device)
-    return torch.where(absent, nan, dice).float(), torch.where(absent, nan, iou).float()
+    tp, n_ref, n_pred = _overlaps(frame_confusion(pred, truth, num_classes))
+    union = n_ref + n_pred - tp
+    dice = torch.where(union > 0, 2 * tp / (n_ref + n_pred), math.nan)
+    iou = torch.where(union > 0, tp / union, math.nan)
+    return dice.float(), iou.float()
 
 
-def summarize_frames(dice: torch.Tensor, iou: torch.Tensor, label_names: Sequence[str]) -> dict:
-    """Dataset summary of per-frame scores, the EndoVis 2017 way: each frame's score is the mean
-    over the classes present in its truth or prediction, and ``dice``/``iou`` are the means of
-    those over the frames (frames with no class present in either are skipped).
+def frame_reference_scores(pred: torch.Tensor, truth: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The score of each frame by the EndoVis 2017 reference evaluation, ``general_dice`` and
+    ``general_jaccard`` of ``evaluate.py`` in ternaus/robot-surgery-segmentation (the
+    challenge winners' public code, used by later work to compare with them):
+
+    * truth with foreground: the mean, over the foreground classes **in the truth**, of their
+      Dice (IoU); a class predicted but absent from the truth is ignored (its false positives
+      count only where they cover another class's truth pixels, as that class's misses);
+    * truth all background: 1 if the prediction is all background too, else 0.
+
+    The binary problem is the one-class case (the reference's plain ``dice``/``jaccard`` with
+    its 1e-15 smoothing gives the same values). Computed exactly, without that smoothing.
+
+    Args:
+        pred, truth: ``(B, 1, H, W)`` label maps, as for :func:`frame_confusion`.
+        num_classes: number of classes including the background.
+
+    Returns:
+        ``(dice, iou)``, float64 ``(B,)``, each in [0, 1], never NaN.
+    """
+    tp, n_ref, n_pred = _overlaps(frame_confusion(pred, truth, num_classes))
+    in_truth = n_ref > 0
+    classes = in_truth.sum(1)
+    empty = torch.where(n_pred.sum(1) > 0, 0.0, 1.0).double()  # (an empty truth has no union of zero here)
+    scores = []
+    for per_class in (2 * tp / (n_ref + n_pred).clamp(min=1), tp / (n_ref + n_pred - tp).clamp(min=1)):
+        mean = torch.where(in_truth, per_class, 0.0).sum(1) / classes.clamp(min=1)
+        scores.append(torch.where(classes > 0, mean, empty))
+    return scores[0], scores[1]
+
+
+def summarize_frames(dice: torch.Tensor, iou: torch.Tensor, frame_dice: torch.Tensor, frame_iou: torch.Tensor,
+                     label_names: Sequence[str]) -> dict:
+    """Dataset summary of per-frame scores, averaged as the EndoVis 2017 reference evaluation
+    averages them: ``dice``/``iou`` are the means over **all** frames of each frame's
+    :func:`frame_reference_scores`; the per-class tables are each class's mean over the frames
+    where it is in the truth or the prediction (:func:`frame_scores`).
 
     Args:
         dice, iou: ``(frames, classes)`` rows stacked from :func:`frame_scores`.
+        frame_dice, frame_iou: ``(frames,)`` from :func:`frame_reference_scores`.
         label_names: names of the foreground classes, in column order.
 
     Returns:
-        ``{"dice", "iou", "dice_per_class", "iou_per_class", "cases"}``: per-class values are
-        each class's mean over the frames that count it (None if none does), ``cases`` the number
-        of frames. JSON-serialisable.
+        ``{"dice", "iou", "dice_per_class", "iou_per_class", "cases"}``: per-class values None
+        where no frame counts the class, ``dice``/``iou`` None without frames; ``cases`` the
+        number of frames. JSON-serialisable.
     """
     if dice.shape != iou.shape or dice.ndim != 2 or dice.shape[1] != len(label_names):
         raise ValueError(f"dice {tuple(dice.shape)} and iou {tuple(iou.shape)} must be (frames, {len(label_names)})")
-    summary = {}
-    for name, scores in (("dice", dice), ("iou", iou)):
-        per_frame = scores.double().nanmean(1)
-        per_frame = per_frame[torch.isfinite(per_frame)]
-        summary[name] = float(per_frame.mean()) if per_frame.numel() else None
-    summary["dice_per_class"] = _class_means(dice, label_names)[1]
-    summary["iou_per_class"] = _class_means(iou, label_names)[1]
-    summary["cases"] = int(dice.shape[0])
-    return summary
+    if frame_dice.shape != (dice.shape[0],) or frame_iou.shape != (dice.shape[0],):
+        raise ValueError(f"frame_dice {tuple(frame_dice.shape)} and frame_iou {tuple(frame_iou.shape)} must be ({dice.shape[0]},)")
+    mean = lambda scores: float(scores.double().mean()) if scores.numel() else None  # noqa: E731
+    return {
+        "dice": mean(frame_dice),
+        "iou": mean(frame_iou),
+        "dice_per_class": _class_means(dice, label_names)[1],
+        "iou_per_class": _class_means(iou, label_names)[1],
+        "cases": int(dice.shape[0]),
+    }
