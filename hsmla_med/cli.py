@@ -54,6 +54,18 @@ def _add_trainer_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--precision", help="auto | 32-true | 16-mixed | bf16-mixed")
 
 
+def _add_training_options(p: argparse.ArgumentParser, output: str) -> None:
+    _add_task_options(p)
+    p.add_argument("--model", help="b0 | b1 | b2 | a model YAML (config: model)")
+    p.add_argument("--mode", choices=["2d", "3d"], help="2d: axial slices; 3d: patches (config: mode)")
+    steps = p.add_mutually_exclusive_group()
+    steps.add_argument("--max-steps", type=int, help="optimizer steps to train (total, also when resuming)")
+    steps.add_argument("--max-epochs", type=int, help="epochs to train instead of steps")
+    p.add_argument("--output", help=output)
+    p.add_argument("--seed", type=int, help="random seed (config: seed; the splits file, once made, keeps its folds)")
+    _add_trainer_options(p)
+
+
 def _add_prediction_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto")
     g = p.add_argument_group("many cases: Lightning's predict loop, each output written once by the process that owns its case")
@@ -80,17 +92,19 @@ def build_parser() -> argparse.ArgumentParser:
     monitors = ", ".join(f"{n} {t.module_class.monitor}" for n, t in tasks.items())
     p = sub.add_parser("train", help="train a network on a task", description="Train with Lightning; writes last.ckpt, best.ckpt (highest "
                        f"validation score: {monitors}), metrics.json, metrics.csv, logs/ and training_curve.png into --output.")
-    _add_task_options(p)
-    p.add_argument("--model", help="b0 | b1 | b2 | a model YAML (config: model)")
-    p.add_argument("--mode", choices=["2d", "3d"], help="2d: axial slices; 3d: patches (config: mode)")
-    steps = p.add_mutually_exclusive_group()
-    steps.add_argument("--max-steps", type=int, help="optimizer steps to train (total, also when resuming)")
-    steps.add_argument("--max-epochs", type=int, help="epochs to train instead of steps")
-    p.add_argument("--output", help="run folder (config: output, default runs/<task>)")
+    _add_training_options(p, "run folder (config: output, default runs/<task>)")
     p.add_argument("--resume", action="store_true", help="continue from OUTPUT/last.ckpt (weights, optimizer, schedule, step)")
-    p.add_argument("--seed", type=int, help="random seed (config: seed; the splits file, once made, keeps its folds)")
     p.add_argument("--fold", type=int, help="cross-validation fold of splits_final.json to train (config: fold, default 0)")
-    _add_trainer_options(p)
+
+    p = sub.add_parser("cross-validate", help="train every fold of splits_final.json and score the pooled validation",
+                       description="nnU-Net's workflow: trains each fold of splits_final.json into OUTPUT/fold_K (a started fold resumes, a "
+                       "finished one is skipped), predicts fold K's validation cases with its last.ckpt into OUTPUT/fold_K/validation "
+                       "(volumes: label maps and <case>.npz probabilities in the input geometry), scores them pooled (OUTPUT/crossval/"
+                       "summary.json; btcv and other per-case tasks; otherwise the mean of the folds' validation summaries), chooses "
+                       "OUTPUT/postprocessing.json on them (btcv), and writes OUTPUT/crossval.json. infer --checkpoint "
+                       "OUTPUT/fold_*/last.ckpt then averages the folds' probabilities.")
+    _add_training_options(p, "cross-validation folder (default runs/<task>-cv)")
+    p.add_argument("--folds", help="only these folds, e.g. 0,2 (default: all); the pooled summary needs all of them")
 
     p = sub.add_parser("infer", help="run a checkpoint on new inputs", description="Run a checkpoint on new inputs. " + "; ".join(f"{n}: {t.outputs}" for n, t in tasks.items()) + ".")
     _add_task_options(p, data=False)
@@ -106,13 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--crop", choices=["auto", "none"], default="auto", help="endovis: auto crops frames of the challenge's raw size as in training and uses other sizes whole; none never crops")
     p.add_argument("--save-probabilities", action="store_true", help="btcv: also write OUTPUT/<case>.npz, the class probabilities (float16) in the input's grid (an ensemble's: their mean)")
     p.add_argument("--postprocessing", metavar="F", help="btcv: the postprocessing.json to apply to the label maps (largest connected "
-                   "components, chosen on validation by cross-validate); default: the postprocessing.json beside the (first) checkpoint "
-                   "if there is one; none: no post-processing")
+                   "components, chosen on validation by cross-validate); default: the postprocessing.json in the folder that holds "
+                   "the checkpoints, or above a cross-validate fold_K folder, if there is one; none: no post-processing")
     _add_prediction_options(p)
 
     p = sub.add_parser("evaluate", help="metrics of a checkpoint on a dataset's validation cases, or of any folder of predicted label maps",
-                       description="The task's validation metrics of a checkpoint (--task, --checkpoint) on the validation cases (btcv: Dice "
-                       "and HD95 per class; endovis: Dice and IoU per frame; camelyon16: slide AUC, patch AUC and lesion FROC; luna16: FROC "
+                       description="The task's validation metrics of a checkpoint (--task, --checkpoint) on the validation cases (btcv: Dice, "
+                       "HD95 and NSD per class, each prediction brought back to its original image grid as infer writes it and scored "
+                       "against the original label file at its spacing, also written as OUTPUT/summary.json, OUTPUT/metrics_per_case.csv "
+                       "and the label maps OUTPUT/validation/<case>.nii.gz; endovis: Dice and IoU per frame; camelyon16: slide AUC, patch AUC and lesion FROC; luna16: FROC "
                        "sensitivities and CPM); writes OUTPUT/metrics.json. "
                        "Or, with --predictions DIR --labels DIR, scores label maps from any tool (ours, nnU-Net's, MONAI's) against the "
                        "reference label maps of the same file names, as nnU-Net's compute_metrics_on_folder does, plus HD95 and NSD in mm "
@@ -125,7 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--labels", metavar="L", help="with --predictions, the reference: btcv a folder of label maps (same file names, same shape "
                    "and affine); luna16 annotations.csv; camelyon16 the folder of annotation XMLs; endovis the dataset folder")
     p.add_argument("--dataset-json", metavar="F", help="btcv, with --predictions: dataset.json naming the classes ('labels'; default: the label values found)")
-    p.add_argument("--nsd-tolerance", type=float, default=2.0, metavar="MM", help="btcv, with --predictions: NSD tolerance in mm (default 2)")
+    p.add_argument("--nsd-tolerance", type=float, metavar="MM", help="btcv: NSD tolerance in mm (default: the checkpoint's inference.nsd_tolerance; "
+                   "with --predictions 2)")
+    p.add_argument("--save-probabilities", action="store_true", help="btcv, with --checkpoint: also write OUTPUT/validation/<case>.npz, the class "
+                   "probabilities (float16, classes first) in the original geometry beside the label maps")
     p.add_argument("--excluded", metavar="F", help="luna16, with --predictions: annotations_excluded.csv (findings there count neither way)")
     p.add_argument("--seriesuids", metavar="F", help="luna16, with --predictions: seriesuids.csv, the scans scored (default: those of --labels)")
     p.add_argument("--problem", choices=["binary", "parts", "type"], help="endovis, with --predictions: the task the masks answer (default binary)")
@@ -204,13 +223,44 @@ def _train(config: dict, resume: bool = False) -> dict:
     output = _writable_folder(config["output"], "--output")
     L.seed_everything(config["seed"], workers=True, verbose=False)
     cases = task.datalist(config)
-    log.info("%s: %d training / %d validation cases, %d labels", task.name, len(cases.training), len(cases.validation), cases.num_classes)
+    split = f" (fold {cases.split['fold']} of {cases.split['file']})" if cases.split else ""
+    log.info("%s: %d training / %d validation cases%s, %d labels", task.name, len(cases.training), len(cases.validation), split, cases.num_classes)
     module = task.build_module(config, model_config(config["model"]), cases)
     if _first_process():
         write_yaml(output / "config.yaml", config)
     summary = fit(module, task.datamodule(config, cases), output, config["trainer"], resume=resume)
     _print_summary(task, summary, output)
     return summary
+
+
+_COUNTS = ("TP", "FP", "FN", "TN", "n_pred", "n_ref")  # voxel counts: not printed as scores
+
+
+def _cross_validate(args) -> dict:
+    from hsmla_med.crossval import cross_validate
+    from hsmla_med.errors import InputError
+    from hsmla_med.pipelines.task import InferenceOptions
+
+    if args.output is None:
+        args.output = f"runs/{args.task}-cv"
+    config = _config(args)
+    folds = None
+    if args.folds is not None:
+        try:
+            folds = [int(k) for k in args.folds.split(",")]
+        except ValueError:
+            raise InputError(f"--folds {args.folds!r}: give fold numbers separated by commas, e.g. 0,2") from None
+    task = get_task(config["task"])
+    _writable_folder(config["output"], "--output")
+    options = InferenceOptions(device=_device("auto"), save_probabilities=True, overwrite=True, progress=_report)
+    report = cross_validate(task, config, _train, options, folds, progress=_report)
+    if _first_process():
+        pooled = report.get("pooled") or {}
+        means = pooled.get("foreground_mean") or pooled.get("mean_of_folds") or {}
+        print(f"\ncross-validation of {len(report['folds'])} fold(s) in {report['seconds']:.0f} s; pooled validation: "
+              + ", ".join(f"{k} {v:.4f}" for k, v in means.items() if isinstance(v, (int, float)) and k not in _COUNTS)
+              + f"\n  report: {Path(config['output']) / 'crossval.json'}")
+    return report
 
 
 def _print_summary(task, summary: dict | None, output: Path) -> None:
@@ -281,7 +331,7 @@ def _options(args, **extra):
 def _infer(args) -> list[Path]:
     task = get_task(args.task)
     options = _options(args, crop=args.crop, save_probabilities=args.save_probabilities,
-                       postprocessing=_postprocessing(task, args.postprocessing, args.checkpoint[0]))
+                       postprocessing=_postprocessing(task, args.postprocessing, args.checkpoint))
     _apart(args.input, args.output, "--input")
     output = _writable_folder(args.output, "--output")
     module, _ = task.load(args.checkpoint)
@@ -292,11 +342,11 @@ def _infer(args) -> list[Path]:
     return written
 
 
-def _postprocessing(task, given: str | None, checkpoint: str) -> list[dict] | None:
+def _postprocessing(task, given: str | None, checkpoints: list[str]) -> list[dict] | None:
     """The kept steps of ``--postprocessing F``, or of the ``postprocessing.json`` beside the
-    checkpoint, for a task that post-processes its label maps (``none``: no post-processing)."""
+    checkpoints, for a task that post-processes its label maps (``none``: no post-processing)."""
     from hsmla_med.errors import InputError
-    from hsmla_med.inference.postprocessing import read_postprocessing
+    from hsmla_med.inference.postprocessing import beside_checkpoints, read_postprocessing
 
     if given == "none":
         return None
@@ -304,8 +354,8 @@ def _postprocessing(task, given: str | None, checkpoint: str) -> list[dict] | No
         if given is not None:
             raise InputError(f"--postprocessing {given}: task {task.name} writes no label maps that it post-processes (btcv does)")
         return None
-    path = Path(given) if given is not None else Path(checkpoint).parent / "postprocessing.json"
-    if given is None and not path.is_file():
+    path = Path(given) if given is not None else beside_checkpoints(checkpoints)
+    if path is None:
         return None
     steps = read_postprocessing(path)
     _report(f"post-processing ({path}): " + ("; ".join(f"largest connected component of classes {s['labels']}" for s in steps) or "none kept"))
@@ -364,7 +414,7 @@ def _evaluate_predictions(args) -> dict:
             raise InputError(f"{option} {path}: not found")
     default = predictions if predictions.is_dir() else predictions.parent
     output = _writable_folder(args.output if args.output is not None else default, "--output")
-    options = {k: getattr(args, k) for k in ("dataset_json", "nsd_tolerance", "excluded", "seriesuids", "problem")}
+    options = {k: getattr(args, k) for k in ("dataset_json", "nsd_tolerance", "excluded", "seriesuids", "data_dir", "problem")}
     summary = task.score_predictions(predictions, labels, output, options)
     print("\n".join(task.score_lines(summary, output)))
     return summary
@@ -409,11 +459,15 @@ def _evaluate(args) -> dict:
     if cases.label_names != module.label_names:
         raise InputError(f"--checkpoint {args.checkpoint} predicts {len(module.label_names)} classes {module.label_names}, "
                          f"the dataset has {len(cases.label_names)} {cases.label_names}")
+    task.evaluation_outputs(module, output, {"nsd_tolerance": args.nsd_tolerance, "save_probabilities": args.save_probabilities})
     summary = evaluate(module, task.datamodule(config, cases), config["trainer"], output)
     if not _first_process():  # every process holds the gathered summary; one writes and prints it
         return summary
     write_json(output / "metrics.json", {**summary, **meta, "checkpoint": str(args.checkpoint), "routing": args.routing or "gate"})
+    reports = task.evaluation_reports(module, output)
     _print_summary(task, summary, output)
+    if reports:
+        print(f"per case: {', '.join(map(str, reports))}")
     return summary
 
 
@@ -479,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:
 
     commands = {
         "train": lambda: _train(_config(args), args.resume),
+        "cross-validate": lambda: _cross_validate(args),
         "infer": lambda: _infer(args),
         "evaluate": lambda: _evaluate(args),
         "wsi-heatmap": lambda: _wsi_heatmap(args),

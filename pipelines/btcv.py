@@ -11,9 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-import nibabel as nib
 import numpy as np
-import torch
 from monai.bundle import ConfigParser
 from monai.transforms import Compose
 
@@ -26,20 +24,17 @@ from hsmla_med.engine.base import hparams
 from hsmla_med.engine.datamodule import CaseDataModule
 from hsmla_med.engine.segmentation import SegmentationModule
 from hsmla_med.errors import ConfigError, DataError
-from hsmla_med.inference.geometry import invert
+from hsmla_med.evaluation import DEFAULT_NSD_TOLERANCE, check_nsd_tolerance
+from hsmla_med.inference import geometry
+from hsmla_med.inference.geometry import UNCROPPED_BACKGROUND, write_labels, write_probabilities
+from hsmla_med.metrics.summary import write_reports
 from hsmla_med.inference.postprocessing import apply_postprocessing
-from hsmla_med.io import atomic_path, is_temporary
+from hsmla_med.io import is_temporary
 from hsmla_med.pipelines.task import InferenceOptions, Task, input_files, predict_cases, synthetic_root
 
-__all__ = ["TASK", "datalist", "check_config", "preprocessing_items", "UNCROPPED_BACKGROUND", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer", "score_predictions"]
+__all__ = ["TASK", "datalist", "check_config", "preprocessing_items", "UNCROPPED_BACKGROUND", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer", "score_predictions", "crossval_references"]
 
 OTSU_MARGIN = 2  # voxels around the Otsu foreground that the crop keeps
-# The background's probability outside the foreground crop. The exported bundle, whose Invertd
-# pads with 0, subtracts it from the background before Invertd and adds it back after (the
-# inverse resampling and flips are linear), which gives the same probabilities up to rounding;
-# infer sets the uncropped voxels instead, so that probabilities inside the crop, and their ties,
-# stay exact.
-UNCROPPED_BACKGROUND = 1.0
 
 
 def datalist(config: dict) -> Datalist:
@@ -60,9 +55,11 @@ def datalist(config: dict) -> Datalist:
 def check_config(config: dict) -> None:
     """Refuse preprocessing and window values that cannot train (a reversed CT window, windows
     too small: :func:`preprocessing_items`, :func:`~hsmla_med.data.volume_crops.roi_size`) with
-    a :class:`ConfigError` naming the option, before any data is read or generated."""
+    a :class:`ConfigError` naming the option, before any data is read or generated; likewise an
+    ``inference.nsd_tolerance`` that is no distance."""
     preprocessing_items(config["data"])
     roi_size(config)
+    check_nsd_tolerance(config["inference"].get("nsd_tolerance", DEFAULT_NSD_TOLERANCE), "inference.nsd_tolerance", ConfigError)
 
 
 def _intensity_items(data: dict, keys: list[str]) -> tuple[dict, dict]:
@@ -200,9 +197,7 @@ def infer(
             raise RuntimeError(f"{source}: inverted prediction has shape {labels.shape}, expected {shape[:3]}")
         written = []
         if probabilities is not None:
-            written.append(output / f"{case['name']}.npz")
-            with atomic_path(written[-1]) as tmp, tmp.open("wb") as f:
-                np.savez_compressed(f, probabilities=probabilities)
+            written.append(write_probabilities(output / f"{case['name']}.npz", probabilities))
         written.append(write_labels(case["output"], labels, source))  # last: it marks the case done
         options.progress(f"{source.name} {tuple(shape)}: {case['output'].name}")
         return written
@@ -212,52 +207,15 @@ def infer(
 
 def labels_in_input_geometry(case: dict, transform: Compose, probabilities: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
     """The argmax of ``case["probs"]`` (classes on the grid of ``case["image"]``, the output of
-    ``transform``) in the input's grid, mapping one class at a time back through
-    :func:`~hsmla_med.inference.geometry.invert`: two float maps of the input's size at a time
-    instead of one per class (a 512 x 512 x 300 CT with 14 classes: 0.6 GB instead of 4.4 GB).
-    Ties go to the lower class, as ``argmax``. With ``probabilities`` also every class's
-    probability there, float16 ``(classes, *shape)``.
-
-    Outside the foreground crop the background's probability is :data:`UNCROPPED_BACKGROUND` (1)
-    and every other class's 0, as nnU-Net writes them (MONAI's inverse of the crop pads with 0).
-    """
-    best = labels = stack = None
-    for c, p in enumerate(case["probs"]):
-        p = invert(p[None], case["image"], transform, uncropped=UNCROPPED_BACKGROUND if c == 0 else 0.0)[0]
-        if probabilities:
-            if stack is None:
-                stack = np.empty((len(case["probs"]), *p.shape), np.float16)
-            stack[c] = p.numpy()
-        if best is None:
-            best, labels = p.clone(), torch.zeros(p.shape, dtype=torch.uint8)  # p may share the probabilities' memory
-        else:
-            labels[p > best] = c
-            torch.maximum(best, p, out=best)
-    return labels.numpy(), stack
+    ``transform``) in the input's grid, and with ``probabilities`` every class's probability
+    there (:func:`hsmla_med.inference.geometry.labels_in_input_geometry`: one class at a time,
+    background 1 outside the foreground crop)."""
+    return geometry.labels_in_input_geometry(case["probs"], case["image"], transform, probabilities)
 
 
-# The header fields that place the voxels in the world: qform (quaternion, offsets, voxel sizes,
-# qfac in pixdim[0]) and sform (three rows), each with its code, and the units.
-_GEOMETRY_FIELDS = ("quatern_b", "quatern_c", "quatern_d", "qoffset_x", "qoffset_y", "qoffset_z",
-                    "srow_x", "srow_y", "srow_z", "qform_code", "sform_code", "xyzt_units")
-
-
-def write_labels(path: Path, labels: np.ndarray, reference: Path) -> Path:
-    """Write a uint8 label volume in the reference image's geometry, atomically: its qform and
-    sform matrices and codes are copied field by field, so a form whose code is 0 (unknown) stays
-    undeclared and a code 2 (aligned) stays 2, and every reader picks the same affine for both
-    files (nibabel: sform if its code is set, else qform, else the voxel sizes alone)."""
-    ref = nib.load(str(reference)).header
-    img = nib.Nifti1Image(labels, None)  # no affine: the header's fields below are kept on save
-    header = img.header
-    for name in _GEOMETRY_FIELDS:
-        header[name] = ref[name]
-    pixdim = header["pixdim"].copy()
-    pixdim[:4] = ref["pixdim"][:4]  # qfac and voxel sizes; the time step of a 4D input is not ours
-    header["pixdim"] = pixdim
-    with atomic_path(path) as tmp:
-        nib.save(img, str(tmp))
-    return path
+def crossval_references(cases: Datalist, predictions: Path) -> list[tuple[Path, Path]]:
+    """Each validation case's label map as ``infer`` names it, with the case's label file."""
+    return [(predictions / f"{case_name(c['image'])}.nii.gz", Path(c["label"])) for c in cases.validation]
 
 
 def score_predictions(predictions: Path, labels: Path, output: Path, options: dict) -> dict:
@@ -265,7 +223,8 @@ def score_predictions(predictions: Path, labels: Path, output: Path, options: di
     (:func:`~hsmla_med.evaluation.evaluate_folder`)."""
     from hsmla_med.evaluation import evaluate_folder
 
-    return evaluate_folder(predictions, labels, options.get("dataset_json"), output, options.get("nsd_tolerance", 2.0))
+    tolerance = options.get("nsd_tolerance")
+    return evaluate_folder(predictions, labels, options.get("dataset_json"), output, DEFAULT_NSD_TOLERANCE if tolerance is None else tolerance)
 
 
 class BTCV(Task):
@@ -277,6 +236,21 @@ class BTCV(Task):
     inputs = "NIfTI volumes (.nii, .nii.gz)"
     outputs = "OUTPUT/<case>.nii.gz label maps with each input's shape and affine"
     postprocesses = True
+
+    def evaluation_outputs(self, module: SegmentationModule, output: Path, options: dict) -> None:
+        """``evaluate --checkpoint`` writes each validation case's label map in its original
+        geometry to ``OUTPUT/validation/<case>.nii.gz`` (what ``infer`` would write), and with
+        ``save_probabilities`` its probabilities to ``<case>.npz`` (nnU-Net's ``--npz``); NSD at
+        ``nsd_tolerance`` mm when given (else the checkpoint's ``inference.nsd_tolerance``)."""
+        if options.get("nsd_tolerance") is not None:
+            check_nsd_tolerance(options["nsd_tolerance"], "--nsd-tolerance")
+            module.config["inference"]["nsd_tolerance"] = float(options["nsd_tolerance"])
+        module.save_validation(output / "validation", bool(options.get("save_probabilities")))
+
+    def evaluation_reports(self, module: SegmentationModule, output: Path) -> list[Path]:
+        """``summary.json`` and ``metrics_per_case.csv`` of the validation, in nnU-Net's shape
+        (:meth:`~hsmla_med.engine.segmentation.SegmentationModule.case_summary`)."""
+        return list(write_reports(module.case_summary(), output))
 
     def score_lines(self, summary: dict, output: Path) -> list[str]:
         means = {k: "n/a" if v is None else f"{v:.4f}" for k, v in summary["foreground_mean"].items()}

@@ -217,7 +217,7 @@ class Task(ABC):
 
     MODULE_FUNCTIONS: ClassVar[dict[str, str]] = {
         "datalist": "datalist", "datamodule": "datamodule", "module_config": "module_config", "held_out": "held_out", "predict": "infer",
-        "score_predictions": "score_predictions",
+        "score_predictions": "score_predictions", "crossval_references": "crossval_references",
     }
 
     def __init_subclass__(cls, **kwargs) -> None:
@@ -265,6 +265,23 @@ class Task(ABC):
         (``dataset_json``, ``nsd_tolerance``, ``excluded``, ``seriesuids``), ``None`` where not given.
         A task without a pipeline function ``score_predictions`` refuses."""
         raise InputError(f"--predictions with --task {self.name}: this task does not score predictions without a checkpoint")
+
+    def evaluation_outputs(self, module: GatedModule, output: Path, options: dict) -> None:
+        """Before ``evaluate --checkpoint``: set ``module`` up to keep what this task keeps of its
+        validation in ``output`` (``options``: the command's ``nsd_tolerance`` and
+        ``save_probabilities``, ``None``/False where not given); by default nothing."""
+
+    def evaluation_reports(self, module: GatedModule, output: Path) -> list[Path]:
+        """After ``evaluate --checkpoint``, on the first process: the per-case reports of the
+        validation ``module`` ran, written into ``output``; by default none."""
+        return []
+
+    def crossval_references(self, cases: Datalist, predictions: Path) -> list[tuple[Path, Path]] | None:
+        """``cross-validate``: each validation case's prediction in ``predictions`` (what
+        :meth:`predict` wrote there) with its reference file, for :meth:`score_predictions` on
+        the pooled folds; ``None`` (the default) where a task's references are not one file per
+        case, and the folds' own validation summaries are averaged instead."""
+        return None
 
     def score_lines(self, summary: dict, output: Path) -> list[str]:
         """What ``evaluate --predictions`` prints after :meth:`score_predictions`."""
@@ -317,7 +334,7 @@ class Task(ABC):
         fmt = lambda v: "n/a" if v is None else f"{v:.4g}"  # noqa: E731
         scalars = [f"{k} {fmt(v)}" for k, v in summary.items() if not isinstance(v, dict) and k != "cases"]
         lines = [f"{'   '.join(scalars)}   ({summary.get('cases')} validation items)"]
-        titles = {"dice": "Dice", "hd95": "HD95", "iou": "IoU"}
+        titles = {"dice": "Dice", "hd95": "HD95", "nsd": "NSD", "iou": "IoU"}
         per_class = [k for k in titles if f"{k}_per_class" in summary]
         for name in summary[f"{per_class[0]}_per_class"] if per_class else []:
             lines.append(f"  {name:<26} " + "   ".join(f"{titles[k]} {fmt(summary[f'{k}_per_class'][name])}" for k in per_class))

@@ -173,7 +173,7 @@ def fold_cases(
             if not synthetic:
                 raise
         if splits is not None:
-            log.info("splits: %s (%d folds)", path, len(splits))
+            log.debug("splits: %s (%d folds)", path, len(splits))
     if splits is None:
         from hsmla_med.io import write_json
 

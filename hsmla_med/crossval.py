@@ -1,0 +1,154 @@
+"""``hsmla-med cross-validate``: every fold of ``splits_final.json`` trained, its validation cases
+predicted, and the pooled validation scored, as nnU-Net's default workflow does.
+
+Layout of the run folder (``--output``), after nnU-Net's::
+
+    fold_K/                     a training run (last.ckpt, best.ckpt, metrics.json, logs ...)
+    fold_K/validation/          fold K's validation cases predicted by fold K's last.ckpt
+                                (label maps in the input geometry and, for volumes,
+                                <case>.npz with key "probabilities", float16, classes first)
+    crossval/predictions/       every fold's validation predictions, pooled (hard links)
+    crossval/labels/            their reference label maps (links to the dataset's files)
+    crossval/summary.json       the pooled per-case report (hsmla_med.metrics.summary)
+    postprocessing.json         the post-processing chosen on the pooled predictions
+    crossval.json               per fold: cases, its validation summary, seconds
+
+The validation predictions come from ``last.ckpt``, as nnU-Net's from its final checkpoint:
+``best.ckpt`` is chosen on the same validation cases and would flatter them. Resumable: a fold
+whose ``validation`` folder is complete is skipped, a fold with a ``last.ckpt`` is resumed.
+
+The pooled per-case scoring and post-processing apply to tasks whose predictions are label
+maps scored from a folder (``Task.crossval_references``: BTCV and any NIfTI dataset); for the
+others ``crossval.json`` holds each fold's validation summary and their mean.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from hsmla_med.io import write_json
+
+__all__ = ["cross_validate"]
+
+log = logging.getLogger("hsmla_med")
+
+_DONE = ".complete"  # written into fold_K/validation once every validation case is predicted
+
+
+def _link(source: Path, target: Path, hard: bool) -> None:
+    """``target`` pointing at ``source`` (replaced if present); hard links keep the pooled folder
+    valid if a fold's folder is moved, symbolic ones reach across file systems (the dataset)."""
+    target.unlink(missing_ok=True)
+    if hard:
+        try:
+            os.link(source, target)
+            return
+        except OSError:
+            pass
+    target.symlink_to(Path(source).resolve())
+
+
+def _fold(task, config: dict, k: int, train: Callable[[dict, bool], dict], options) -> dict:
+    """Train fold ``k`` (resuming a started one) and predict its validation cases."""
+    folder = Path(config["output"]) / f"fold_{k}"
+    validation = folder / "validation"
+    cases = task.datalist({**config, "fold": k})
+    if (validation / _DONE).is_file():
+        log.info("fold %d: done before (%s)", k, validation)
+        return {"fold": k, "cases": cases.split["val"], "skipped": True}
+    started = time.perf_counter()
+    summary = train({**config, "fold": k, "output": str(folder)}, (folder / "last.ckpt").is_file())
+    module, _ = task.load(folder / "last.ckpt")
+    task.predict(module, [c["image"] for c in cases.validation], validation, options)
+    (validation / _DONE).write_text("")
+    return {"fold": k, "cases": cases.split["val"], "validation": summary, "seconds": round(time.perf_counter() - started, 1)}
+
+
+def _pool(task, config: dict, folds: list[int], root: Path) -> tuple[dict, Path | None] | None:
+    """Every fold's validation predictions and their references in ``crossval/``, scored
+    together: the summary and the dataset JSON naming the classes; ``None`` for a task without
+    folder scoring."""
+    pooled, labels = root / "crossval" / "predictions", root / "crossval" / "labels"
+    pooled.mkdir(parents=True, exist_ok=True)
+    labels.mkdir(parents=True, exist_ok=True)
+    dataset_json = None
+    for k in folds:
+        cases = task.datalist({**config, "fold": k})
+        references = task.crossval_references(cases, root / f"fold_{k}" / "validation")
+        if references is None:
+            return None
+        for prediction, reference in references:
+            _link(prediction, pooled / prediction.name, hard=True)
+            _link(reference, labels / prediction.name, hard=False)
+        dataset_json = cases.source
+    options = {"dataset_json": dataset_json, "nsd_tolerance": config["inference"].get("nsd_tolerance", 2.0), "excluded": None, "seriesuids": None}
+    return task.score_predictions(pooled, labels, root / "crossval", options), dataset_json
+
+
+def cross_validate(task, config: dict, train: Callable[[dict, bool], dict], options, folds: list[int] | None = None,
+                   progress: Callable[[str], None] = print) -> dict:
+    """Run the folds of ``config`` (all, or ``folds``) into ``config["output"]`` and score the
+    pooled validation; returns ``crossval.json``'s document.
+
+    Args:
+        task: a :class:`~hsmla_med.pipelines.task.Task`.
+        config: the validated task config; ``output`` is the cross-validation folder.
+        train: ``train(config, resume)`` runs one training (the command line's, which prints
+            its summary) and returns the final validation summary.
+        options: the :class:`~hsmla_med.pipelines.task.InferenceOptions` of the validation
+            predictions.
+        folds: the folds to run (default: all of the splits file).
+    """
+    root = Path(config["output"])
+    count = task.datalist({**config, "fold": 0}).split["folds"]  # makes splits_final.json on first use
+    wanted = list(range(count)) if folds is None else folds
+    bad = [k for k in wanted if not 0 <= k < count]
+    if bad:
+        from hsmla_med.errors import InputError
+
+        raise InputError(f"--folds {bad}: the splits have folds 0..{count - 1}")
+    started = time.perf_counter()
+    runs = []
+    for k in wanted:
+        progress(f"cross-validation: fold {k} of 0..{count - 1}")
+        runs.append(_fold(task, config, k, train, options))
+    report = {"task": task.name, "folds": runs, "seconds": round(time.perf_counter() - started, 1)}
+    if sorted(wanted) == list(range(count)):
+        pooled = _pool(task, config, wanted, root)
+        if pooled is not None:
+            summary, dataset_json = pooled
+            report["pooled"] = {"summary": str(root / "crossval" / "summary.json"), "foreground_mean": summary.get("foreground_mean")}
+            report["postprocessing"] = _postprocessing(task, root, dataset_json)
+        else:
+            report["pooled"] = _mean_of_folds(root, wanted)
+    write_json(root / "crossval.json", report)
+    return report
+
+
+def _postprocessing(task, root: Path, dataset_json: Path | None) -> str | None:
+    """``postprocessing.json`` chosen on the pooled predictions, for tasks that apply one."""
+    if not task.postprocesses:
+        return None
+    from hsmla_med.inference.postprocessing import choose_postprocessing
+
+    path = root / "postprocessing.json"
+    choose_postprocessing(root / "crossval" / "predictions", root / "crossval" / "labels", path, dataset_json)
+    return str(path)
+
+
+def _mean_of_folds(root: Path, folds: list[int]) -> dict:
+    """Each scalar of the folds' final validation summaries (``fold_K/metrics.json``), averaged
+    over the folds: the pooled figure of tasks without per-case folder scoring."""
+    import json
+
+    scores: dict[str, list[float]] = {}
+    for k in folds:
+        metrics = json.loads((root / f"fold_{k}" / "metrics.json").read_text())
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("cases", "epoch", "step"):
+                scores.setdefault(key, []).append(float(value))
+    return {"mean_of_folds": {key: sum(values) / len(values) for key, values in scores.items()}}

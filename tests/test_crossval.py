@@ -1,0 +1,48 @@
+"""hsmla-med cross-validate: every fold trained and its validation cases predicted by its own
+last.ckpt, every case pooled once, probabilities kept as nnU-Net keeps them, resumable."""
+
+import json
+
+import nibabel as nib
+import numpy as np
+import yaml
+
+from hsmla_med.cli import main
+from hsmla_med.data.splits import SPLITS_FILE
+from tests.conftest import TINY, make_dataset
+
+
+def test_cross_validate_pools_every_case_once_and_resumes(tmp_path, capsys):
+    data = make_dataset(tmp_path / "data", cases=4, validation=1)
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump({**TINY, "data": {**TINY["data"], "folds": 2}}))
+    run = tmp_path / "cv"
+    argv = ["cross-validate", "--task", "btcv", "--data-dir", str(data), "--config", str(config), "--output", str(run), "--max-steps", "1"]
+    assert main(argv) == 0
+    folds = json.loads((data / SPLITS_FILE).read_text())
+    assert len(folds) == 2 and folds[0]["val"] == ["img0000"]  # the JSON's validation list is fold 0
+    for k, fold in enumerate(folds):
+        validation = run / f"fold_{k}" / "validation"
+        assert sorted(p.name for p in validation.glob("*.nii.gz")) == sorted(f"{c}.nii.gz" for c in fold["val"])
+        for case in fold["val"]:
+            label = nib.load(str(validation / f"{case}.nii.gz"))
+            probabilities = np.load(validation / f"{case}.npz")["probabilities"]
+            # nnU-Net's form: float16, classes first, in the input's grid; the label map is their argmax
+            assert probabilities.dtype == np.float16 and probabilities.shape == (3, *label.shape)
+            np.testing.assert_allclose(probabilities.astype(np.float32).sum(0), 1.0, atol=5e-3)
+            agree = np.mean(np.argmax(probabilities, 0) == np.asarray(label.dataobj))
+            assert agree > 0.99  # float16 rounding may flip near-ties
+        module_split = json.loads((run / f"fold_{k}" / "metrics.json").read_text())
+        assert module_split["cases"] == len(fold["val"])
+    summary = json.loads((run / "crossval" / "summary.json").read_text())
+    scored = sorted(p.split("/")[-1] for p in (c["prediction_file"] for c in summary["metric_per_case"]))
+    assert scored == [f"img{i:04d}.nii.gz" for i in range(4)]  # every case once, from its own fold
+    report = json.loads((run / "crossval.json").read_text())
+    assert [f["fold"] for f in report["folds"]] == [0, 1] and report["pooled"]["foreground_mean"]["Dice"] == summary["foreground_mean"]["Dice"]
+    assert (run / "postprocessing.json").is_file()
+    # resumable: finished folds are skipped, the pooled report is written again
+    before = (run / "fold_0" / "last.ckpt").stat().st_mtime_ns
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert (run / "fold_0" / "last.ckpt").stat().st_mtime_ns == before
+    assert all(f.get("skipped") for f in json.loads((run / "crossval.json").read_text())["folds"])
