@@ -233,26 +233,32 @@ def test_infer_applies_the_postprocessing_to_the_label_maps(tmp_path):
     assert json.loads((tmp_path / "post" / "provenance.json").read_text())["options"]["postprocessing"] == [{"labels": [1]}]
 
 
-def test_infer_reads_postprocessing_json_beside_the_checkpoint(volumes, tmp_path, capsys):
+def test_infer_reads_postprocessing_json_beside_the_checkpoints(volumes, tmp_path, capsys):
+    """cross-validate's layout: OUTPUT/fold_K/last.ckpt and OUTPUT/postprocessing.json, found for
+    the ensemble of the folds and for one fold alone; ``--postprocessing none`` turns it off."""
     (a, b), inputs = volumes
-    folder = tmp_path / "run"
-    folder.mkdir()
-    ckpt = folder / "best.ckpt"
-    ckpt.write_bytes(a.read_bytes())
-    (folder / "postprocessing.json").write_text(json.dumps({"format": 1, "kept": [{"labels": [1, 2]}, {"labels": [2]}]}))
-    assert _infer([ckpt, b], inputs, tmp_path / "found") == 0
-    assert "post-processing (" in capsys.readouterr().out
-    assert json.loads((tmp_path / "found" / "provenance.json").read_text())["options"]["postprocessing"] == [{"labels": [1, 2]}, {"labels": [2]}]
-    assert _infer([ckpt, b], inputs, tmp_path / "none", "--postprocessing", "none") == 0
-    assert json.loads((tmp_path / "none" / "provenance.json").read_text())["options"]["postprocessing"] is None
+    root = tmp_path / "cv"
+    folds = [root / f"fold_{k}" / "last.ckpt" for k in (0, 1)]
+    for fold, ckpt in zip(folds, (a, b), strict=True):
+        fold.parent.mkdir(parents=True)
+        fold.write_bytes(ckpt.read_bytes())
+    steps = [{"labels": [1, 2]}, {"labels": [2]}]
+    (root / "postprocessing.json").write_text(json.dumps({"format": 1, "kept": steps}))
+    options = lambda out: json.loads((tmp_path / out / "provenance.json").read_text())["options"]  # noqa: E731
+    assert _infer(folds, inputs, tmp_path / "found") == 0
+    assert f"post-processing ({root / 'postprocessing.json'})" in capsys.readouterr().out
+    assert options("found")["postprocessing"] == steps
+    assert _infer(folds[:1], inputs, tmp_path / "one") == 0 and options("one")["postprocessing"] == steps
+    assert _infer(folds, inputs, tmp_path / "none", "--postprocessing", "none") == 0 and options("none")["postprocessing"] is None
+    assert _infer([a], inputs, tmp_path / "elsewhere") == 0 and options("elsewhere")["postprocessing"] is None
     for case in ("case0", "case1"):
         found, none = (np.asanyarray(nib.load(str(tmp_path / d / f"{case}.nii.gz")).dataobj) for d in ("found", "none"))
-        np.testing.assert_array_equal(found, apply_postprocessing(none, [{"labels": [1, 2]}, {"labels": [2]}]))
-    (folder / "postprocessing.json").write_text(json.dumps({"format": 1, "kept": [{"labels": ["liver"]}]}))
-    line = cli_error(capsys, ["infer", "--task", "btcv", "--checkpoint", str(ckpt), "--input", str(inputs), "--output", str(tmp_path / "bad")])
-    assert str(folder / "postprocessing.json") in line and "labels" in line
-    line = cli_error(capsys, ["infer", "--task", "endovis", "--checkpoint", str(ckpt), "--input", str(inputs), "--output", str(tmp_path / "bad"),
-                              "--postprocessing", str(folder / "postprocessing.json")])
+        np.testing.assert_array_equal(found, apply_postprocessing(none, steps))
+    (root / "postprocessing.json").write_text(json.dumps({"format": 1, "kept": [{"labels": ["liver"]}]}))
+    line = cli_error(capsys, ["infer", "--task", "btcv", "--checkpoint", *map(str, folds), "--input", str(inputs), "--output", str(tmp_path / "bad")])
+    assert str(root / "postprocessing.json") in line and "labels" in line
+    line = cli_error(capsys, ["infer", "--task", "endovis", "--checkpoint", str(a), "--input", str(inputs), "--output", str(tmp_path / "bad"),
+                              "--postprocessing", str(root / "postprocessing.json")])
     assert "--postprocessing" in line and "endovis" in line
 
 

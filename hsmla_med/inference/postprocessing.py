@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -45,11 +47,13 @@ from hsmla_med.errors import DataError
 from hsmla_med.io import write_json
 from hsmla_med.metrics.summary import _nanmean
 
-__all__ = ["FORMAT", "apply_postprocessing", "choose_postprocessing", "read_postprocessing"]
+__all__ = ["FORMAT", "NAME", "apply_postprocessing", "beside_checkpoints", "choose_postprocessing", "read_postprocessing"]
 
 log = logging.getLogger("hsmla_med")
 
 FORMAT = 1  # version of postprocessing.json's layout
+NAME = "postprocessing.json"
+_FOLD = re.compile(r"fold_\d+")  # cross-validate's folder of one fold: OUTPUT/fold_K
 RULE = ("nnU-Net's determine_postprocessing: keep the largest connected component (MONAI KeepLargestConnectedComponent, full "
         "connectivity) of all foreground classes together, then of each class; a step is kept when the foreground mean Dice "
         "rises and no class's mean Dice falls")
@@ -194,3 +198,15 @@ def read_postprocessing(path: str | Path) -> list[dict]:
         if not isinstance(values, list) or not values or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
             raise DataError(f"{path}: a kept step {step!r} must have 'labels', a list of foreground classes (integers > 0)")
     return [{"labels": list(step["labels"])} for step in document["kept"]]
+
+
+def beside_checkpoints(checkpoints: Sequence[str | Path]) -> Path | None:
+    """The ``postprocessing.json`` that belongs to ``checkpoints``: in the folder that holds them
+    all (``OUTPUT`` for cross-validate's ``OUTPUT/fold_*/last.ckpt``), else, when that is one
+    fold's folder ``fold_K``, in the folder above it (a single fold of a cross-validation);
+    ``None`` when there is none."""
+    folder = Path(os.path.commonpath([Path(c).absolute().parent for c in checkpoints]))
+    for candidate in [folder, *([folder.parent] if _FOLD.fullmatch(folder.name) else [])]:
+        if (candidate / NAME).is_file():
+            return candidate / NAME
+    return None
