@@ -198,3 +198,33 @@ def test_evaluate_refuses_a_mask_of_another_size_in_one_line(tmp_path, capsys):
     _png(tmp_path / "preds" / "instrument_dataset_3" / "frame000.png", np.ones((5, 6), np.uint8))
     line = cli_error(capsys, ["evaluate", "--task", "endovis", "--predictions", str(tmp_path / "preds"), "--labels", str(data)])
     assert "no labelled frame instrument_dataset_3/left_frames/frame000.png" in line
+
+
+def test_evaluate_binary_probability_maps_as_ternausnet_reads_them(tmp_path, capsys):
+    """TernausNet's binary masks are ``sigmoid * 255``, instrument above 127.5, scored by its
+    plain ``dice``/``jaccard``; read that way for the whole folder, also a mask whose values are
+    all 0 or 1 (a frame where every probability is below 2/255), which alone would look like
+    class indices."""
+    rng = np.random.default_rng(1)
+    truths = {(k, f"frame{j:03d}.png"): (rng.random((5, 6)) < 0.4).astype(int) for k in (1, 2) for j in range(2)}
+    data = _two_videos(tmp_path / "data", truths)
+    maps = {key: rng.integers(0, 256, (5, 6)).astype(np.uint8) for key in truths}
+    maps[(2, "frame001.png")] = rng.integers(0, 2, (5, 6)).astype(np.uint8)
+    for (k, name), m in maps.items():
+        _png(tmp_path / "preds" / f"instrument_dataset_{k}" / name, m)
+    assert main(["evaluate", "--task", "endovis", "--predictions", str(tmp_path / "preds"), "--labels", str(data)]) == 0
+    summary = json.loads((tmp_path / "preds" / "summary.json").read_text())
+    keys = sorted(truths)
+    expected = [(_dice(truths[k] > 0, maps[k] > 255 * 0.5), _jaccard(truths[k] > 0, maps[k] > 255 * 0.5)) for k in keys]
+    got = [(r["frame_score"]["Dice"], r["frame_score"]["IoU"]) for r in summary["metric_per_case"]]
+    np.testing.assert_allclose(got, expected, atol=1e-12)
+    assert summary["metric_per_case"][-1]["metrics"]["1"]["n_pred"] == 0
+
+
+def test_evaluate_refuses_masks_mixing_class_indices_and_grey_values(tmp_path, capsys):
+    data = _two_videos(tmp_path / "data", {(1, "frame000.png"): np.ones((5, 6), int), (2, "frame000.png"): np.ones((5, 6), int)})
+    _png(tmp_path / "preds" / "instrument_dataset_1" / "frame000.png", np.full((5, 6), 85, np.uint8))
+    mixed = _png(tmp_path / "preds" / "instrument_dataset_2" / "frame000.png", np.full((5, 6), 2, np.uint8))
+    argv = ["evaluate", "--task", "endovis", "--problem", "parts", "--predictions", str(tmp_path / "preds"), "--labels", str(data)]
+    line = cli_error(capsys, argv)
+    assert str(mixed) in line and "neither parts class indices 0..3 nor TernausNet's class x 85" in line
