@@ -45,13 +45,13 @@ from hsmla_med.engine.base import hparams
 from hsmla_med.engine.datamodule import CaseDataModule
 from hsmla_med.engine.detection import DetectionModule, scan_candidates
 from hsmla_med.errors import ConfigError, DataError
-from hsmla_med.io import atomic_path
-from hsmla_med.metrics.detection import submission_froc
+from hsmla_med.io import atomic_path, write_json
+from hsmla_med.metrics.detection import FP_RATES, MAX_MARKS, froc_band, froc_curve, nodule_froc, submission_froc, submission_matches
 from hsmla_med.pipelines.task import InferenceOptions, Task, input_files, predict_cases, synthetic_root
 
 __all__ = [
     "TASK", "LABELS", "datalist", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer",
-    "read_findings", "hu_window", "score_submission",
+    "read_findings", "hu_window", "score_submission", "score_predictions",
 ]
 
 log = logging.getLogger("hsmla_med")
@@ -255,6 +255,101 @@ def score_submission(submission: str | Path, root: str | Path) -> dict:
     return submission_froc(read_submission(submission), nodules, excluded, uids)
 
 
+def score_predictions(predictions: Path, labels: Path, output: Path, options: dict) -> dict:
+    """``evaluate --task luna16 --predictions submission.csv --labels annotations.csv
+    [--excluded annotations_excluded.csv] [--seriesuids seriesuids.csv]``: any LUNA16 submission
+    (``seriesuid,coordX,coordY,coordZ,probability``, LPS mm) scored as the official script
+    scores it, with its bootstrap band (:mod:`hsmla_med.metrics.detection`).
+
+    ``predictions`` may be ``infer``'s output folder (its submission.csv), ``labels`` a LUNA16
+    folder (its annotations.csv, and annotations_excluded.csv and seriesuids.csv unless given).
+    The scans are those of ``seriesuids.csv``; without it, those of the annotations, with a
+    warning: the script divides the false positives by all the scans listed there, normal
+    scans included. Writes ``output/summary.json`` (and ``froc.png``) and returns the summary.
+    ``options["seed"]`` (default 0) seeds the bootstrap.
+    """
+    submission = Path(predictions) / SUBMISSION if Path(predictions).is_dir() else Path(predictions)
+    notes, excluded_csv, uids_csv = _label_files(Path(labels), options)
+    candidates = read_submission(submission)  # every file is read before any warning
+    nodules = read_annotations(notes, rendered=False)
+    excluded = read_annotations(excluded_csv, excluded=True) if excluded_csv else {}
+    uids, source = (read_seriesuids(uids_csv), str(uids_csv)) if uids_csv else (list(nodules), f"the series of {notes}")
+    if excluded_csv is None:
+        log.warning("no --excluded annotations_excluded.csv: candidates on irrelevant findings count as false positives "
+                    "(the official evaluation ignores them)")
+    if uids_csv is None:
+        log.warning("no --seriesuids: scoring the %d scan(s) of %s; the official script counts false positives over every "
+                    "scan of seriesuids.csv, so scans without nodules are missing here", len(uids), notes.name)
+    scanned = set(uids)
+    matches = submission_matches(candidates, nodules, excluded, uids)
+    summary = {
+        "task": "luna16",
+        "predictions": str(submission),
+        "labels": str(notes),
+        "excluded": str(excluded_csv) if excluded_csv else None,
+        "scans_from": source,
+        **nodule_froc(matches),
+        "max_marks_per_scan": MAX_MARKS,
+        "rows_not_scored": sum(len(v) for uid, v in candidates.items() if uid not in scanned),
+        "bootstrap": froc_band(matches, seed=options.get("seed") or 0),
+        "metric_per_case": [
+            {"seriesuid": uid, "nodules": len(m.nodule_probs), "TP": int(np.count_nonzero(~np.isnan(m.nodule_probs))),
+             "FP": len(m.fp_probs), "ignored": m.ignored}
+            for uid, m in zip(uids, matches)
+        ],
+    }
+    write_json(Path(output) / "summary.json", summary)
+    _plot_froc(matches, summary["bootstrap"], Path(output) / "froc.png")
+    return summary
+
+
+def _label_files(labels: Path, options: dict) -> tuple[Path, Path | None, Path | None]:
+    """annotations.csv, annotations_excluded.csv and seriesuids.csv: ``--labels`` itself or, for
+    a LUNA16 folder, the files found there (:data:`CSV_FOLDERS`); ``--excluded`` and
+    ``--seriesuids`` take precedence."""
+    given = {name: Path(options[key]) if options.get(key) else None
+             for key, name in (("excluded", "annotations_excluded.csv"), ("seriesuids", "seriesuids.csv"))}
+    for option, path in (("--excluded", given["annotations_excluded.csv"]), ("--seriesuids", given["seriesuids.csv"])):
+        if path is not None and not path.is_file():
+            raise DataError(f"{option} {path}: file not found")
+    if not labels.is_dir():
+        return labels, given["annotations_excluded.csv"], given["seriesuids.csv"]
+    notes = _csv(labels, "annotations.csv")
+    if notes is None:
+        raise DataError(f"--labels {labels}: annotations.csv not found ({_places('annotations.csv')})")
+    found = {name: given[name] or _csv(labels, name) for name in given}
+    return notes, found["annotations_excluded.csv"], found["seriesuids.csv"]
+
+
+def _plot_froc(matches: list, band: dict, path: Path) -> None:
+    """The FROC curve on the script's axes (log2 false positives per scan, 1/8 .. 8) with the
+    bootstrap band at the seven rates; nothing without any nodule."""
+    curve = froc_curve(matches)
+    if curve is None:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = [r for r in FP_RATES if band["froc"][str(r)]["low"] is not None]
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    grid = np.linspace(FP_RATES[0], FP_RATES[-1], 10001)  # as the script draws it: flat beyond the curve's ends
+    ax.plot(grid, np.interp(grid, *curve), color="b", lw=2, label="FROC")
+    ax.fill_between(rates, [band["froc"][str(r)]["low"] for r in rates], [band["froc"][str(r)]["high"] for r in rates],
+                    color="b", alpha=0.15, label=f"{band['confidence']:.0%} bootstrap band")
+    ax.set(xlim=(FP_RATES[0], FP_RATES[-1]), ylim=(0, 1), xlabel="Average number of false positives per scan",
+           ylabel="Sensitivity")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(FP_RATES, [f"{r:g}" for r in FP_RATES])
+    ax.grid(True, which="both")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+
+
 class NoduleModule(DetectionModule):
     """:class:`~hsmla_med.engine.detection.DetectionModule` with LUNA16's convention: candidates
     and annotations in LPS millimetres (the scans' affines are RAS, as MONAI's)."""
@@ -270,6 +365,20 @@ class LUNA16(Task):
     in_channels = 1
     inputs = "MetaImage scans (.mhd), a folder searched recursively"
     outputs = "OUTPUT/submission.csv (seriesuid,coordX,coordY,coordZ,probability)"
+
+    def score_lines(self, summary: dict, output: Path) -> list[str]:
+        """CPM, the seven sensitivities with their bootstrap band, the counts."""
+        fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
+        band = summary["bootstrap"]
+        span = lambda b: f"[{fmt(b['low'])}, {fmt(b['high'])}]"  # noqa: E731
+        lines = [
+            f"CPM {fmt(summary['cpm'])} {span(band['cpm'])}   {summary['scans']} scans ({summary['scans_from']}), "
+            f"{summary['nodules']} nodules, {summary['detected']} detected, {summary['false_positives']} false positives, "
+            f"{summary['ignored']} on excluded findings",
+            f"sensitivity at FPs/scan, {band['confidence']:.0%} bootstrap band ({band['draws_used']} of {band['draws']} draws, seed {band['seed']}):",
+        ]
+        lines += [f"  {rate:>5}: {fmt(summary['froc'][rate])} {span(band['froc'][rate])}" for rate in summary["froc"]]
+        return lines + [f"summary: {output / 'summary.json'}"]
 
 
 TASK = LUNA16()

@@ -171,7 +171,9 @@ def _readable(path: Path, what: str):
 def _read_rows(path: Path, columns: tuple[str, ...], what: str) -> list[dict]:
     """The rows of a CSV file with (at least) ``columns``; :class:`DataError` naming the file
     when it cannot be read, is not text or lacks a column."""
-    with _readable(path, what), path.open(newline="", encoding="utf-8") as f:
+    # utf-8-sig: a CSV saved by a spreadsheet starts with a byte-order mark, which would
+    # otherwise stick to the first column's name
+    with _readable(path, what), path.open(newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f)
         missing = [c for c in columns if c not in (reader.fieldnames or [])]
         if missing:
@@ -197,7 +199,9 @@ def _numbers(path: Path, columns: tuple[str, ...], what: str, why_not_negative: 
     return {uid: np.asarray(v, dtype=np.float64).reshape(-1, len(columns) - 1) for uid, v in found.items()}
 
 
-def read_annotations(path: str | Path, series: Mapping[str, object] | None = None, excluded: bool = False) -> dict[str, np.ndarray]:
+def read_annotations(
+    path: str | Path, series: Mapping[str, object] | None = None, excluded: bool = False, rendered: bool = True
+) -> dict[str, np.ndarray]:
     """``{seriesuid: (n, 4) float array of x, y, z (LPS mm), diameter (mm)}`` from a LUNA16 CSV.
 
     Args:
@@ -206,11 +210,13 @@ def read_annotations(path: str | Path, series: Mapping[str, object] | None = Non
             file (LUNA16's CSVs list all ten subsets, a user may hold a few).
         excluded: the file lists irrelevant findings (``annotations_excluded.csv``), where a
             negative diameter (LUNA16 writes -1) means "size unknown" and is kept as it is (the
-            evaluation takes 10 mm for it); in ``annotations.csv`` a nodule is rendered as a
-            training target and needs its size, so a negative diameter is refused there.
+            evaluation takes 10 mm for it).
+        rendered: the nodules become training targets, so each needs its size and a negative
+            diameter in ``annotations.csv`` is refused; ``False`` when they are only scored,
+            where the official script's 10 mm applies to them too.
     """
     path = Path(path)
-    why = None if excluded else "-1 marks an irrelevant finding, which belongs in annotations_excluded.csv"
+    why = None if excluded or not rendered else "-1 marks an irrelevant finding, which belongs in annotations_excluded.csv"
     found = _numbers(path, COLUMNS, "annotations", why)
     if series is not None:
         unknown = sorted(set(found) - set(series))

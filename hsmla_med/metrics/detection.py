@@ -13,10 +13,24 @@ most 100 candidates, those more probable than its 101st (ties at the cut go, as 
 Sensitivity is read at 1/8 .. 8 false positives per scan (linear interpolation of the FROC
 curve, whose points are every distinct probability of a detected nodule or a false positive)
 and CPM is the mean of those seven.
+
+The confidence band is the script's ``computeFROC_bootstrap``: the scans are drawn with
+replacement (as many as there are, each draw with all its nodules and false positives, the
+number of scans staying the divisor of the false positives), the FROC of each draw is read at
+the same false-positive rates, and the band is the mean and the ``floor(0.025 n)``-th and
+``floor(0.975 n)``-th of the ``n`` sorted draws (the script's indices). The draws come from
+NumPy's legacy ``RandomState(seed).randint``, the generator behind the script's
+``np.random.randint``, so a seeded run of the script draws the same scans. Where the script
+interpolates each draw on a grid of 10 000 rates and averages in float32, the draws here are
+read at the rates themselves in float64 (the same values at rates on its grid, to float32
+precision). Two degenerate draws, which the script turns into NaN (or a crash), are settled:
+a draw without any nodule has no sensitivity and is left out (``draws_used`` counts the
+others), and a draw whose nodules are all missed has sensitivity 0.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -27,12 +41,14 @@ from hsmla_med.metrics.froc import froc_summary
 
 __all__ = [
     "FP_RATES", "MAX_MARKS", "ScanMatch", "affine_points", "extract_candidates", "keep_most_probable", "match_candidates",
-    "nodule_froc", "submission_froc",
+    "nodule_froc", "froc_band", "froc_curve", "submission_matches", "submission_froc",
 ]
 
 FP_RATES = (0.125, 0.25, 0.5, 1, 2, 4, 8)
 MAX_MARKS = 100  # candidates per scan that the official script scores (maxNumberOfCADMarks)
 _UNKNOWN_DIAMETER = 10.0  # what the script takes for a negative diameter
+DRAWS = 1000  # the script's numberOfBootstrapSamples
+CONFIDENCE = 0.95  # and its confidence
 
 
 def affine_points(index: np.ndarray, affine) -> np.ndarray:
@@ -151,14 +167,15 @@ def nodule_froc(scans: Sequence[ScanMatch], fp_rates: Sequence[float] = FP_RATES
     }
 
 
-def submission_froc(
+def submission_matches(
     candidates: Mapping[str, np.ndarray],
     nodules: Mapping[str, np.ndarray],
     excluded: Mapping[str, np.ndarray],
     seriesuids: Sequence[str],
     max_marks: int = MAX_MARKS,
-) -> dict:
-    """:func:`nodule_froc` of a LUNA16 submission, as the official script scores it.
+) -> list[ScanMatch]:
+    """Per scan of ``seriesuids``, its :func:`match_candidates` as the official script scores a
+    submission.
 
     Args:
         candidates: ``{seriesuid: (n, 4) x, y, z (mm), probability}`` of the submission.
@@ -168,7 +185,111 @@ def submission_froc(
         max_marks: candidates scored per scan (:func:`keep_most_probable`).
     """
     none = np.zeros((0, 4))
-    return nodule_froc([
+    return [
         match_candidates(keep_most_probable(candidates.get(uid, none), max_marks), nodules.get(uid, none), excluded.get(uid, none))
         for uid in seriesuids
-    ])
+    ]
+
+
+def submission_froc(
+    candidates: Mapping[str, np.ndarray],
+    nodules: Mapping[str, np.ndarray],
+    excluded: Mapping[str, np.ndarray],
+    seriesuids: Sequence[str],
+    max_marks: int = MAX_MARKS,
+) -> dict:
+    """:func:`nodule_froc` of a LUNA16 submission, as the official script scores it (arguments
+    of :func:`submission_matches`)."""
+    return nodule_froc(submission_matches(candidates, nodules, excluded, seriesuids, max_marks))
+
+
+class _Pool:
+    """The FROC entries of all scans (detected nodules and false positives), sorted once by
+    falling probability, so that a bootstrap draw is a reweighting of the scans: the curve of a
+    draw is two cumulative sums of the entries weighted by how often their scan was drawn.
+    Hand-written because MONAI's ``compute_froc_curve_data`` counts the entries once per
+    distinct probability (quadratic: about 10 s for one full LUNA16 submission, hours for
+    1000 draws)."""
+
+    def __init__(self, scans: Sequence[ScanMatch]) -> None:
+        probs, scan, positive = [], [], []
+        for k, match in enumerate(scans):
+            detected = np.asarray(match.nodule_probs, dtype=np.float64)
+            detected = detected[~np.isnan(detected)]
+            fp = np.asarray(match.fp_probs, dtype=np.float64)
+            probs += [detected, fp]
+            scan.append(np.full(detected.size + fp.size, k))
+            positive += [np.ones(detected.size, bool), np.zeros(fp.size, bool)]
+        probs = np.concatenate([np.zeros(0), *probs])
+        order = np.argsort(-probs, kind="stable")
+        self.scan = np.concatenate([np.zeros(0, int), *scan])[order]
+        self.positive = np.concatenate([np.zeros(0, bool), *positive])[order]
+        # a threshold takes in every entry of its probability: the curve's points are at the
+        # last entry of each run of equal probabilities
+        self.ends = np.flatnonzero(np.r_[probs[order][1:] != probs[order][:-1], True]) if probs.size else np.zeros(0, int)
+        self.nodules = np.array([len(match.nodule_probs) for match in scans], dtype=np.int64)
+
+    def curve(self, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """The FROC curve, false positives per scan and sensitivity at each threshold from the
+        highest, when scan k is taken ``counts[k]`` times (the divisor of the false positives
+        staying the number of scans); ``None`` without any nodule."""
+        total = int(counts @ self.nodules)
+        if total == 0:
+            return None
+        weight = counts[self.scan]
+        fps = np.r_[0, np.cumsum(np.where(self.positive, 0, weight))[self.ends]] / len(counts)
+        return fps, np.r_[0, np.cumsum(np.where(self.positive, weight, 0))[self.ends]] / total
+
+    def sensitivity(self, counts: np.ndarray, fp_rates: Sequence[float]) -> np.ndarray | None:
+        """:meth:`curve` read at ``fp_rates``."""
+        curve = self.curve(counts)
+        return None if curve is None else np.interp(fp_rates, *curve)
+
+
+def froc_curve(scans: Sequence[ScanMatch]) -> tuple[np.ndarray, np.ndarray] | None:
+    """The points of the FROC curve of :func:`nodule_froc` (false positives per scan,
+    sensitivity; from the highest threshold), for plotting; ``None`` without any nodule."""
+    return _Pool(scans).curve(np.ones(len(scans), dtype=np.int64))
+
+
+def froc_band(
+    scans: Sequence[ScanMatch], draws: int = DRAWS, seed: int = 0, confidence: float = CONFIDENCE, fp_rates: Sequence[float] = FP_RATES
+) -> dict:
+    """The bootstrap confidence band of :func:`nodule_froc`, as the official script's
+    ``computeFROC_bootstrap`` (module docstring): scans drawn with replacement ``draws`` times.
+
+    Returns:
+        ``{"froc": {str(rate): {"mean", "low", "high"}}, "cpm": {"mean", "low", "high"},
+        "draws", "draws_used", "seed", "confidence", "method"}``; the values are ``None`` when
+        no draw holds a nodule. ``cpm``: the same statistics of each draw's mean sensitivity
+        over ``fp_rates`` (the script has no interval for CPM).
+    """
+    pool = _Pool(scans)
+    rng = np.random.RandomState(seed)  # the legacy generator of the script's np.random.randint
+    n = len(scans)
+    curves = [pool.sensitivity(np.bincount(rng.randint(n, size=n), minlength=n), fp_rates) for _ in range(draws if n else 0)]
+    curves = np.array([c for c in curves if c is not None]).reshape(-1, len(fp_rates))
+    stats = _band(np.column_stack([curves, curves.mean(axis=1)]), confidence)
+    return {
+        "froc": {str(rate): stat for rate, stat in zip(fp_rates, stats)},
+        "cpm": stats[-1],
+        "draws": int(draws),
+        "draws_used": len(curves),
+        "seed": int(seed),
+        "confidence": float(confidence),
+        "method": "noduleCADEvaluationLUNA16.py computeFROC_bootstrap: scans resampled with replacement, "
+                  "mean and percentile band of the draws",
+    }
+
+
+def _band(values: np.ndarray, confidence: float) -> list[dict]:
+    """Per column of ``values`` (draws x statistics): the mean, and the script's lower and
+    upper bounds: the ``floor(p n)``-th and ``floor((1 - p) n)``-th sorted draws, p = (1 -
+    confidence) / 2 (``compute_mean_ci``)."""
+    n = len(values)
+    if n == 0:
+        return [dict.fromkeys(("mean", "low", "high")) for _ in range(values.shape[1])]
+    tail = (1.0 - confidence) / 2.0
+    ordered = np.sort(values, axis=0)
+    low, high = ordered[math.floor(tail * n)], ordered[math.floor((1.0 - tail) * n)]
+    return [{"mean": float(m), "low": float(lo), "high": float(hi)} for m, lo, hi in zip(values.mean(axis=0), low, high)]
