@@ -137,9 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", help="a checkpoint written by train")
     p.add_argument("--output", help="folder for metrics.json (default runs/evaluate), or for summary.json with --predictions (default: that folder)")
     p.add_argument("--predictions", metavar="P", help="predictions of any tool, scored without a checkpoint: btcv (default) a folder of NIfTI "
-                   "label maps; luna16 a submission CSV; camelyon16 a folder of lesion CSVs and the slide CSV; endovis a folder of mask PNGs")
+                   "label maps; luna16 a submission CSV (or the folder infer wrote it in); camelyon16 a folder of lesion CSVs and the slide CSV; endovis a folder of mask PNGs")
     p.add_argument("--labels", metavar="L", help="with --predictions, the reference: btcv a folder of label maps (same file names, same shape "
-                   "and affine); luna16 annotations.csv; camelyon16 the folder of annotation XMLs; endovis the dataset folder")
+                   "and affine); luna16 annotations.csv (or a LUNA16 folder, whose CSVs are found there); camelyon16 the folder of annotation XMLs; endovis the dataset folder")
     p.add_argument("--dataset-json", metavar="F", help="btcv, with --predictions: dataset.json naming the classes ('labels'; default: the label values found)")
     p.add_argument("--nsd-tolerance", type=float, metavar="MM", help="btcv: NSD tolerance in mm (default: the checkpoint's inference.nsd_tolerance; "
                    "with --predictions 2)")
