@@ -95,6 +95,9 @@ def _refuse_outputs_over_inputs(items: list[dict]) -> None:
             raise InputError(f"{item['output']}: the output of {item['name']} would be its own input; give an --output folder apart from the input")
 
 
+_WARNED: set[Path] = set()  # synthetic roots this process has logged
+
+
 def synthetic_root(data: dict, task: str, files: str, nature: str, generate: Callable[[Path], object]) -> Path:
     """A task's synthetic default dataset (``data.cache_dir/<task>-synthetic``), made current by
     ``generate(root)`` (a generator returns at once when its cache is current), and logged as
@@ -110,7 +113,8 @@ def synthetic_root(data: dict, task: str, files: str, nature: str, generate: Cal
     from filelock import FileLock
 
     root = Path(data["cache_dir"]).expanduser() / f"{task}-synthetic"
-    if rank_zero_only.rank == 0:
+    if rank_zero_only.rank == 0 and root not in _WARNED:  # once per process: cross-validate reads it per fold
+        _WARNED.add(root)
         log.warning("No --data-dir given: using SYNTHETIC %s in %s (%s)", files, root, nature)
     try:
         root.parent.mkdir(parents=True, exist_ok=True)
