@@ -14,6 +14,8 @@ reference needs a prediction and every prediction a reference; the geometry of e
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import nibabel as nib
@@ -25,11 +27,12 @@ from hsmla_med.errors import DataError, InputError
 from hsmla_med.io import is_temporary
 from hsmla_med.metrics.summary import absent_class, case_metrics, summarize_cases, write_reports
 
-__all__ = ["evaluate_folder", "pair_files", "check_geometry", "read_labels"]
+__all__ = ["DEFAULT_NSD_TOLERANCE", "check_nsd_tolerance", "evaluate_folder", "pair_files", "check_geometry", "read_labels", "score_prediction"]
 
 log = logging.getLogger("hsmla_med")
 
 _AFFINE_ATOL = 1e-3  # mm, as hsmla_med.data.datalist.check_pair compares an image with its label
+DEFAULT_NSD_TOLERANCE = 2.0  # mm: --nsd-tolerance and inference.nsd_tolerance when not given
 
 
 def _nifti_files(folder: Path, option: str) -> dict[str, Path]:
@@ -126,6 +129,28 @@ def read_labels(path: Path) -> np.ndarray:
     return data
 
 
+def check_nsd_tolerance(value, name: str, error: type[Exception] = InputError) -> float:
+    """``value`` as an NSD tolerance in mm (a finite number, 0 or more); else ``error`` naming
+    ``name`` (the option or config key) in one line."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
+        raise error(f"{name} {value!r}: must be a finite number of mm, 0 or more")
+    return float(value)
+
+
+def score_prediction(reference: Path, prediction: np.ndarray, classes: Sequence[int], nsd_tolerance: float,
+                     prediction_file: str) -> dict:
+    """One case of ``summary.json``: ``prediction``, a label map on the voxel grid of the label
+    file ``reference`` (validation brings it there: :func:`~hsmla_med.inference.geometry.labels_in_input_geometry`),
+    scored against that file at the voxel spacing of its own affine, for each of ``classes``."""
+    _, affine = read_header(reference)
+    truth = read_labels(reference)
+    if truth.shape != prediction.shape:
+        raise DataError(f"{reference}: shape {truth.shape} differs from the prediction's {prediction.shape} in its grid")
+    spacing = nib.affines.voxel_sizes(affine).tolist()
+    return {"reference_file": str(reference), "prediction_file": prediction_file,
+            "metrics": case_metrics(truth, prediction, classes, spacing, nsd_tolerance)}
+
+
 def _foreground(path: Path, data: np.ndarray, names: dict[int, str] | None, dataset_json) -> set[int]:
     """The non-zero label values of a label map; :class:`DataError` for a value ``names`` lacks."""
     values = set(np.unique(data).tolist()) - {0}
@@ -146,7 +171,7 @@ def _dataset_labels(dataset_json: Path) -> tuple[dict[int, str], dict[str, str]]
 
 
 def evaluate_folder(predictions: str | Path, labels: str | Path, dataset_json: str | Path | None = None,
-                    output: str | Path | None = None, nsd_tolerance: float = 2.0, draws: int = 1000, seed: int = 0) -> dict:
+                    output: str | Path | None = None, nsd_tolerance: float = DEFAULT_NSD_TOLERANCE, draws: int = 1000, seed: int = 0) -> dict:
     """Score every prediction against its reference; write ``summary.json`` and
     ``metrics_per_case.csv`` into ``output`` (default: the predictions folder).
 
@@ -163,8 +188,7 @@ def evaluate_folder(predictions: str | Path, labels: str | Path, dataset_json: s
         The ``summary.json`` document (:func:`~hsmla_med.metrics.summary.summarize_cases`).
     """
     predictions, labels = Path(predictions), Path(labels)
-    if not (np.isfinite(nsd_tolerance) and nsd_tolerance >= 0):
-        raise InputError(f"--nsd-tolerance {nsd_tolerance}: must be a finite number of mm, 0 or more")
+    check_nsd_tolerance(nsd_tolerance, "--nsd-tolerance")
     names, aliases = _dataset_labels(Path(dataset_json)) if dataset_json is not None else (None, {})
     pairs = pair_files(predictions, labels, aliases)
     spacings = check_geometry(pairs)

@@ -172,8 +172,11 @@ def test_segmentation_records_summarize_like_the_score_tensors(tmp_path):
     module = _module(tmp_path)  # labels bg, a, b
     dice = torch.tensor([[0.5, float("nan")], [0.25, 1.0], [0.75, 0.5]])
     hd95 = torch.tensor([[2.0, float("nan")], [4.0, 1.0], [3.0, 6.0]])
-    records = [{"key": i, "dice": d, "hd95": h} for i, (d, h) in enumerate(zip(dice.tolist(), hd95.tolist()))]
-    assert module.summarize_records(records) == summarize(dice, hd95, ["a", "b"])
+    nsd = torch.tensor([[0.625, float("nan")], [0.5, 1.0], [0.875, 0.75]])
+    records = [{"key": i, "dice": d, "hd95": h, "nsd": n} for i, (d, h, n) in enumerate(zip(dice.tolist(), hd95.tolist(), nsd.tolist()))]
+    summary = module.summarize_records(records)
+    assert summary == summarize(dice, hd95, ["a", "b"], nsd=nsd)
+    assert summary["nsd_per_class"] == {"a": pytest.approx(2 / 3), "b": pytest.approx(0.875)} and summary["nsd"] == pytest.approx((2 / 3 + 0.875) / 2)
     assert module.summarize_records(records[:1] + records[1:])["cases"] == 3
     assert module.summarize_records([])["cases"] == 0
 

@@ -1,24 +1,29 @@
 """The segmentation ``LightningModule``: DiceCE plus the gate regularisers, and whole-volume
-validation with Dice and HD95 (mm) gathered across processes; its 2D-frame variant validates
+validation in each case's original geometry (Dice, HD95 in mm and NSD against the original label
+file, at its spacing) gathered across processes; its 2D-frame variant validates
 whole frames with Dice and IoU."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
+from monai.data import decollate_batch
 from monai.losses import DiceCELoss
+from monai.transforms import Compose
 from torch import nn
 
+from hsmla_med.data.checks import source_file
+from hsmla_med.data.datalist import case_name
 from hsmla_med.engine.base import GatedModule, item_keys, plain
+from hsmla_med.evaluation import DEFAULT_NSD_TOLERANCE, score_prediction
+from hsmla_med.inference.geometry import labels_in_input_geometry, write_labels, write_probabilities
 from hsmla_med.inference.sliding import accumulation_device, predict_volume
-from hsmla_med.metrics import case_scores, frame_reference_scores, frame_scores, summarize, summarize_frames
+from hsmla_med.metrics import frame_reference_scores, frame_scores, summarize, summarize_frames
+from hsmla_med.metrics.summary import summarize_cases
 
-__all__ = ["SegmentationModule", "FrameSegmentationModule", "voxel_spacing"]
-
-
-def voxel_spacing(affine: torch.Tensor) -> torch.Tensor:
-    """Voxel sizes ``(..., 3)`` from affines ``(..., 4, 4)``: the norms of the first three columns."""
-    return torch.linalg.vector_norm(torch.as_tensor(affine, dtype=torch.float64)[..., :3, :3], dim=-2)
+__all__ = ["SegmentationModule", "FrameSegmentationModule"]
 
 
 class SegmentationModule(GatedModule):
@@ -30,10 +35,19 @@ class SegmentationModule(GatedModule):
         network: use this network instead of building one from ``config["network"]``.
 
     Batches are dicts with ``image`` ``(B, C, *spatial)`` and ``label`` ``(B, 1, *spatial)``;
-    validation batches are whole volumes ``(1, C, H, W, D)`` with their MetaTensor affine (for the
-    voxel spacing of HD95) and ``case`` (the item key that makes the gathered metrics exact when a
-    distributed sampler pads the validation set with repeats). A validation record holds a
-    volume's per-class (foreground) ``dice`` and ``hd95`` lists (NaN where undefined).
+    validation batches are whole volumes ``(1, C, H, W, D)``, MetaTensors made by the datamodule's
+    ``val_transform`` from the image and label files, and ``case`` (the item key that makes the
+    gathered metrics exact when a distributed sampler pads the validation set with repeats).
+
+    Validation scores in the original geometry, as nnU-Net and the challenges do: each volume's
+    probabilities go back through the inverse of ``val_transform`` to the image file's grid, as
+    ``infer`` brings them back
+    (:func:`~hsmla_med.inference.geometry.labels_in_input_geometry`), and the argmax is scored
+    against the label file at the spacing of its own affine
+    (:func:`~hsmla_med.evaluation.score_prediction`). A validation record holds a volume's
+    per-class (foreground) ``dice``, ``hd95`` (mm) and ``nsd`` lists (at
+    ``inference.nsd_tolerance`` mm; NaN where a class is in neither) and ``case``, its
+    ``summary.json`` entry (:meth:`case_summary`).
     """
 
     monitor = "dice"
@@ -41,6 +55,8 @@ class SegmentationModule(GatedModule):
     def __init__(self, config: dict, network: nn.Module | None = None) -> None:
         super().__init__(config, network, "segmentation")
         self.loss = DiceCELoss(to_onehot_y=True, softmax=True)
+        self.validation_output: Path | None = None  # where validation writes its label maps (save_validation)
+        self.validation_probabilities = False
 
     def task_loss(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
         return self.loss(logits, plain(batch["label"]))
@@ -69,16 +85,66 @@ class SegmentationModule(GatedModule):
         probs = self.predict_probabilities(plain(batch["image"])[None], batch["inference"])[0]
         return {**batch, "probs": probs.float().cpu()}
 
+    def save_validation(self, folder: str | Path | None, probabilities: bool = False) -> None:
+        """Have validation write each case's label map in its original geometry, as ``infer``
+        does, to ``folder/<case>.nii.gz`` (``None``: write nothing), and with ``probabilities``
+        its class probabilities as nnU-Net keeps them (``<case>.npz``, key ``probabilities``,
+        float16, classes first)."""
+        self.validation_output = None if folder is None else Path(folder)
+        self.validation_probabilities = probabilities and folder is not None
+        if self.validation_output is not None:
+            self.validation_output.mkdir(parents=True, exist_ok=True)
+
     def validation_records(self, batch: dict) -> list[dict]:
-        image, label = batch["image"], batch["label"]
-        spacing = voxel_spacing(image.affine).tolist()
-        pred = self.predict_probabilities(plain(image)).argmax(dim=1, keepdim=True)
-        dice, hd95 = case_scores(pred.cpu(), plain(label).cpu(), len(self.label_names), spacing=spacing)
-        return [{"key": k, "dice": d, "hd95": h} for k, d, h in zip(item_keys(batch), dice.tolist(), hd95.tolist())]
+        probs = self.predict_probabilities(plain(batch["image"])).float().cpu()
+        transform = self._validation_transform()
+        images, labels = decollate_batch(batch["image"]), decollate_batch(batch["label"])
+        return [self._case_record(key, p, image, Path(source_file(label)), transform)
+                for key, p, image, label in zip(item_keys(batch), probs, images, labels, strict=True)]
+
+    def _validation_transform(self) -> Compose:
+        """The transform that made the validation batches, whose inverse brings predictions back."""
+        transform = getattr(self.trainer.datamodule, "val_transform", None)
+        if transform is None:
+            raise RuntimeError("SegmentationModule validates with a datamodule whose val_transform made the batches")
+        return transform
+
+    def _case_record(self, key, probs: torch.Tensor, image, label_file: Path, transform: Compose) -> dict:
+        """A volume's record: its prediction in the image file's grid (written when asked)
+        scored against ``label_file``."""
+        labels, probabilities = labels_in_input_geometry(probs, image, transform, self.validation_probabilities)
+        source = Path(source_file(image))
+        prediction_file = str(source)  # the image predicted from, unless the label map is written
+        if self.validation_output is not None:
+            name = case_name(source)
+            if probabilities is not None:
+                write_probabilities(self.validation_output / f"{name}.npz", probabilities)
+            prediction_file = str(write_labels(self.validation_output / f"{name}.nii.gz", labels, source))
+        classes = range(1, len(self.label_names))
+        case = score_prediction(label_file, labels, classes, self._nsd_tolerance(), prediction_file)
+        scores = {field: [case["metrics"][c][metric] for c in classes] for field, metric in _FIELDS.items()}
+        return {"key": key, **scores, "case": case}
+
+    def _nsd_tolerance(self) -> float:
+        return float(self.config["inference"].get("nsd_tolerance", DEFAULT_NSD_TOLERANCE))  # (older checkpoints: none)
 
     def summarize_records(self, records: list[dict]) -> dict:
-        dice, hd95 = _columns(records, ("dice", "hd95"), len(self.label_names) - 1)
-        return summarize(dice, hd95, self.label_names[1:])
+        dice, hd95, nsd = _columns(records, tuple(_FIELDS), len(self.label_names) - 1)
+        return summarize(dice, hd95, self.label_names[1:], nsd=nsd)
+
+    def case_summary(self) -> dict:
+        """The last validation as nnU-Net's ``summary.json`` document
+        (:func:`~hsmla_med.metrics.summary.summarize_cases`): per case and class Dice, IoU, the
+        voxel counts, HD95 and NSD, all in the original geometry, with the means and their
+        bootstrap intervals."""
+        classes = list(range(1, len(self.label_names)))
+        return summarize_cases([r["case"] for r in self.records], classes, dict(zip(classes, self.label_names[1:], strict=True)),
+                               nsd_tolerance_mm=self._nsd_tolerance(),
+                               geometry="original: each prediction in its image file's grid, scored at its label file's spacing")
+
+
+#: record field -> the metric of :func:`~hsmla_med.metrics.summary.class_metrics` it holds
+_FIELDS = {"dice": "Dice", "hd95": "HD95", "nsd": "NSD"}
 
 
 def _columns(records: list[dict], fields: tuple[str, ...], classes: int) -> list[torch.Tensor]:

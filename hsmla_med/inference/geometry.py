@@ -9,22 +9,38 @@ indices to the resampled ones is diagonal, and linear interpolation then separat
 pass per axis, which needs no grid and takes a fraction of the time. MONAI has no separable
 resampler, so :func:`separable_resample` is written here; every other inverse, and a spacing
 inverse that is not axis-aligned or not linear, is MONAI's own.
+
+:func:`labels_in_input_geometry` brings class probabilities back one class at a time and takes
+their argmax there; ``infer`` writes the result (:func:`write_labels`,
+:func:`write_probabilities`) and validation scores it against the original label file, so both
+see the same label maps.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
 from copy import deepcopy
+from pathlib import Path
 
+import nibabel as nib
 import numpy as np
 import torch
 from monai.data import MetaTensor
 from monai.transforms import Compose, CropForegroundd, InvertibleTransform, Spacingd
+from monai.transforms.utils import allow_missing_keys_mode
 from monai.utils import TraceKeys
 
-__all__ = ["invert", "separable_resample"]
+from hsmla_med.io import atomic_path
+
+__all__ = ["UNCROPPED_BACKGROUND", "invert", "separable_resample", "labels_in_input_geometry", "write_labels", "write_probabilities"]
 
 AXIS_TOLERANCE = 1e-6  # off-diagonal voxel-map entries below this count as axis-aligned
+# The background's probability outside the foreground crop (nnU-Net's rule; MONAI's inverse of
+# the crop pads every class with 0). The exported bundle, whose Invertd pads with 0, subtracts it
+# from the background before Invertd and adds it back after (the inverse resampling and flips are
+# linear), which gives the same probabilities up to rounding; infer and validation set the
+# uncropped voxels instead, so that probabilities inside the crop, and their ties, stay exact.
+UNCROPPED_BACKGROUND = 1.0
 
 
 def separable_resample(x: torch.Tensor, scale: np.ndarray, offset: np.ndarray, size: tuple[int, ...], padding_mode: str = "border") -> torch.Tensor:
@@ -90,17 +106,78 @@ def invert(pred: torch.Tensor, image: MetaTensor, transform: Compose, key: Hasha
     ``CropForegroundd`` cut off set to ``uncropped`` (MONAI's inverse pads them with 0; the
     background's probability there is 1). A plain tensor."""
     data = {key: MetaTensor(pred, meta=deepcopy(image.meta), applied_operations=deepcopy(image.applied_operations))}
-    for t in reversed(transform.flatten().transforms):
-        if not isinstance(t, InvertibleTransform):
-            continue
-        undone = _undo_spacing(t, key, data[key]) if isinstance(t, Spacingd) else None
-        if undone is not None:
-            data[key] = undone
-        elif isinstance(t, CropForegroundd) and uncropped:
-            cropped = t.cropper.get_most_recent_transform(data[key])[TraceKeys.EXTRA_INFO]["cropped"]
-            data = t.inverse(data)
-            _fill_uncropped(data[key], cropped, uncropped)
-        else:
-            data = t.inverse(data)
+    # the transform's other keys (a validation transform's label) are absent, as in Invertd
+    with allow_missing_keys_mode(transform):
+        for t in reversed(transform.flatten().transforms):
+            if not isinstance(t, InvertibleTransform):
+                continue
+            undone = _undo_spacing(t, key, data[key]) if isinstance(t, Spacingd) else None
+            if undone is not None:
+                data[key] = undone
+            elif isinstance(t, CropForegroundd) and uncropped:
+                cropped = t.cropper.get_most_recent_transform(data[key])[TraceKeys.EXTRA_INFO]["cropped"]
+                data = t.inverse(data)
+                _fill_uncropped(data[key], cropped, uncropped)
+            else:
+                data = t.inverse(data)
     out = data[key]
     return out.as_tensor() if isinstance(out, MetaTensor) else torch.as_tensor(out)
+
+
+def labels_in_input_geometry(probs: torch.Tensor, image: MetaTensor, transform: Compose,
+                             probabilities: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+    """The argmax of ``probs`` (``(classes, *spatial)`` on the grid of ``image``, the output of
+    ``transform``) in the grid ``transform`` started from, mapping one class at a time back
+    through :func:`invert`: two float maps of the input's size at a time instead of one per class
+    (a 512 x 512 x 300 CT with 14 classes: 0.6 GB instead of 4.4 GB). Ties go to the lower class,
+    as ``argmax``. With ``probabilities`` also every class's probability there, float16
+    ``(classes, *shape)``.
+
+    Outside a foreground crop the background's probability is :data:`UNCROPPED_BACKGROUND` (1)
+    and every other class's 0, as nnU-Net writes them (MONAI's inverse of the crop pads with 0).
+    """
+    best = labels = stack = None
+    for c, p in enumerate(probs):
+        p = invert(p[None], image, transform, uncropped=UNCROPPED_BACKGROUND if c == 0 else 0.0)[0]
+        if probabilities:
+            if stack is None:
+                stack = np.empty((len(probs), *p.shape), np.float16)
+            stack[c] = p.numpy()
+        if best is None:
+            best, labels = p.clone(), torch.zeros(p.shape, dtype=torch.uint8)  # p may share the probabilities' memory
+        else:
+            labels[p > best] = c
+            torch.maximum(best, p, out=best)
+    return labels.numpy(), stack
+
+
+# The header fields that place the voxels in the world: qform (quaternion, offsets, voxel sizes,
+# qfac in pixdim[0]) and sform (three rows), each with its code, and the units.
+_GEOMETRY_FIELDS = ("quatern_b", "quatern_c", "quatern_d", "qoffset_x", "qoffset_y", "qoffset_z",
+                    "srow_x", "srow_y", "srow_z", "qform_code", "sform_code", "xyzt_units")
+
+
+def write_labels(path: Path, labels: np.ndarray, reference: Path) -> Path:
+    """Write a uint8 label volume in the reference image's geometry, atomically: its qform and
+    sform matrices and codes are copied field by field, so a form whose code is 0 (unknown) stays
+    undeclared and a code 2 (aligned) stays 2, and every reader picks the same affine for both
+    files (nibabel: sform if its code is set, else qform, else the voxel sizes alone)."""
+    ref = nib.load(str(reference)).header
+    img = nib.Nifti1Image(labels, None)  # no affine: the header's fields below are kept on save
+    header = img.header
+    for name in _GEOMETRY_FIELDS:
+        header[name] = ref[name]
+    pixdim = header["pixdim"].copy()
+    pixdim[:4] = ref["pixdim"][:4]  # qfac and voxel sizes; the time step of a 4D input is not ours
+    header["pixdim"] = pixdim
+    with atomic_path(path) as tmp:
+        nib.save(img, str(tmp))
+    return path
+
+
+def write_probabilities(path: Path, probabilities: np.ndarray) -> Path:
+    """Write class probabilities as nnU-Net keeps them: ``path`` (``<case>.npz``, compressed)
+    with the key ``probabilities``, ``(classes, *shape)`` float16, atomically."""
+    with atomic_path(path) as tmp, tmp.open("wb") as f:
+        np.savez_compressed(f, probabilities=probabilities)
+    return path

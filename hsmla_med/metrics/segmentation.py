@@ -129,31 +129,31 @@ def _class_means(scores: torch.Tensor, label_names: Sequence[str]) -> tuple[floa
     return (math.fsum(present) / len(present) if present else None), per_class
 
 
-def summarize(dice: torch.Tensor, hd95: torch.Tensor, label_names: Sequence[str]) -> dict:
+def summarize(dice: torch.Tensor, hd95: torch.Tensor, label_names: Sequence[str], nsd: torch.Tensor | None = None) -> dict:
     """Dataset summary of per-case scores, JSON-serialisable (plain floats, None, no NaN).
 
     Args:
-        dice, hd95: ``(cases, classes)`` rows stacked from :func:`case_scores`.
+        dice, hd95: ``(cases, classes)`` rows stacked from :func:`case_scores` (or from
+            :func:`~hsmla_med.metrics.summary.case_metrics`).
         label_names: names of the foreground classes, in column order.
+        nsd: optional ``(cases, classes)`` normalised surface Dice, summarized alike.
 
     Returns:
-        ``{"dice", "hd95", "dice_per_class", "hd95_per_class", "cases"}``: the per-class values
-        are each class's mean over the cases, the overall values the mean of the per-class
-        values, and ``cases`` the number of rows. Non-finite entries (the NaN of classes absent
-        from a case) are skipped in every mean; a class with no finite value anywhere gets None
-        and is left out of the overall mean, which is None when no class has a value.
+        ``{"dice", "hd95", "dice_per_class", "hd95_per_class", "cases"}`` (and ``"nsd"``,
+        ``"nsd_per_class"`` with ``nsd``): the per-class values are each class's mean over the
+        cases, the overall values the mean of the per-class values, and ``cases`` the number of
+        rows. Non-finite entries (the NaN of classes absent from a case) are skipped in every
+        mean; a class with no finite value anywhere gets None and is left out of the overall
+        mean, which is None when no class has a value.
     """
-    if dice.shape != hd95.shape or dice.ndim != 2 or dice.shape[1] != len(label_names):
-        raise ValueError(
-            f"dice {tuple(dice.shape)} and hd95 {tuple(hd95.shape)} must be (cases, {len(label_names)})"
-        )
-    dice_mean, dice_per_class = _class_means(dice, label_names)
-    hd95_mean, hd95_per_class = _class_means(hd95, label_names)
+    scores = {"dice": dice, "hd95": hd95, **({"nsd": nsd} if nsd is not None else {})}
+    for name, values in scores.items():
+        if values.ndim != 2 or values.shape != dice.shape or dice.shape[1] != len(label_names):
+            raise ValueError(f"{name} {tuple(values.shape)} must be (cases, {len(label_names)}) like dice {tuple(dice.shape)}")
+    means = {name: _class_means(values, label_names) for name, values in scores.items()}
     return {
-        "dice": dice_mean,
-        "hd95": hd95_mean,
-        "dice_per_class": dice_per_class,
-        "hd95_per_class": hd95_per_class,
+        **{name: overall for name, (overall, _) in means.items()},
+        **{f"{name}_per_class": per_class for name, (_, per_class) in means.items()},
         "cases": int(dice.shape[0]),
     }
 
