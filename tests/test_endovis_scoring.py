@@ -5,6 +5,7 @@ endovis --predictions DIR --labels DATA_DIR``."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -146,6 +147,20 @@ def test_evaluate_scores_infer_masks_at_the_frames_size(odd_frame, tmp_path, cap
     (row,) = summary["metric_per_case"]
     assert row["metrics"]["1"]["TP"] == mask.sum() and row["metrics"]["1"]["FP"] == row["metrics"]["1"]["FN"] == 0
     assert row["frame_score"] == {"Dice": 1.0, "IoU": 1.0} and summary["reference_rule"]["Dice"] == 1.0
+
+
+def test_validation_and_evaluate_of_infer_masks_give_the_same_scores(odd_frame, tmp_path):
+    """Validation and ``evaluate --predictions`` on ``infer``'s masks score the same prediction
+    against the same original label: the same numbers, here where the prediction is not exact."""
+    config, module, case, mask = odd_frame
+    _png(Path(case["labels"][0]), (np.roll(mask, 3, axis=1) * 10).astype(np.uint8))  # the truth moved 3 columns right
+    item = endovis.transforms(config)[1](case)
+    validation = module.summarize_records(module.validation_records(torch.utils.data.default_collate([item])))
+    assert 0.5 < validation["dice"] < 1
+    assert main(["evaluate", "--task", "endovis", "--predictions", str(tmp_path / "preds"), "--labels", str(tmp_path / "data")]) == 0
+    summary = json.loads((tmp_path / "preds" / "summary.json").read_text())
+    assert (summary["reference_rule"]["Dice"], summary["reference_rule"]["IoU"]) == pytest.approx((validation["dice"], validation["iou"]), abs=1e-12)
+    assert summary["mean"]["1"]["Dice"] == pytest.approx(validation["dice_per_class"]["instrument"], abs=1e-6)
 
 
 def _two_videos(root, truths):
