@@ -201,7 +201,8 @@ def _largest_by_hand(label_map: np.ndarray, labels: list[int]) -> np.ndarray:
     return out
 
 
-def test_apply_keeps_the_largest_component_of_the_chosen_classes():
+@pytest.mark.parametrize("dtype", [np.uint8, np.int16, np.uint16, np.uint32, np.int64])  # NIfTI label maps of other tools
+def test_apply_keeps_the_largest_component_of_the_chosen_classes(dtype):
     shape = (20, 20, 10)
     big = _cube(shape, slice(1, 4), slice(1, 4), slice(1, 4))  # class 1, 27
     small = _cube(shape, slice(8, 10), slice(1, 3), slice(1, 3))  # class 1, 8
@@ -209,8 +210,9 @@ def test_apply_keeps_the_largest_component_of_the_chosen_classes():
     three_a, three_b = _cube(shape, slice(15, 17), slice(15, 17), slice(1, 2)), _cube(shape, slice(15, 18), slice(10, 12), slice(5, 6))  # 4, 6
     label_map = (big | small) * 1 + touching * 2 + (three_a | three_b) * 3
     spec = {"kept": [{"labels": [1, 2]}, {"labels": [3]}]}
-    got = apply_postprocessing(label_map.astype(np.uint8), spec)
+    got = apply_postprocessing(label_map.astype(dtype), spec)
     expected = big * 1 + three_b * 3  # hand-made: the 20-voxel joint component and the 4-voxel class 3 go
+    assert got.dtype == dtype
     np.testing.assert_array_equal(got, expected)
     np.testing.assert_array_equal(got, _largest_by_hand(_largest_by_hand(label_map, [1, 2]), [3]))
     monai = KeepLargestConnectedComponent(applied_labels=[3])(KeepLargestConnectedComponent(applied_labels=[1, 2], independent=False)(label_map[None]))[0]

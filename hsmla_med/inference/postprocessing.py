@@ -63,8 +63,11 @@ def _keep_largest(label_map: np.ndarray, labels: Sequence[int]) -> np.ndarray:
     """``label_map`` with the voxels of ``labels`` outside their (joint) largest connected
     component set to background (0); a new array, the input is left as it is."""
     transform = KeepLargestConnectedComponent(applied_labels=[int(c) for c in labels], is_onehot=False, independent=False)
-    # MONAI changes the tensor it is given in place (and numpy input shares its memory): a copy
-    return np.asarray(transform(torch.from_numpy(label_map.copy())[None]))[0]
+    # MONAI changes the tensor it is given in place (and numpy input shares its memory): a copy,
+    # as int64 where torch lacks the operations on the map's type (uint16, uint32, uint64)
+    unsupported = label_map.dtype.kind == "u" and label_map.dtype != np.uint8
+    work = label_map.astype(np.int64) if unsupported else label_map.copy()
+    return np.asarray(transform(torch.from_numpy(work)[None]))[0].astype(label_map.dtype, copy=False)
 
 
 def apply_postprocessing(label_map: np.ndarray, spec: dict | Sequence[dict] | None) -> np.ndarray:
