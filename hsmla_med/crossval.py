@@ -17,9 +17,10 @@ The validation predictions come from ``last.ckpt``, as nnU-Net's from its final 
 ``best.ckpt`` is chosen on the same validation cases and would flatter them. Resumable: a fold
 whose ``validation`` folder is complete is skipped, a fold with a ``last.ckpt`` is resumed.
 
-The pooled per-case scoring and post-processing apply to tasks whose predictions are label
-maps scored from a folder (``Task.crossval_references``: BTCV and any NIfTI dataset); for the
-others ``crossval.json`` holds each fold's validation summary and their mean.
+The pooled scoring is the task's own (``Task.crossval_score``: BTCV's folder evaluator, LUNA16's
+official FROC over the pooled submission, EndoVis's frame evaluation, CAMELYON16's lesion FROC
+and slide AUC); a task without one gets the mean of its folds' validation summaries.
+Post-processing is chosen for tasks that apply it (BTCV).
 """
 
 from __future__ import annotations
@@ -32,24 +33,23 @@ from pathlib import Path
 
 from hsmla_med.io import write_json
 
-__all__ = ["cross_validate"]
+__all__ = ["cross_validate", "pool_file"]
 
 log = logging.getLogger("hsmla_med")
 
 _DONE = ".complete"  # written into fold_K/validation once every validation case is predicted
 
 
-def _link(source: Path, target: Path, hard: bool) -> None:
-    """``target`` pointing at ``source`` (replaced if present); hard links keep the pooled folder
-    valid if a fold's folder is moved, symbolic ones reach across file systems (the dataset)."""
+def pool_file(source: Path, target: Path) -> None:
+    """``target`` (in a pooled folder) as a link to ``source``, replacing an older one: a hard
+    link where it can be (the pooled folder stays valid when a fold's folder moves), else a
+    symbolic one (a dataset on another file system)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
     target.unlink(missing_ok=True)
-    if hard:
-        try:
-            os.link(source, target)
-            return
-        except OSError:
-            pass
-    target.symlink_to(Path(source).resolve())
+    try:
+        os.link(source, target)
+    except OSError:
+        target.symlink_to(Path(source).resolve())
 
 
 def _fold(task, config: dict, k: int, train: Callable[[dict, bool], dict], options) -> dict:
@@ -68,25 +68,12 @@ def _fold(task, config: dict, k: int, train: Callable[[dict, bool], dict], optio
     return {"fold": k, "cases": cases.split["val"], "validation": summary, "seconds": round(time.perf_counter() - started, 1)}
 
 
-def _pool(task, config: dict, folds: list[int], root: Path) -> tuple[dict, Path | None] | None:
-    """Every fold's validation predictions and their references in ``crossval/``, scored
-    together: the summary and the dataset JSON naming the classes; ``None`` for a task without
-    folder scoring."""
-    pooled, labels = root / "crossval" / "predictions", root / "crossval" / "labels"
-    pooled.mkdir(parents=True, exist_ok=True)
-    labels.mkdir(parents=True, exist_ok=True)
-    dataset_json = None
-    for k in folds:
-        cases = task.datalist({**config, "fold": k})
-        references = task.crossval_references(cases, root / f"fold_{k}" / "validation")
-        if references is None:
-            return None
-        for prediction, reference in references:
-            _link(prediction, pooled / prediction.name, hard=True)
-            _link(reference, labels / prediction.name, hard=False)
-        dataset_json = cases.source
-    options = {"dataset_json": dataset_json, "nsd_tolerance": config["inference"].get("nsd_tolerance", 2.0), "excluded": None, "seriesuids": None}
-    return task.score_predictions(pooled, labels, root / "crossval", options), dataset_json
+def _pool(task, config: dict, folds: list[int], root: Path) -> dict | None:
+    """Every fold's validation predictions scored together by the task
+    (:meth:`~hsmla_med.pipelines.task.Task.crossval_score`) into ``crossval/``; ``None`` for a
+    task without pooled scoring."""
+    done = [(task.datalist({**config, "fold": k}), root / f"fold_{k}" / "validation") for k in folds]
+    return task.crossval_score(done, root / "crossval", config)
 
 
 def cross_validate(task, config: dict, train: Callable[[dict, bool], dict], options, folds: list[int] | None = None,
@@ -118,11 +105,10 @@ def cross_validate(task, config: dict, train: Callable[[dict, bool], dict], opti
         runs.append(_fold(task, config, k, train, options))
     report = {"task": task.name, "folds": runs, "seconds": round(time.perf_counter() - started, 1)}
     if sorted(wanted) == list(range(count)):
-        pooled = _pool(task, config, wanted, root)
-        if pooled is not None:
-            summary, dataset_json = pooled
+        summary = _pool(task, config, wanted, root)
+        if summary is not None:
             report["pooled"] = {"summary": str(root / "crossval" / "summary.json"), "foreground_mean": summary.get("foreground_mean")}
-            report["postprocessing"] = _postprocessing(task, root, dataset_json)
+            report["postprocessing"] = _postprocessing(task, root, task.datalist({**config, "fold": 0}).source)
         else:
             report["pooled"] = _mean_of_folds(root, wanted)
     write_json(root / "crossval.json", report)
@@ -130,7 +116,8 @@ def cross_validate(task, config: dict, train: Callable[[dict, bool], dict], opti
 
 
 def _postprocessing(task, root: Path, dataset_json: Path | None) -> str | None:
-    """``postprocessing.json`` chosen on the pooled predictions, for tasks that apply one."""
+    """``postprocessing.json`` chosen on the pooled predictions (``crossval/predictions`` and
+    ``crossval/labels``), for tasks that apply one."""
     if not task.postprocesses:
         return None
     from hsmla_med.inference.postprocessing import choose_postprocessing

@@ -32,7 +32,7 @@ from hsmla_med.inference.postprocessing import apply_postprocessing
 from hsmla_med.io import is_temporary
 from hsmla_med.pipelines.task import InferenceOptions, Task, input_files, predict_cases, synthetic_root
 
-__all__ = ["TASK", "datalist", "check_config", "preprocessing_items", "UNCROPPED_BACKGROUND", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer", "score_predictions", "crossval_references"]
+__all__ = ["TASK", "datalist", "check_config", "preprocessing_items", "UNCROPPED_BACKGROUND", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer", "score_predictions", "crossval_score"]
 
 OTSU_MARGIN = 2  # voxels around the Otsu foreground that the crop keeps
 
@@ -213,9 +213,19 @@ def labels_in_input_geometry(case: dict, transform: Compose, probabilities: bool
     return geometry.labels_in_input_geometry(case["probs"], case["image"], transform, probabilities)
 
 
-def crossval_references(cases: Datalist, predictions: Path) -> list[tuple[Path, Path]]:
-    """Each validation case's label map as ``infer`` names it, with the case's label file."""
-    return [(predictions / f"{case_name(c['image'])}.nii.gz", Path(c["label"])) for c in cases.validation]
+def crossval_score(folds: list[tuple[Datalist, Path]], output: Path, config: dict) -> dict:
+    """Every fold's validation label maps (as ``infer`` names them) in ``output/predictions``,
+    their label files under the same names in ``output/labels`` (links), scored by the folder
+    evaluator; post-processing is then chosen on the same two folders."""
+    from hsmla_med.crossval import pool_file
+
+    for cases, folder in folds:
+        for case in cases.validation:
+            name = f"{case_name(case['image'])}.nii.gz"
+            pool_file(folder / name, output / "predictions" / name)
+            pool_file(Path(case["label"]), output / "labels" / name)
+    options = {"dataset_json": folds[0][0].source, "nsd_tolerance": config["inference"].get("nsd_tolerance", 2.0)}
+    return score_predictions(output / "predictions", output / "labels", output, options)
 
 
 def score_predictions(predictions: Path, labels: Path, output: Path, options: dict) -> dict:

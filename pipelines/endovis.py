@@ -32,14 +32,14 @@ from hsmla_med.engine.base import hparams, plain
 from hsmla_med.engine.datamodule import CaseDataModule
 from hsmla_med.engine.segmentation import FrameSegmentationModule
 from hsmla_med.errors import ConfigError, DataError, InputError
-from hsmla_med.io import atomic_path, write_json
+from hsmla_med.io import atomic_path, is_temporary, write_json
 from hsmla_med.metrics import frame_confusion, frame_reference_scores, frame_scores, summarize_frames
 from hsmla_med.metrics.summary import bootstrap_means
 from hsmla_med.pipelines.task import InferenceOptions, Task, predict_cases, synthetic_root
 
 VIDEO_PREFIX = "instrument_dataset_"  # the video folders, instrument_dataset_K: the case IDs of the splits
 
-__all__ = ["TASK", "datalist", "transforms", "datamodule", "module_config", "held_out", "infer", "inference_box", "score_predictions"]
+__all__ = ["TASK", "datalist", "transforms", "datamodule", "module_config", "held_out", "infer", "inference_box", "score_predictions", "crossval_score"]
 
 
 def _problem(config: dict) -> str:
@@ -266,6 +266,18 @@ def _score_frame(prediction: np.ndarray, truth: np.ndarray, classes: int) -> tup
 
 def _number(value: float) -> float | None:
     return None if value is None or math.isnan(value) else float(value)
+
+
+def crossval_score(folds: list[tuple[Datalist, Path]], output: Path, config: dict) -> dict:
+    """Every fold's validation masks (``instrument_dataset_K/frameNNN.png``, whole videos per
+    fold) linked into ``output/predictions`` and scored at each frame's size against the dataset."""
+    from hsmla_med.crossval import pool_file
+
+    for _, folder in folds:
+        for mask in folder.glob(f"{VIDEO_PREFIX}*/*.png"):
+            if not is_temporary(mask):
+                pool_file(mask, output / "predictions" / mask.parent.name / mask.name)
+    return score_predictions(output / "predictions", folds[0][0].source, output, {"problem": config["data"]["problem"]})
 
 
 def score_predictions(predictions: Path, labels: Path, output: Path, options: dict) -> dict:

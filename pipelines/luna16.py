@@ -51,7 +51,7 @@ from hsmla_med.pipelines.task import InferenceOptions, Task, input_files, predic
 
 __all__ = [
     "TASK", "LABELS", "datalist", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer",
-    "read_findings", "hu_window", "score_submission", "score_predictions",
+    "read_findings", "hu_window", "score_submission", "score_predictions", "crossval_score",
 ]
 
 log = logging.getLogger("hsmla_med")
@@ -253,6 +253,23 @@ def score_submission(submission: str | Path, root: str | Path) -> dict:
     uids = read_seriesuids(uids_csv) if uids_csv else list(find_scans(root))
     nodules, excluded = read_findings(root, dict.fromkeys(uids))
     return submission_froc(read_submission(submission), nodules, excluded, uids)
+
+
+def crossval_score(folds: list[tuple[Datalist, Path]], output: Path, config: dict) -> dict:
+    """Every fold's validation submission merged into ``output/submission.csv`` and scored as
+    one by the official rules against the dataset's CSVs, the false positives counted over
+    every validation scan (``output/seriesuids.csv``)."""
+    rows, uids = [], []
+    for cases, folder in folds:
+        lines = (folder / SUBMISSION).read_text().splitlines()
+        rows += [line for line in lines[1:] if line.strip()]
+        uids += [case["seriesuid"] for case in cases.validation]
+    output.mkdir(parents=True, exist_ok=True)
+    with atomic_path(output / SUBMISSION) as tmp:
+        Path(tmp).write_text("\n".join([",".join(SUBMISSION_COLUMNS), *rows]) + "\n")
+    with atomic_path(output / "seriesuids.csv") as tmp:
+        Path(tmp).write_text("".join(f"{uid}\n" for uid in uids))
+    return score_predictions(output / SUBMISSION, folds[0][0].source, output, {"seriesuids": output / "seriesuids.csv"})
 
 
 def score_predictions(predictions: Path, labels: Path, output: Path, options: dict) -> dict:

@@ -221,7 +221,7 @@ class Task(ABC):
 
     MODULE_FUNCTIONS: ClassVar[dict[str, str]] = {
         "datalist": "datalist", "datamodule": "datamodule", "module_config": "module_config", "held_out": "held_out", "predict": "infer",
-        "score_predictions": "score_predictions", "crossval_references": "crossval_references",
+        "score_predictions": "score_predictions", "crossval_score": "crossval_score",
     }
 
     def __init_subclass__(cls, **kwargs) -> None:
@@ -280,11 +280,12 @@ class Task(ABC):
         validation ``module`` ran, written into ``output``; by default none."""
         return []
 
-    def crossval_references(self, cases: Datalist, predictions: Path) -> list[tuple[Path, Path]] | None:
-        """``cross-validate``: each validation case's prediction in ``predictions`` (what
-        :meth:`predict` wrote there) with its reference file, for :meth:`score_predictions` on
-        the pooled folds; ``None`` (the default) where a task's references are not one file per
-        case, and the folds' own validation summaries are averaged instead."""
+    def crossval_score(self, folds: list[tuple[Datalist, Path]], output: Path, config: dict) -> dict | None:
+        """``cross-validate``: score every fold's validation predictions together. ``folds``:
+        per fold its cases and the folder :meth:`predict` wrote its validation cases into. A
+        task pools them into ``output`` (links, merged CSVs) and scores them with
+        :meth:`score_predictions`, which writes ``output/summary.json``; ``None`` (no pipeline
+        function ``crossval_score``): the folds' own validation summaries are averaged instead."""
         return None
 
     def score_lines(self, summary: dict, output: Path) -> list[str]:

@@ -46,3 +46,39 @@ def test_cross_validate_pools_every_case_once_and_resumes(tmp_path, capsys):
     assert main(argv) == 0
     assert (run / "fold_0" / "last.ckpt").stat().st_mtime_ns == before
     assert all(f.get("skipped") for f in json.loads((run / "crossval.json").read_text())["folds"])
+
+
+def _tiny(tmp_path, overlay: dict) -> str:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(overlay))
+    return str(path)
+
+
+def test_cross_validate_endovis_pools_whole_videos(tmp_path):
+    from tests.test_endovis import TINY as ENDOVIS
+
+    config = _tiny(tmp_path, {**ENDOVIS, "data": {**ENDOVIS["data"], "cache_dir": str(tmp_path / "cache")}})
+    run = tmp_path / "cv"
+    assert main(["cross-validate", "--task", "endovis", "--config", config, "--output", str(run), "--max-steps", "1"]) == 0
+    summary = json.loads((run / "crossval" / "summary.json").read_text())
+    frames = sorted((c["video"], c["prediction_file"].split("/")[-1]) for c in summary["metric_per_case"])
+    assert frames == [(v, f"frame{i:03d}.png") for v in (1, 2) for i in range(2)]  # every labelled frame once
+    # the pooled score by the folder evaluator equals the folds' own validation (same frames, same
+    # weights: last.ckpt), each frame scored at its original size by the reference rule
+    folds = [json.loads((run / f"fold_{k}" / "metrics.json").read_text()) for k in (0, 1)]
+    assert abs(summary["reference_rule"]["Dice"] - np.mean([f["dice"] for f in folds])) < 1e-6
+
+
+def test_cross_validate_luna16_scores_the_merged_submission(tmp_path):
+    from tests.test_luna16 import TINY as LUNA16
+
+    config = _tiny(tmp_path, {**LUNA16, "data": {**LUNA16["data"], "cache_dir": str(tmp_path / "cache")}})
+    run = tmp_path / "cv"
+    assert main(["cross-validate", "--task", "luna16", "--config", config, "--output", str(run), "--max-steps", "1"]) == 0
+    folds = json.loads((tmp_path / "cache" / "luna16-synthetic" / SPLITS_FILE).read_text())
+    assert [len(f["val"]) for f in folds] == [1, 1, 1, 1]  # fold K = subsetK, one scan each here
+    merged = (run / "crossval" / "submission.csv").read_text().splitlines()
+    parts = [(run / f"fold_{k}" / "validation" / "submission.csv").read_text().splitlines()[1:] for k in range(4)]
+    assert merged[0] == "seriesuid,coordX,coordY,coordZ,probability" and sorted(merged[1:]) == sorted(sum(parts, []))
+    summary = json.loads((run / "crossval" / "summary.json").read_text())
+    assert sorted(row["seriesuid"] for row in summary["metric_per_case"]) == sorted(f["val"][0] for f in folds)
