@@ -77,6 +77,19 @@ def test_ensemble_of_patch_classifiers_averages_the_tumour_probability():
     assert torch.equal(got["row"], torch.tensor([0, 1])) and torch.equal(got["col"], torch.tensor([3, 4]))
 
 
+def test_an_ensemble_of_folds_has_trained_on_every_members_cases():
+    """evaluate refuses cases a checkpoint trained on (its ``split``): an ensemble's are all its
+    members' training cases, so no case of fold 0's validation is unseen by folds 0 and 1."""
+    splits = [{"file": "splits_final.json", "fold": 0, "folds": 3, "train": ["c", "d", "e", "f"], "val": ["a", "b"]},
+              {"file": "splits_final.json", "fold": 1, "folds": 3, "train": ["a", "b", "e", "f"], "val": ["c", "d"]}]
+    config = _module(endovis.TASK, ENDOVIS_TINY, endovis.PROBLEMS["binary"], 0).config
+    members = [endovis.TASK.module_class({**config, "split": split}) for split in splits]
+    both = ensemble(members)
+    assert both.config["split"] == {**splits[0], "train": ["a", "b", "c", "d", "e", "f"], "val": []}
+    assert members[0].config["split"] == splits[0]  # the members keep their own
+    assert "split" not in ensemble([members[0], endovis.TASK.module_class(config)]).config  # unknown for one: unknown
+
+
 @pytest.fixture(scope="module")
 def volumes(tmp_path_factory):
     """Two BTCV checkpoints (other weights) and a folder of two small volumes."""

@@ -54,12 +54,27 @@ class MeanProbabilities(nn.Module):
         return torch.log(total / len(self.members))
 
 
+def _config(members: Sequence[GatedModule]) -> dict:
+    """The first member's hyper-parameters; its ``split`` (the fold a checkpoint trained on,
+    :func:`~hsmla_med.data.splits.fold_cases`) with every member's training cases in ``train``
+    and only the cases none trained on in ``val``: an ensemble of folds has seen every case that
+    one of them trained on, and ``evaluate`` must not take those for held-out ones. Without a
+    record for every member, none."""
+    config = members[0].config
+    splits = [m.config.get("split") for m in members]
+    if not all(isinstance(s, dict) and isinstance(s.get("train"), list) for s in splits):  # unknown for some: for all
+        return {k: v for k, v in config.items() if k != "split"}
+    trained = sorted({case for s in splits for case in s["train"]})
+    unseen = [case for case in splits[0].get("val") or [] if case not in set(trained)]
+    return {**config, "split": {**splits[0], "train": trained, "val": unseen}}
+
+
 class _Ensemble:
     """Mixed in before a task module's class (:func:`ensemble`): the module of the first member's
     hyper-parameters whose predictions are the members' mean."""
 
     def __init__(self, members: Sequence[GatedModule]) -> None:
-        super().__init__(members[0].config, network=MeanProbabilities([m.network for m in members]))
+        super().__init__(_config(members), network=MeanProbabilities([m.network for m in members]))
         # a tuple, not a ModuleList: their networks are registered once, under self.network, so the
         # state dict holds each weight once and moving this module moves every member's network
         self.members = tuple(members)
