@@ -3,16 +3,19 @@ patch classification, and whole-slide heatmaps.
 
 What is specific to the benchmark lives here: finding slides and annotations (the CAMELYON16
 folders, or a flat ``images/`` + ``annotations/`` layout, or the synthetic default), the patch
-grid inside tissue labelled by tumour coverage (cached per slide), reading patches lazily, and
-the heatmap export. The loop and checkpoints are the generic engine's; the metrics are
-:mod:`hsmla_med.metrics.pathology`'s.
+grid inside tissue labelled by tumour coverage (cached per slide), reading patches lazily, the
+heatmap export with the challenge's submission files, and scoring a submission
+(:func:`score_predictions`). The loop and checkpoints are the generic engine's; the metrics are
+:mod:`hsmla_med.metrics.pathology`'s (the official CAMELYON16 rules).
 """
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import logging
+import math
 import time
 import zipfile
 import zlib
@@ -27,7 +30,7 @@ from monai.data import DataLoader, list_data_collate
 from monai.transforms import Compose, MapTransform, RandFlipd, RandRotate90d, RandScaleIntensityd, RandShiftIntensityd
 from torch.utils.data import WeightedRandomSampler
 
-from hsmla_med.data.asap import rasterise, read_asap_xml
+from hsmla_med.data.asap import TUMOUR_GROUPS, Polygon, rasterise, read_asap_xml
 from hsmla_med.data.datalist import Datalist
 from hsmla_med.data.splits import fold_cases
 from hsmla_med.data.patch_readers import open_patches, requested_reader
@@ -40,16 +43,19 @@ from hsmla_med.engine.datamodule import CaseDataModule
 from hsmla_med.errors import DataError
 from hsmla_med.io.overlays import gate_overlay, heatmap_overlay
 from hsmla_med.io import atomic_path, write_json
-from hsmla_med.metrics.pathology import lesion_labels, slide_score
+from hsmla_med.metrics.pathology import (GROW_UM, ITC_UM, auc, detect_lesions, evaluation_geometry, evaluation_mask, lesion_froc, slide_fp_tp,
+                                         slide_score)
 from hsmla_med.pipelines.task import InferenceOptions, Task, predict_cases, synthetic_root
 
-__all__ = ["TASK", "LABELS", "find_slides", "datalist", "slide_patches", "datamodule", "module_config", "SlideHeatmaps", "held_out", "infer"]
+__all__ = ["TASK", "LABELS", "find_slides", "datalist", "slide_patches", "datamodule", "module_config", "SlideHeatmaps", "held_out", "infer", "slide_truth",
+           "read_lesion_csv", "read_slide_csv", "score_predictions"]
 
 log = logging.getLogger("hsmla_med")
 LABELS = ["normal", "tumour"]
 # in the patch-grid cache key: version 2 takes the grid cells from patch_grid (version 1 cached
-# cells computed back from rounded corners, which collide where a level's downsample is fractional)
-_GRID_VERSION = 2
+# cells computed back from rounded corners, which collide where a level's downsample is fractional);
+# version 3: "lesions" is the official evaluation-mask label at each patch centre, with the slide's counts
+_GRID_VERSION = 3
 SLIDE_SUFFIXES = (".tif", ".tiff", ".svs", ".ndpi", ".mrxs", ".scn", ".bif")
 
 
@@ -113,7 +119,7 @@ def _grid_params(data: dict) -> dict:
     return {k: data[k] for k in ("level", "mpp", "patch_size", "stride", "min_tissue", "tumour_coverage", "tissue_min_area_um2")}
 
 
-_GRID_KEYS = {"coords", "rows", "cols", "labels", "lesions", "level", "tissue_downsample", "tissue_fraction"}  # slide_patches: its result
+_GRID_KEYS = {"coords", "rows", "cols", "labels", "lesions", "num_lesions", "num_labels", "level", "tissue_downsample", "tissue_fraction"}  # slide_patches: its result
 
 
 def _cached_grid(cache: Path) -> dict | None:
@@ -137,8 +143,10 @@ def _cached_grid(cache: Path) -> dict | None:
 def slide_patches(case: dict, data: dict) -> dict:
     """The patch grid of one slide: level-0 ``coords`` (n, 2) of patches inside tissue, their
     grid ``rows``/``cols``, tumour ``labels`` (annotation coverage >= ``tumour_coverage``), the
-    ``lesions`` id under each patch centre (0 = none), the pyramid ``level`` and the
-    tissue-mask downsample. Cached per slide file and parameters in ``cache_dir``. ``data``: the
+    official evaluation-mask label at each patch centre (``lesions``, 0 = none; the point a
+    detection on that patch is scored at), the slide's ``num_lesions`` (lesions to detect) and
+    ``num_labels`` (its largest label; ITC clusters above ``num_lesions``) from
+    :func:`slide_truth`, the pyramid ``level`` and the tissue-mask downsample. Cached per slide file and parameters in ``cache_dir``. ``data``: the
     data section of a task config or a checkpoint."""
     params = _grid_params(data)
     slide_path = Path(case["slide"])
@@ -159,21 +167,22 @@ def slide_patches(case: dict, data: dict) -> dict:
     footprint = params["patch_size"] * level_ds
     coords, cells = patch_grid(tissue, tissue_ds, slide.dimensions, params["patch_size"], params["stride"], level_ds, params["min_tissue"])
     labels = np.zeros(len(coords), dtype=np.int64)
-    lesions = np.zeros(len(coords), dtype=np.int64)
+    lesions, num_lesions, num_labels = np.zeros(len(coords), dtype=np.int64), 0, 0
     if case["annotation"]:
-        tumour = rasterise(read_asap_xml(case["annotation"]), slide.dimensions, tissue_ds, slide_path.name)
+        polygons = read_asap_xml(case["annotation"])
+        tumour = rasterise(polygons, slide.dimensions, tissue_ds, slide_path.name)
         labels = (coverage(tumour, tissue_ds, coords, footprint) >= params["tumour_coverage"]).astype(np.int64)
-        ids = lesion_labels(tumour)
-        centre = ((coords + footprint / 2) / tissue_ds).astype(np.int64)
-        cy = np.clip(centre[:, 1], 0, ids.shape[0] - 1)
-        cx = np.clip(centre[:, 0], 0, ids.shape[1] - 1)
-        lesions = np.where(labels > 0, ids[cy, cx], 0)
+        truth, num_lesions, downsample = slide_truth(polygons, slide.dimensions, mpp, slide_path.name)
+        lesions = hit_labels(truth, downsample, patch_centres(cells, params["stride"] * level_ds, footprint))
+        num_labels = int(truth.max())
     result = {
         "coords": coords.astype(np.int64),
         "rows": cells[:, 0],  # each patch its own cell, whole downsample or not (patch_grid)
         "cols": cells[:, 1],
         "labels": labels,
         "lesions": lesions.astype(np.int64),
+        "num_lesions": np.int64(num_lesions),
+        "num_labels": np.int64(num_labels),
         "level": np.int64(level),
         "tissue_downsample": np.float64(tissue_ds),
         "tissue_fraction": np.float64(tissue.mean()),
@@ -182,6 +191,42 @@ def slide_patches(case: dict, data: dict) -> dict:
     with atomic_path(cache) as tmp:
         np.savez(tmp, **result)
     return result
+
+
+def patch_centres(cells: np.ndarray, step: float, footprint: float) -> np.ndarray:
+    """Level-0 pixel ``(x, y)`` (int64 ``(n, 2)``) at the centre of the patches of grid ``cells``
+    (``(n, 2)`` row, col): the patch of cell (r, c) has its corner at ``round(c * step),
+    round(r * step)`` (:func:`~hsmla_med.data.slides.patch_grid`) and covers ``footprint``
+    level-0 pixels, however fractional the level's downsample. The point where a detection on
+    that patch is scored, in validation and in the lesion CSV alike."""
+    corners = np.round(np.asarray(cells, np.int64).reshape(-1, 2)[:, ::-1] * step)
+    return np.floor(corners + footprint / 2).astype(np.int64)
+
+
+def slide_truth(polygons: list[Polygon], level0_size: tuple[int, int], mpp: float | None, name: str | None = None) -> tuple[np.ndarray, int, int]:
+    """The official evaluation mask of a slide's annotation (:func:`evaluation_mask`): the
+    outlines rasterised at downsample ``2**level`` of :func:`evaluation_geometry` (level 5 of a
+    0.243 µm slide, as ``Evaluation_FROC.py``), grown by the official 75 µm, ITC clusters
+    numbered last. Returns ``(labels, num_lesions, downsample)``. The official script reads level
+    5 of the ground-truth mask TIFF that ASAP made from the same outlines; here a pixel is
+    tumour when its centre lies inside them (:func:`~hsmla_med.data.asap.rasterise`)."""
+    slide_mpp_used, level = evaluation_geometry(mpp)
+    downsample = 2**level
+    tumour = rasterise(polygons, level0_size, downsample, name)
+    labels, num_lesions = evaluation_mask(tumour, slide_mpp_used * downsample)
+    return labels, num_lesions, downsample
+
+
+def hit_labels(labels: np.ndarray, downsample: int, points: np.ndarray) -> np.ndarray:
+    """The evaluation-mask label at each level-0 point ``(x, y)`` (``(n, 2)`` non-negative
+    integers), as the official script looks it up: ``labels[int(y / 2**level), int(x /
+    2**level)]``; 0 beyond the mask (no lesion reaches there)."""
+    points = np.asarray(points, np.int64).reshape(-1, 2)
+    rows, cols = points[:, 1] // downsample, points[:, 0] // downsample
+    inside = (rows < labels.shape[0]) & (cols < labels.shape[1])
+    hits = np.zeros(len(points), np.int64)
+    hits[inside] = labels[rows[inside], cols[inside]]
+    return hits
 
 
 class ReadPatchd(MapTransform):
@@ -218,11 +263,12 @@ def _items(cases: list[dict], config: dict) -> list[dict]:
     items = []
     for s, case in enumerate(cases):
         grid = slide_patches(case, config["data"])
+        counts = {"num_lesions": int(grid["num_lesions"]), "num_labels": int(grid["num_labels"])}
         for (x, y), row, col, label, lesion in zip(grid["coords"], grid["rows"], grid["cols"], grid["labels"], grid["lesions"]):
             items.append({
                 "slide": case["slide"], "x": int(x), "y": int(y), "level": int(grid["level"]), "size": config["data"]["patch_size"],
                 "label": int(label), "lesion": int(lesion), "row": int(row), "col": int(col), "slide_index": s,
-                "slide_label": case["label"],
+                "slide_label": case["label"], **counts,
             })
     return items
 
@@ -284,8 +330,10 @@ class SlideHeatmaps:
     predictions arrive, and a slide's files written as soon as its last patch is in.
 
     Writes per slide ``<slide>_heatmap.tif`` (pyramidal, 0..255, the slide's physical resolution),
-    ``<slide>_overlay.png``, ``<slide>_gates.png`` and, last, ``<slide>.json`` (slide score,
-    patch count, tissue fraction, seconds since the previous slide of the process finished).
+    ``<slide>_overlay.png``, ``<slide>_gates.png``, the challenge's lesion CSV
+    ``lesions/<slide>.csv`` (:func:`write_lesion_csv`) and, last, ``<slide>.json`` (slide score,
+    detections, patch count, tissue fraction, seconds since the previous slide of the process
+    finished).
     A finished slide's files are written by a background thread while the network goes on with
     the next slide's patches; :meth:`flush` waits for them at the end of the run.
     """
@@ -306,10 +354,12 @@ class SlideHeatmaps:
             level, size = int(grid["level"]), int(self.data["patch_size"])
             slide = open_slide(item["slide"])
             step = self.data["stride"] * float(slide.level_downsamples[level])  # a grid cell in level-0 pixels
+            footprint = size * float(slide.level_downsamples[level])
             width, height = slide.dimensions
             slide.close()
             prob = np.full((int(np.ceil(height / step)), int(np.ceil(width / step))), np.nan)
-            self.slides.append({**item, "grid": grid, "step": step, "prob": prob, "alpha": prob.copy(), "left": len(grid["coords"])})
+            self.slides.append({**item, "grid": grid, "step": step, "footprint": footprint, "prob": prob, "alpha": prob.copy(),
+                                "left": len(grid["coords"])})
             patches += [
                 {"slide": item["slide"], "slide_index": index, "x": int(x), "y": int(y), "level": level, "size": size, "row": int(r), "col": int(c)}
                 for (x, y), r, c in zip(grid["coords"], grid["rows"], grid["cols"])
@@ -355,7 +405,11 @@ class SlideHeatmaps:
         mpp = slide_mpp(handle)
         heat = np.nan_to_num(prob * 255, nan=0).round().astype(np.uint8).repeat(scale, 0).repeat(scale, 1)
         stem = Path(slide["slide"]).stem
-        paths = [self.output / f"{stem}_heatmap.tif", self.output / f"{stem}_overlay.png", self.output / f"{stem}_gates.png"]
+        paths = [self.output / f"{stem}_heatmap.tif", self.output / f"{stem}_overlay.png", self.output / f"{stem}_gates.png",
+                 self.output / LESIONS / f"{stem}.csv"]
+        inference = self.module.config["inference"]
+        found = detect_lesions(prob, inference["lesion_threshold"], inference["lesion_radius"])
+        write_lesion_csv(paths[3], found[:, 0], patch_centres(found[:, 1:], step, slide["footprint"]))
         write_pyramidal_tiff(paths[0], heat, mpp * step / scale if mpp else None)
         # thumbnail cut or padded with glass to the grid's extent (a part of a cell beyond the slide edge)
         thumb, thumb_ds = thumbnail(handle)
@@ -367,7 +421,8 @@ class SlideHeatmaps:
         now = time.perf_counter()
         record = {
             "slide": slide["slide"],
-            "score": slide_score(prob, self.module.config["inference"]["slide_sigma"]),
+            "score": slide_score(prob, inference["slide_sigma"]),
+            "detections": len(found),
             "patches": len(grid["coords"]),
             "heatmap_pixels_per_cell": scale,
             "tissue_fraction": float(grid["tissue_fraction"]),
@@ -405,10 +460,188 @@ def infer(module: ClassificationModule, inputs: str | Path, output: str | Path, 
     data = module.config["data"] if options.level is None else {**module.config["data"], "level": options.level, "mpp": None}
     heatmaps = SlideHeatmaps(module, output, data, options.progress)
     items = [{"name": slide.stem, "slide": str(slide), "output": output / f"{slide.stem}.json"} for slide in slides]
+
+    def slide_csv() -> list[Path]:
+        """The run's slide-level CSV from the scores of its slides done so far (resumed ones too)."""
+        done = [item for item in items if item["output"].is_file()]
+        if len(done) < len(items):
+            options.progress(f"{SLIDE_CSV}: {len(done)} of {len(items)} slide(s) so far (the others are other shards')")
+        scores = {item["name"]: json.loads(item["output"].read_text())["score"] for item in done}
+        write_slide_csv(output / SLIDE_CSV, scores)
+        return [output / SLIDE_CSV]
+
     return predict_cases(
-        module, items, ReadPatchd(keep=1, uint8=True), heatmaps.write, options, flush=heatmaps.flush,
+        module, items, ReadPatchd(keep=1, uint8=True), heatmaps.write, options, finish=slide_csv, flush=heatmaps.flush,
         batch_size=options.batch_size or module.config["inference"]["batch_size"], collate=list_data_collate, expand=heatmaps.patches,
     )
+
+
+# The challenge's submission (camelyon16.grand-challenge.org/Evaluation): one CSV per slide, named
+# as the slide, a row "Confidence,X,Y" (level-0 pixels, no header) per detected lesion, which
+# Evaluation_FROC.py reads from a folder of nothing else (every *.csv there is a slide's); and one
+# CSV of "image name, probability of metastasis" for the slide-level ROC.
+LESIONS = "lesions"
+SLIDE_CSV = "slides.csv"
+SLIDE_CSV_HEADER = ("Image", "Confidence")
+
+
+def write_lesion_csv(path: Path, confidences: np.ndarray, points: np.ndarray) -> None:
+    """A slide's lesion CSV: ``Confidence,X,Y`` rows, most confident first, no header. X and Y are
+    integers (the official reader takes them with ``int()``); confidences are written to round
+    trip exactly (``repr``), so a submission scores as the maps it came from."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        tmp.write_text("".join(f"{float(p)!r},{int(x)},{int(y)}\n" for p, (x, y) in zip(confidences, np.asarray(points).reshape(-1, 2))))
+
+
+def write_slide_csv(path: Path, scores: dict[str, float]) -> None:
+    """The slide-level CSV: header ``Image,Confidence``, then ``<slide name>,<score>`` per slide."""
+    with atomic_path(path) as tmp, tmp.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(SLIDE_CSV_HEADER)
+        writer.writerows([name, repr(float(score))] for name, score in sorted(scores.items()))
+
+
+def _number(text: str, path: Path, line: int, what: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise DataError(f"{path}: line {line}: {what} {text.strip()!r} is not a finite number")
+    return value
+
+
+def read_lesion_csv(path: Path) -> np.ndarray:
+    """A lesion CSV as ``(n, 3)`` float64 ``(confidence, x, y)``; blank lines skipped.
+
+    Where the official ``readCSVContent`` would stop with a traceback (a header, a word, a
+    missing column), this raises one :class:`DataError` naming the file and line. Coordinates
+    must be non-negative; written with decimals they are truncated as the official lookup
+    ``int(x / 2**level)`` would truncate them."""
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        fields = line.split(",")
+        if len(fields) != 3:
+            raise DataError(f"{path}: line {number}: {line.strip()!r} is not 'Confidence,X,Y' (three numbers, no header)")
+        rows.append([_number(text, path, number, what) for text, what in zip(fields, ("confidence", "X", "Y"))])
+        if min(rows[-1][1:]) < 0:
+            raise DataError(f"{path}: line {number}: negative coordinate in {line.strip()!r} (level-0 pixels start at 0)")
+    return np.array(rows, np.float64).reshape(-1, 3)
+
+
+def read_slide_csv(path: Path) -> dict[str, float]:
+    """The slide-level CSV: ``{slide name: confidence}`` from ``name,confidence`` rows (a slide
+    file's extension is dropped); a first line whose second field is not a number is a header."""
+    scores = {}
+    with path.open(newline="") as f:
+        for number, fields in enumerate(csv.reader(f), 1):
+            if not fields or not "".join(fields).strip():
+                continue
+            if len(fields) != 2:
+                raise DataError(f"{path}: line {number}: {','.join(fields)!r} is not 'Image,Confidence'")
+            if number == 1 and _is_header(fields[1]):
+                continue
+            name = fields[0].strip()
+            scores[Path(name).stem if Path(name).suffix.lower() in SLIDE_SUFFIXES else name] = _number(fields[1], path, number, "confidence")
+    return scores
+
+
+def _is_header(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return True
+    return False
+
+
+def _slide_geometry(stem: str, labels: Path, data_dir: Path | None) -> tuple[tuple[int, int] | None, float | None, str | None]:
+    """Level-0 size and mpp of the slide ``stem``, found under ``data_dir`` or beside the
+    annotation folder (its parent, searched recursively: CAMELYON16's ``testing/images`` beside
+    ``testing/lesion_annotations``); ``(None, None, None)`` when there is none."""
+    for path in sorted((data_dir or labels.parent).rglob(f"{stem}.*")):
+        if path.suffix.lower() in SLIDE_SUFFIXES and path.is_file():
+            slide = open_slide(path)
+            try:
+                return tuple(slide.dimensions), slide_mpp(slide), str(path)
+            finally:
+                slide.close()
+    return None, None, None
+
+
+def _score_slide(csv_path: Path, labels: Path, data_dir: Path | None) -> tuple[tuple, dict]:
+    """One slide of a submission: its :func:`slide_fp_tp` counts (with its lesion count) and its
+    row of the summary."""
+    found = read_lesion_csv(csv_path)
+    xml = labels / f"{csv_path.stem}.xml"
+    polygons = read_asap_xml(xml) if xml.is_file() else []
+    size, mpp, slide_path = _slide_geometry(csv_path.stem, labels, data_dir)
+    points = found[:, 1:].astype(np.int64)  # truncated, as the official int() of the lookup
+    if size is not None and len(points) and ((points[:, 0] >= size[0]) | (points[:, 1] >= size[1])).any():
+        x, y = points[(points[:, 0] >= size[0]) | (points[:, 1] >= size[1])][0]
+        raise DataError(f"{csv_path}: detection at ({x}, {y}) lies outside the {size[0]}x{size[1]} slide {slide_path}")
+    if size is None:  # the outlines' extent, with room for the growth: no lesion reaches beyond it
+        official_mpp, level = evaluation_geometry(None)
+        extent = np.max([p.points.max(axis=0) for p in polygons], axis=0) if polygons else np.zeros(2)
+        size = tuple(int(math.ceil(v + GROW_UM / official_mpp + 2**level)) + 1 for v in extent)
+    truth, num_lesions, downsample = slide_truth(polygons, size, mpp, xml.name)
+    fp, tp = slide_fp_tp(found[:, 0], hit_labels(truth, downsample, points), num_lesions, int(truth.max()))
+    row = {
+        "slide": csv_path.stem, "prediction_file": str(csv_path), "reference_file": str(xml) if xml.is_file() else None,
+        "slide_file": slide_path, "tumour": bool(truth.max() > 0), "lesions": num_lesions, "itc": int(truth.max()) - num_lesions,
+        "detected": int((tp[:num_lesions] > 0).sum()), "detections": len(found), "false_positives": len(fp),
+        "evaluation_level": int(math.log2(downsample)), "mpp": evaluation_geometry(mpp)[0],
+    }
+    return (fp, tp, num_lesions), row
+
+
+def score_predictions(predictions: Path, labels: Path, output: Path, options: dict) -> dict:
+    """Score a CAMELYON16 submission (``evaluate --task camelyon16 --predictions DIR --labels XML_DIR``).
+
+    ``DIR`` holds the lesion CSVs (``DIR/lesions/<slide>.csv``, as ``wsi-heatmap`` writes them,
+    or ``DIR/<slide>.csv``, the challenge's layout) and, optionally, the slide-level
+    ``DIR/slides.csv``. The slides scored are those with a lesion CSV; ``XML_DIR/<slide>.xml``
+    is a slide's ASAP annotation, and a slide without one (or with one without tumour outlines)
+    is normal. Lesion-level FROC by the official rules (:func:`slide_truth`, :func:`slide_fp_tp`,
+    :func:`lesion_froc`); slide AUC of ``slides.csv`` over its slides when it has both classes.
+
+    The evaluation mask needs the slide's level-0 size and resolution: the slide file of the
+    same name is looked for under ``--data-dir`` (else under the annotation folder's parent,
+    e.g. CAMELYON16's ``testing/images``); without one, the mask covers the outlines' extent
+    (plus the growth) at the official 0.243 µm and level 5, which gives the official result on
+    CAMELYON16's slides, and a detection beyond it counts as a false positive.
+
+    Writes ``OUTPUT/summary.json`` (atomically): ``froc``, ``sensitivity`` at the six rates,
+    ``lesions``, ``slides``, ``auc`` (null without a slide CSV or with one class),
+    ``metric_per_case`` (a row per slide) and the ``rules``.
+    """
+    if not predictions.is_dir():
+        raise DataError(f"{predictions}: --predictions for camelyon16 is a folder of lesion CSVs (and {SLIDE_CSV})")
+    if not labels.is_dir():
+        raise DataError(f"{labels}: --labels for camelyon16 is the folder of ASAP XML annotations")
+    folder = predictions / LESIONS if (predictions / LESIONS).is_dir() else predictions
+    csvs = sorted(p for p in folder.glob("*.csv") if not (folder == predictions and p.name == SLIDE_CSV))
+    if not csvs:
+        raise DataError(f"{folder}: no lesion CSVs (<slide>.csv)")
+    data_dir = Path(options["data_dir"]) if options.get("data_dir") else None
+    counts, rows = zip(*(_score_slide(path, labels, data_dir) for path in csvs))
+    froc = lesion_froc(list(counts))
+    summary = {"task": "camelyon16", **froc, "auc": None, "auc_slides": 0}
+    if (predictions / SLIDE_CSV).is_file():
+        scores = read_slide_csv(predictions / SLIDE_CSV)
+        tumour = [_has_tumour(labels / f"{name}.xml") for name in scores]
+        value = auc(list(scores.values()), tumour) if scores else math.nan
+        summary.update(auc=None if math.isnan(value) else value, auc_slides=len(scores))
+    summary["rules"] = {"grow_um": GROW_UM, "itc_major_axis_um": ITC_UM, "evaluation": "Evaluation_FROC.py (CAMELYON16)"}
+    summary["metric_per_case"] = list(rows)
+    write_json(output / "summary.json", summary)
+    return summary
+
+
+def _has_tumour(xml: Path) -> int:
+    return int(xml.is_file() and any(p.group in TUMOUR_GROUPS for p in read_asap_xml(xml)))
 
 
 class CAMELYON16(Task):
@@ -418,7 +651,13 @@ class CAMELYON16(Task):
     module_class = ClassificationModule
     in_channels = 3
     inputs = "whole slides (any format OpenSlide opens) or a folder of them"
-    outputs = "OUTPUT/<slide>_heatmap.tif (pyramidal), _overlay.png, _gates.png and <slide>.json"
+    outputs = "OUTPUT/<slide>_heatmap.tif (pyramidal), _overlay.png, _gates.png, <slide>.json, lesions/<slide>.csv and slides.csv"
+
+    def score_lines(self, summary: dict, output: Path) -> list[str]:
+        fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
+        sens = ", ".join(f"{rate} FP: {fmt(v)}" for rate, v in summary["sensitivity"].items())
+        return [f"{summary['slides']} slides, {summary['lesions']} lesions: FROC {fmt(summary['froc'])} ({sens}); "
+                f"slide AUC {fmt(summary['auc'])}", f"summary: {output / 'summary.json'}"]
 
 
 TASK = CAMELYON16()

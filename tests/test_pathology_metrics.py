@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from hsmla_med.metrics.pathology import _slide_fp_tp, auc, detect_lesions, lesion_froc, lesion_labels, slide_score
+from hsmla_med.metrics.pathology import auc, detect_lesions, evaluation_mask, lesion_froc, slide_fp_tp, slide_score
 
 RATES = ("0.25", "0.5", "1", "2", "4", "8")
 
@@ -107,118 +107,84 @@ def test_detect_lesions_peaks_and_plateau():
     assert detect_lesions(prob, threshold=0.95).shape == (0, 3)
 
 
-def test_lesion_labels_eight_connected():
+def test_evaluation_mask_eight_connected_without_growth():
+    """With 90 µm pixels the official growth (distance < 75 / 180 pixels) adds nothing: the
+    regions are the 8-connected pieces of the mask; the diagonal pair is an ITC (major axis 2.83
+    pixels, under 275 / 90 = 3.06) and is numbered after the 3 x 3 lesion (3.27 pixels)."""
     mask = np.zeros((6, 6), bool)
-    mask[0, 0] = mask[1, 1] = True  # diagonal neighbours: one lesion
-    mask[4:6, 3:6] = True  # a second lesion
-    labels = lesion_labels(mask)
-    assert labels.max() == 2
-    assert labels[0, 0] == labels[1, 1] != labels[5, 5] > 0
+    mask[0, 0] = mask[1, 1] = True  # diagonal neighbours: one region
+    mask[3:6, 3:6] = True  # a second region
+    labels, lesions = evaluation_mask(mask, 90.0)
+    assert labels.max() == 2 and lesions == 1
+    assert labels[0, 0] == labels[1, 1] == 2 and labels[5, 5] == 1
     assert (labels[~mask] == 0).all()
 
 
 # ---------------------------------------------------------------------------------------- FROC
-
-
-def three_lesion_slide() -> np.ndarray:
-    """8 x 8 slide with three square lesions: L1 top left, L2 top right, L3 bottom."""
-    mask = np.zeros((8, 8), bool)
-    mask[0:2, 0:2] = True  # L1
-    mask[0:2, 5:7] = True  # L2
-    mask[5:7, 2:4] = True  # L3
-    return lesion_labels(mask)
+# slide_fp_tp counts detections by the evaluation-mask label they fall on (0 = none); lesions
+# 1..lesions, ITCs above. Hand-computed cases of the official counting and curve.
 
 
 def test_lesion_froc_hand_computed():
-    tumour, normal = three_lesion_slide(), np.zeros((8, 8), int)
-    detections = [
-        np.array(
-            [
-                [0.9, 0, 0],  # L1: true positive
-                [0.6, 1, 1],  # L1 again: ignored, neither TP nor FP
-                [0.8, 0, 5],  # L2: true positive
-                [0.35, 6, 3],  # L3: true positive
-                [0.3, 4, 4],  # outside the lesions: false positive
-            ]
-        ),
-        np.array([[0.8, 3, 3], [0.4, 7, 7]]),  # normal slide: two false positives
-    ]
-    # 2 slides, 3 lesions. Lowering the threshold through the probabilities gives the operating
-    # points (false positives per slide = FPs / 2, sensitivity = lesions found / 3):
-    #   >= 0.9:  L1             0 FP  -> (0.0, 1/3)
-    #   >= 0.8:  + L2, FP 0.8   1 FP  -> (0.5, 2/3)   (tie: both enter together)
-    #   >= 0.4:  + FP 0.4       2 FPs -> (1.0, 2/3)
-    #   >= 0.35: + L3           2 FPs -> (1.0, 1)
-    #   >= 0.3:  + FP 0.3       3 FPs -> (1.5, 1)
-    # Sensitivity at a rate: the best point with that many FPs per slide, linear between
-    # points, flat beyond the last:
+    # a tumour slide with lesions L1, L2, L3 and a normal slide
+    tumour = slide_fp_tp([0.9, 0.6, 0.8, 0.35, 0.3], [1, 1, 2, 3, 0], lesions=3, labels=3)
+    normal = slide_fp_tp([0.8, 0.4], [0, 0], lesions=0, labels=0)
+    assert tumour[0].tolist() == [0.3] and tumour[1].tolist() == [0.9, 0.8, 0.35]  # L1's second hit (0.6): neither
+    # 2 slides, 3 lesions. The pool (0.3, 0.35, 0.4, 0.8, 0.9); as in the official script its
+    # lowest value is not a threshold. Thresholds give (false positives per slide, sensitivity):
+    #   >= 0.9:  L1               -> (0.0, 1/3)
+    #   >= 0.8:  + L2, FP 0.8     -> (0.5, 2/3)   (tie: both enter together)
+    #   >= 0.4:  + FP 0.4         -> (1.0, 2/3)
+    #   >= 0.35: + L3             -> (1.0, 1)
+    # Sensitivity at a rate: linear between points, flat beyond the last:
     #   0.25 -> halfway from (0, 1/3) to (0.5, 2/3) = 1/2;  0.5 -> 2/3;  1 -> 1;  2, 4, 8 -> 1.
     # Had the double hit been a false positive (at 0.6), rate 1 would read 2/3 instead.
     expected = {"0.25": 1 / 2, "0.5": 2 / 3, "1": 1.0, "2": 1.0, "4": 1.0, "8": 1.0}
-    result = lesion_froc(detections, [tumour, normal])
+    result = lesion_froc([(*tumour, 3), (*normal, 0)])
     assert result["lesions"] == 3 and result["slides"] == 2
     assert result["sensitivity"] == pytest.approx(expected)
     assert result["froc"] == pytest.approx((1 / 2 + 2 / 3 + 4) / 6)  # 31/36
 
 
-def former_slide_fp_tp(detections, labels):
-    """The hand-written counting that MONAI's compute_fp_tp_probs_nd replaced."""
-    lesion_ids = np.unique(labels[labels > 0])
-    tp, fp = np.zeros(lesion_ids.size), []
-    for prob, row, col in detections:
-        hit = labels[int(round(row)), int(round(col))]
-        if hit == 0:
-            fp.append(prob)
-        else:
-            k = np.searchsorted(lesion_ids, hit)
-            tp[k] = max(tp[k], prob)
-    return np.array(fp), tp
+def test_slide_fp_tp_itc_hits_count_neither_way():
+    # labels 1, 2 are lesions, 3 an ITC: its hit (0.95) is in neither list; L2's best hit counts;
+    # a hit at confidence 0 leaves a lesion at 0, as the official "Probs[i] > TP_probs" does
+    fp, tp = slide_fp_tp([0.95, 0.7, 0.2, 0.4, 0.0], [3, 2, 2, 0, 1], lesions=2, labels=3)
+    assert fp.tolist() == [0.4] and tp.tolist() == [0.0, 0.7, 0.0]
+    with pytest.raises(ValueError, match="0..3"):
+        slide_fp_tp([0.9], [4], lesions=2, labels=3)
 
 
-def test_slide_fp_tp_matches_the_former_counting():
-    # the hand-computed slide above, then lesions numbered with gaps (2, 7: two lesions, not
-    # seven) hit off-centre (rounding), twice, and missed
-    tumour = three_lesion_slide()
-    cases = [(np.array([[0.9, 0, 0], [0.6, 1, 1], [0.8, 0, 5], [0.35, 6, 3], [0.3, 4, 4]]), tumour)]
-    gaps = np.where(tumour == 1, 2, np.where(tumour == 2, 7, 0))
-    cases.append((np.array([[0.7, 0.6, 1.4], [0.75, 0.2, 0.3], [0.2, 3.6, 3.4]]), gaps))
-    for detections, labels in cases:
-        fp, tp = _slide_fp_tp(detections, labels, 0)
-        old_fp, old_tp = former_slide_fp_tp(detections, labels)
-        np.testing.assert_allclose(fp, old_fp, rtol=1e-7)
-        np.testing.assert_allclose(tp, old_tp, rtol=1e-7)
-    assert _slide_fp_tp(*cases[1], 0)[1].tolist() == pytest.approx([0.75, 0.0])
-
-
-def test_lesion_froc_perfect_detector_is_one():
-    # every lesion hit, no false positive: the least probable hit must count too
-    detections = [np.array([[0.9, 0, 0], [0.8, 0, 5], [0.7, 5, 2]]), np.zeros((0, 3))]
-    result = lesion_froc(detections, [three_lesion_slide(), np.zeros((8, 8), int)])
-    assert result["froc"] == pytest.approx(1.0)
-    assert all(result["sensitivity"][r] == pytest.approx(1.0) for r in RATES)
+def test_lesion_froc_the_official_lowest_confidence_quirk():
+    # Every lesion hit, no false positive, no ITC: the pool's lowest confidence (0.7) is never a
+    # threshold in the official script (it takes it for a missed lesion's 0), so the perfect
+    # detector reads 2/3. Kept, so that scores equal the official ones; a real test set has
+    # missed lesions or ITCs (a 0 in the pool), and then every confidence counts.
+    perfect = slide_fp_tp([0.9, 0.8, 0.7], [1, 2, 3], lesions=3, labels=3)
+    assert lesion_froc([(*perfect, 3), (np.zeros(0), np.zeros(0), 0)])["froc"] == pytest.approx(2 / 3)
+    with_itc = slide_fp_tp([0.9, 0.8, 0.7], [1, 2, 3], lesions=3, labels=4)
+    assert lesion_froc([(*with_itc, 3)])["froc"] == pytest.approx(1.0)
 
 
 def test_lesion_froc_missed_lesion():
     # L1 found, L2 and L3 missed, no false positives: 1/3 at every rate
-    result = lesion_froc([np.array([[0.9, 1, 1]])], [three_lesion_slide()])
-    assert result["froc"] == pytest.approx(1 / 3)
-    assert lesion_froc([np.zeros((0, 3))], [three_lesion_slide()])["froc"] == 0.0
+    found = slide_fp_tp([0.9], [1], lesions=3, labels=3)
+    assert lesion_froc([(*found, 3)])["froc"] == pytest.approx(1 / 3)
+    assert lesion_froc([(*slide_fp_tp([], [], 3, 3), 3)])["froc"] == 0.0
 
 
 def test_lesion_froc_without_lesions_is_none():
-    normal = np.zeros((8, 8), int)
-    result = lesion_froc([np.array([[0.9, 1, 1]]), np.zeros((0, 3))], [normal, normal])
+    normal = slide_fp_tp([0.9], [0], 0, 0)
+    result = lesion_froc([(*normal, 0), (np.zeros(0), np.zeros(0), 0)])
     assert result == {"froc": None, "sensitivity": {r: None for r in RATES}, "lesions": 0, "slides": 2}
-
-
-def test_lesion_froc_rejects_detection_outside_map():
-    with pytest.raises(ValueError, match="outside"):
-        lesion_froc([np.array([[0.9, 8, 0]])], [three_lesion_slide()])
 
 
 def test_detect_then_froc_end_to_end():
     # a probability map that lights up L1 and L2 strongly and L3 weakly (below threshold)
-    labels = three_lesion_slide()
+    labels = np.zeros((8, 8), int)
+    labels[0:2, 0:2], labels[0:2, 5:7], labels[5:7, 2:4] = 1, 2, 3
     prob = np.where(labels == 1, 0.95, np.where(labels == 2, 0.85, np.where(labels == 3, 0.3, 0.05)))
-    result = lesion_froc([detect_lesions(prob, threshold=0.5, radius=1)], [labels])
-    assert result["froc"] == pytest.approx(2 / 3)
+    found = detect_lesions(prob, threshold=0.5, radius=1)
+    cells = found[:, 1:].astype(int)
+    fp, tp = slide_fp_tp(found[:, 0], labels[cells[:, 0], cells[:, 1]], 3, 3)
+    assert lesion_froc([(fp, tp, 3)])["froc"] == pytest.approx(2 / 3)

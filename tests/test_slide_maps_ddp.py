@@ -16,7 +16,7 @@ from torch import nn
 
 from hsmla_med.engine.base import gather_records
 from hsmla_med.engine.classification import COLUMNS, ClassificationModule, slide_maps
-from hsmla_med.metrics.pathology import auc, detect_lesions, lesion_froc, slide_score
+from hsmla_med.metrics.pathology import auc, detect_lesions, lesion_froc, slide_fp_tp, slide_score
 
 INFERENCE = {"slide_sigma": 1.0, "lesion_threshold": 0.5, "lesion_radius": 2}  # configs/camelyon16.yaml
 
@@ -33,7 +33,7 @@ def whole_gather_summary(records: list[dict], inference: dict) -> dict:
     by_slide: dict[int, list[dict]] = {}
     for record in records:
         by_slide.setdefault(record["slide"], []).append(record)
-    probs, lesions, slide_labels = [], [], []
+    probs, lesions, slide_labels, counts = [], [], [], []
     for slide in sorted(by_slide):
         patches = by_slide[slide]
         prob = np.full((max(p["row"] for p in patches) + 1, max(p["col"] for p in patches) + 1), np.nan)
@@ -41,7 +41,13 @@ def whole_gather_summary(records: list[dict], inference: dict) -> dict:
         for p in patches:
             prob[p["row"], p["col"]], lesion[p["row"], p["col"]] = p["prob"], p["lesion"]
         probs.append(prob), lesions.append(lesion), slide_labels.append(patches[0]["slide_label"])
-    froc = lesion_froc([detect_lesions(p, inference["lesion_threshold"], inference["lesion_radius"]) for p in probs], lesions)
+        counts.append((patches[0]["num_lesions"], patches[0]["num_labels"]))
+    slides = []
+    for prob, lesion, (num_lesions, num_labels) in zip(probs, lesions, counts):
+        found = detect_lesions(prob, inference["lesion_threshold"], inference["lesion_radius"])
+        hits = [lesion[int(r), int(c)] for r, c in found[:, 1:]]
+        slides.append((*slide_fp_tp(found[:, 0], hits, num_lesions, num_labels), num_lesions))
+    froc = lesion_froc(slides)
     return {
         "auc": auc([slide_score(p, inference["slide_sigma"]) for p in probs], slide_labels),
         "patch_auc": auc([r["prob"] for r in records], [r["label"] for r in records]),
@@ -50,14 +56,16 @@ def whole_gather_summary(records: list[dict], inference: dict) -> dict:
 
 
 def random_rows(seed: int = 0) -> np.ndarray:
-    """Patches of four slides (two tumour, with lesions) on grids of a few cells, each cell once."""
+    """Patches of four slides (two tumour, with lesions 1 and 2 and an ITC, label 3) on grids of a
+    few cells, each cell once."""
     rng = np.random.default_rng(seed)
     rows = []
     for slide, (height, width, tumour) in enumerate([(5, 7, 1), (4, 4, 0), (6, 3, 1), (3, 8, 0)]):
         cells = np.argwhere(rng.random((height, width)) < 0.7)
         lesion = np.where(tumour & (cells[:, 0] < 2), 1 + (cells[:, 1] > width // 2), 0)
+        lesion = np.where(tumour & (cells[:, 0] == height - 1) & (cells[:, 1] == 0), 3, lesion)
         prob = (rng.random(len(cells)) * 0.8 + 0.2 * (lesion > 0)).astype(np.float32)  # float32, as the network's
-        rows += [[slide, r, c, p, int(les > 0), les, tumour] for (r, c), p, les in zip(cells, prob, lesion)]
+        rows += [[slide, r, c, p, int(les > 0), les, tumour, 2 * tumour, 3 * tumour] for (r, c), p, les in zip(cells, prob, lesion)]
     return np.array(rows, np.float64)
 
 

@@ -1,6 +1,6 @@
 """The patch-classification ``LightningModule`` (whole-slide pathology): cross-entropy plus the
 gate regularisers; validation over every tissue patch of the validation slides, reporting patch
-AUC, slide AUC and lesion-level FROC. Across processes the patches are reduced into per-slide
+AUC, slide AUC and lesion-level FROC (the official CAMELYON16 rules: :mod:`hsmla_med.metrics.pathology`). Across processes the patches are reduced into per-slide
 maps on the patch grid, never gathered whole (a real CAMELYON16 validation has millions)."""
 
 from __future__ import annotations
@@ -12,11 +12,14 @@ from torch import nn
 
 from hsmla_med.engine.base import GatedModule, plain
 from hsmla_med.nn import GatedNetwork
-from hsmla_med.metrics.pathology import auc, detect_lesions, lesion_froc, slide_score
+from hsmla_med.metrics.pathology import auc, detect_lesions, lesion_froc, slide_fp_tp, slide_score
 
 __all__ = ["COLUMNS", "ClassificationModule", "patch_images", "slide_maps"]
 
-COLUMNS = ("slide", "row", "col", "prob", "label", "lesion", "slide_label")  # of a validation row
+# of a validation row; "lesion": the evaluation-mask label at the patch centre, the point a detection
+# there is scored at; "num_lesions"/"num_labels": the slide's lesions to detect and its largest label
+# (ITCs above num_lesions), the same on every row of a slide
+COLUMNS = ("slide", "row", "col", "prob", "label", "lesion", "slide_label", "num_lesions", "num_labels")
 
 
 def _all_max(values: np.ndarray, device: torch.device | str = "cpu") -> np.ndarray:
@@ -33,14 +36,15 @@ def slide_maps(rows: np.ndarray, device: torch.device | str = "cpu") -> list[dic
     """The validation patches as maps on each slide's patch grid, from every process.
 
     Args:
-        rows: ``(n, 7)`` this process's patches, columns :data:`COLUMNS` (slide index, grid row
-            and column, tumour probability, patch label, lesion id, slide label).
+        rows: ``(n, 9)`` this process's patches, columns :data:`COLUMNS` (slide index, grid row
+            and column, tumour probability, patch label, evaluation-mask label at the patch
+            centre, slide label, the slide's number of lesions and largest label).
         device: where ``torch.distributed`` reduces (the module's device).
 
     Returns:
         Per slide with patches (slide-index order): ``prob`` (float64 ``(H, W)``, NaN where no
-        patch), ``label`` (int64, -1 where no patch), ``lesion`` (int64, 0 = none) and
-        ``slide_label``. Under ``torch.distributed`` every process gets the maps of all
+        patch), ``label`` (int64, -1 where no patch), ``lesion`` (int64, 0 = none),
+        ``slide_label``, ``num_lesions`` and ``num_labels``. Under ``torch.distributed`` every process gets the maps of all
         processes' patches: the grid shapes, then the maps, are max-reduced (empty cells hold
         -inf), so the traffic is a few numbers per grid cell, not a record per patch; a patch
         validated twice (the distributed sampler's padding) falls on its own cell with the same
@@ -50,8 +54,8 @@ def slide_maps(rows: np.ndarray, device: torch.device | str = "cpu") -> list[dic
     rows = np.asarray(rows, np.float64).reshape(-1, len(COLUMNS))
     slide, row, col = (rows[:, i].astype(np.int64) for i in range(3))
     count = int(_all_max(np.array([slide.max() + 1 if len(rows) else 0]), device)[0])
-    shape = np.full((count, 3), -1, np.int64)  # grid rows, grid columns, slide label
-    for k, values in enumerate((row + 1, col + 1, rows[:, 6].astype(np.int64))):
+    shape = np.full((count, 5), -1, np.int64)  # grid rows, grid columns, slide label, num_lesions, num_labels
+    for k, values in enumerate((row + 1, col + 1, *rows[:, 6:9].T.astype(np.int64))):
         np.maximum.at(shape[:, k], slide, values)
     shape = _all_max(shape, device)
     sizes = shape[:, 0].clip(0) * shape[:, 1].clip(0)
@@ -69,6 +73,8 @@ def slide_maps(rows: np.ndarray, device: torch.device | str = "cpu") -> list[dic
             "label": np.where(empty, -1, label).astype(np.int64),
             "lesion": np.where(empty, 0, lesion).astype(np.int64),
             "slide_label": int(shape[s, 2]),
+            "num_lesions": int(shape[s, 3]),
+            "num_labels": int(shape[s, 4]),
         })
     return maps
 
@@ -80,15 +86,16 @@ class ClassificationModule(GatedModule):
         config: see :class:`~hsmla_med.engine.base.GatedModule`; ``inference`` also holds
             ``slide_sigma`` (smoothing of the probability map before the slide score, in grid
             cells), ``lesion_threshold`` and ``lesion_radius`` (detections: local maxima above the
-            threshold, at least that many cells apart).
+            threshold, at least that many cells apart, each scored at its patch's centre).
         network: use this network instead of building one from ``config["network"]``.
 
     Training batches: ``image`` ``(B, C, h, w)`` float in 0..1, ``label`` ``(B,)`` (1 = tumour).
     Validation and prediction batches may carry ``image`` as uint8 0..255 (scaled on the
     module's device, :func:`patch_images`). Validation
     batches also carry ``case`` (patch index), ``slide_index``, ``row``/``col`` (the
-    patch's cell on the slide's grid), ``lesion`` (id of the annotated lesion under the patch,
-    0 = none) and ``slide_label``. The validation records of a batch are one array, a row per patch
+    patch's cell on the slide's grid), ``lesion`` (the slide's evaluation-mask label at the
+    patch centre, 0 = none), ``slide_label``, ``num_lesions`` and ``num_labels`` (see
+    :data:`COLUMNS`). The validation records of a batch are one array, a row per patch
     (:data:`COLUMNS`), and :meth:`collect_records` reduces them into per-slide maps
     (:func:`slide_maps`), the same on every process, which :meth:`summarize_records` scores.
     """
@@ -112,7 +119,7 @@ class ClassificationModule(GatedModule):
         return {**place, "prob": prob.cpu(), "alpha": None if alpha is None else alpha.float().cpu()}
 
     def validation_records(self, batch: dict) -> np.ndarray:
-        """``(B, 7)`` float64, a row per patch of the batch: :data:`COLUMNS`."""
+        """``(B, 9)`` float64, a row per patch of the batch: :data:`COLUMNS`."""
         columns = {"prob": torch.softmax(self.network(patch_images(batch)).float(), dim=1)[:, 1]}
         for name in COLUMNS[:3] + COLUMNS[4:]:
             columns[name] = torch.as_tensor(batch["slide_index" if name == "slide" else name]).reshape(-1)
@@ -129,11 +136,12 @@ class ClassificationModule(GatedModule):
 
     def summarize_records(self, maps: list[dict]) -> dict:
         """Slide AUC (``auc``, of :func:`slide_score`), patch AUC and lesion FROC from the slide
-        maps of :meth:`collect_records`."""
+        maps of :meth:`collect_records`. A detection (a local maximum of the map) is scored at
+        its patch's centre, the point ``wsi-heatmap`` writes into the slide's lesion CSV, so
+        ``evaluate --predictions`` of those CSVs gives this FROC."""
         inference = self.config["inference"]
         scores = [slide_score(m["prob"], inference["slide_sigma"]) for m in maps]
-        detections = [detect_lesions(m["prob"], inference["lesion_threshold"], inference["lesion_radius"]) for m in maps]
-        froc = lesion_froc(detections, [m["lesion"] for m in maps])
+        froc = lesion_froc([_slide_counts(m, inference) for m in maps])
         patch = [m["label"] >= 0 for m in maps]
         probs = np.concatenate([m["prob"][has] for m, has in zip(maps, patch)]) if maps else np.zeros(0)
         labels = np.concatenate([m["label"][has] for m, has in zip(maps, patch)]) if maps else np.zeros(0, np.int64)
@@ -146,6 +154,15 @@ class ClassificationModule(GatedModule):
             "slides": len(maps),
             "cases": len(probs),
         }
+
+
+def _slide_counts(slide_map: dict, inference: dict) -> tuple[np.ndarray, np.ndarray, int]:
+    """A slide map's false-positive and per-label confidences (:func:`slide_fp_tp`) and its number
+    of lesions: its detections hit the evaluation-mask label stored at their cells."""
+    found = detect_lesions(slide_map["prob"], inference["lesion_threshold"], inference["lesion_radius"])
+    cells = found[:, 1:].astype(np.int64)
+    fp, tp = slide_fp_tp(found[:, 0], slide_map["lesion"][cells[:, 0], cells[:, 1]], slide_map["num_lesions"], slide_map["num_labels"])
+    return fp, tp, slide_map["num_lesions"]
 
 
 def patch_images(batch: dict) -> torch.Tensor:

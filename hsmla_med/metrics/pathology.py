@@ -1,42 +1,44 @@
-"""CAMELYON16 metrics: slide-level ROC AUC and lesion-level FROC, from patch-probability maps.
+"""CAMELYON16 metrics: slide-level ROC AUC and lesion-level FROC by the challenge's own rules.
 
 A whole-slide model yields one tumour probability per patch; laid out on the patch grid this is
 a probability map ``(H, W)`` with NaN where no patch was taken (background, outside tissue).
-CAMELYON16 scores such maps twice:
+CAMELYON16 scores a submission twice:
 
 * slide classification (tumour vs normal): :func:`slide_score` reduces each map to one number
   and :func:`auc` is the ROC AUC of those numbers over the slides;
-* lesion detection: :func:`detect_lesions` turns a map into scored points, and
-  :func:`lesion_froc` matches them against the lesions of the tumour masks
-  (:func:`lesion_labels`) and reports the FROC score, the mean sensitivity at
-  0.25, 0.5, 1, 2, 4 and 8 false positives per slide.
+* lesion detection: :func:`detect_lesions` turns a map into scored points, which are judged
+  against the slide's *evaluation mask* (:func:`evaluation_mask`) and pooled into the FROC
+  score, the mean sensitivity at 0.25, 0.5, 1, 2, 4 and 8 false positives per slide
+  (:func:`slide_fp_tp`, :func:`lesion_froc`).
 
-The counting and the curve are MONAI's (``compute_roc_auc``, ``ProbNMS``,
-``compute_fp_tp_probs_nd``, ``compute_froc_curve_data``, ``compute_froc_score``); this module
-feeds them in the layout they expect and guards their edge cases (see each function).
-
-Everything works on the patch grid. The official evaluation additionally dilates lesion masks
-by 75 µm and ignores isolated tumour cells (lesions under 200 µm, where hits count neither as
-true nor as false positives); at patch-grid resolution (one cell is tens of µm or more) those
-rules are not applied here, so scores are close to, but not identical with, the official ones.
+The lesion rules are those of the official ``Evaluation_FROC.py`` (Bejnordi et al., 2016):
+the tumour annotation, rasterised at the evaluation level (level 5 of a 0.243 µm slide, 7.776 µm
+pixels), is grown by a distance-transform threshold of 75 / (2 x pixel size) pixels (the
+script's "75 µm"), holes are filled and 8-connected regions become lesions; a region whose
+major axis (``regionprops``) is below 275 µm (200 µm plus the growth) is an isolated tumour
+cell (ITC) cluster, on which a detection counts neither as true nor as false positive. A
+detection at level-0 pixel (x, y) hits the label at ``[int(y / 2**level), int(x / 2**level)]``;
+each lesion counts once, with its best detection's confidence; the rest are false positives
+(every detection on a normal slide). MONAI carries the same rules (``monai.apps.pathology``:
+``compute_multi_instance_mask``, ``compute_isolated_tumor_cells``; ``compute_froc_curve_data``,
+``compute_froc_score``), and they are used here; where not, the function says why.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
 import torch
-from monai.metrics import compute_fp_tp_probs_nd, compute_roc_auc
+from monai.apps.pathology.utils import compute_isolated_tumor_cells, compute_multi_instance_mask
+from monai.metrics import compute_froc_curve_data, compute_froc_score, compute_roc_auc
 from monai.transforms import ProbNMS
 from scipy.ndimage import gaussian_filter
-from skimage.measure import label as connected_components
-from skimage.segmentation import relabel_sequential
 
-from hsmla_med.metrics.froc import froc_summary
-
-__all__ = ["auc", "detect_lesions", "lesion_froc", "lesion_labels", "slide_score"]
+__all__ = ["FP_RATES", "OFFICIAL_MPP", "OFFICIAL_LEVEL", "auc", "detect_lesions", "evaluation_geometry", "evaluation_mask", "lesion_froc",
+           "slide_fp_tp", "slide_score"]
 
 FP_RATES = (0.25, 0.5, 1, 2, 4, 8)
 
@@ -130,83 +132,125 @@ def detect_lesions(prob_map: np.ndarray, threshold: float = 0.5, radius: int = 2
     return np.asarray(found, dtype=np.float64).reshape(-1, 3)
 
 
-def lesion_labels(tumour_mask: np.ndarray) -> np.ndarray:
-    """Lesions of a tumour mask: its 8-connected components.
+OFFICIAL_MPP = 0.243  # µm per level-0 pixel, the official script's L0_RESOLUTION (for every slide)
+OFFICIAL_LEVEL = 5  # its EVALUATION_MASK_LEVEL: the mask is made at downsample 2**5
+GROW_UM = 75.0  # the official growth "75 µm": a distance threshold of GROW_UM / (2 x pixel size)
+ITC_UM = 275.0  # 200 µm (an isolated tumour cell cluster) plus the 75 µm growth: the major-axis limit
+
+
+def evaluation_geometry(mpp: float | None) -> tuple[float, int]:
+    """The level-0 resolution and the evaluation level (mask downsample ``2**level``) for a slide
+    of ``mpp`` µm per level-0 pixel.
+
+    The official script takes 0.243 µm and level 5 for every slide (CAMELYON16's are 0.243 or
+    0.226 µm). That is kept for every slide whose nearest power-of-two level to the official
+    7.776 µm mask pixel is level 5 (level-0 pixels of about 0.17 to 0.34 µm, 40x scans) and
+    when ``mpp`` is unknown, so that scores on CAMELYON16 are the official ones. Other
+    resolutions (the synthetic 0.972 µm slides, 10x scans) get their own ``mpp`` at the level
+    whose pixel is nearest 7.776 µm, where the official constants would grow lesions and size
+    ITCs in the wrong units (by 4x at 0.972 µm).
+    """
+    if mpp is None:
+        return OFFICIAL_MPP, OFFICIAL_LEVEL
+    level = max(0, round(math.log2(OFFICIAL_MPP * 2**OFFICIAL_LEVEL / mpp)))
+    return (OFFICIAL_MPP, OFFICIAL_LEVEL) if level == OFFICIAL_LEVEL else (float(mpp), level)
+
+
+def evaluation_mask(tumour: np.ndarray, pixel_um: float) -> tuple[np.ndarray, int]:
+    """The official evaluation mask of a tumour mask, with the ITC clusters numbered last.
+
+    ``computeEvaluationMask`` and ``computeITCList`` of ``Evaluation_FROC.py``, by MONAI's
+    transcriptions of them: grown by a Euclidean distance below ``75 / (2 * pixel_um)`` pixels,
+    holes filled, 8-connected labels; regions whose ``major_axis_length`` is below
+    ``275 / pixel_um`` pixels are ITCs. The labels are then renumbered so that the lesions to
+    detect are ``1..n`` and the ITCs ``n+1..max``: a slide's truth is then the map and ``n``
+    (:func:`slide_fp_tp`), and can travel as plain numbers (per patch, per slide) through a
+    distributed validation. Which number a region gets does not change any count.
 
     Args:
-        tumour_mask: ``(H, W)`` boolean (or 0/1) tumour mask on the patch grid.
+        tumour: ``(H, W)`` boolean tumour mask at the evaluation level
+            (:func:`~hsmla_med.data.asap.rasterise` at downsample ``2**level``).
+        pixel_um: µm per pixel of that mask (``mpp * 2**level``).
 
     Returns:
-        ``(H, W)`` int label map: 0 = no lesion, 1..k = lesion number.
+        ``(labels, n)``: int64 ``(H, W)`` label map (0 = no lesion), and the number of lesions
+        that are not ITCs.
     """
-    tumour_mask = np.asarray(tumour_mask, dtype=bool)
-    if tumour_mask.ndim != 2:
-        raise ValueError(f"tumour_mask must be 2D (H, W), got shape {tumour_mask.shape}")
-    return connected_components(tumour_mask, connectivity=2).astype(np.int64)
+    tumour = np.asarray(tumour, dtype=bool)
+    if tumour.ndim != 2:
+        raise ValueError(f"tumour mask must be 2D (H, W), got shape {tumour.shape}")
+    if not tumour.any():  # MONAI's distance transform of an image without tumour is meaningless
+        return np.zeros(tumour.shape, np.int64), 0
+    labels = compute_multi_instance_mask(tumour.astype(np.uint8), GROW_UM / (2 * pixel_um)).astype(np.int64)
+    with warnings.catch_warnings():  # MONAI reads major_axis_length, skimage's deprecated name of axis_major_length
+        warnings.simplefilter("ignore", FutureWarning)
+        itc = set(compute_isolated_tumor_cells(labels, ITC_UM / pixel_um))
+    order = [k for k in range(1, int(labels.max()) + 1) if k not in itc] + sorted(itc)
+    renumber = np.zeros(int(labels.max()) + 1, np.int64)
+    renumber[order] = np.arange(1, len(order) + 1)
+    return renumber[labels], len(order) - len(itc)
 
 
-def _slide_fp_tp(detections: np.ndarray, labels: np.ndarray, slide: int) -> tuple[np.ndarray, np.ndarray]:
-    """False-positive probabilities and per-lesion best probabilities (0 = missed) of one slide,
-    by MONAI's ``compute_fp_tp_probs_nd`` (the official script's counting).
-
-    Around it: detections are rounded to grid cells and must lie on the map (MONAI would wrap
-    negative indices); lesion numbers are made consecutive (MONAI counts every number up to the
-    largest as a lesion); and probabilities are float32 on both sides, since MONAI returns the
-    true positives' in float32: a float64 false positive would otherwise break a tie with a
-    true positive of the same probability (0.8 as float32 is above 0.8 as float64).
-    """
-    cells = np.rint(detections[:, 1:]).astype(np.int64)
-    outside = ((cells < 0) | (cells >= labels.shape)).any(axis=1)
-    if outside.any():
-        row, col = detections[outside][0, 1:]
-        raise ValueError(f"slide {slide}: detection at ({row}, {col}) lies outside the {labels.shape} label map")
-    lesions = relabel_sequential(labels.astype(np.int64))[0]
-    fp, tp, _ = compute_fp_tp_probs_nd(detections[:, 0].astype(np.float32), cells, lesions)
-    return fp, tp
-
-
-def lesion_froc(
-    detections: Sequence[np.ndarray],
-    lesion_labels: Sequence[np.ndarray],
-    fp_rates: Sequence[float] = FP_RATES,
-) -> dict:
-    """CAMELYON16 lesion-level FROC over a set of slides.
-
-    A detection inside lesion k is a true positive for k, and each lesion counts once, with the
-    probability of its best detection; further hits on the same lesion are neither true nor
-    false positives, as in the official evaluation. A detection outside every lesion is a false
-    positive. Sweeping the probability threshold gives sensitivity against mean false positives
-    per slide; the sensitivity at each FP rate is read off that curve by linear interpolation
-    (flat beyond its ends), and the FROC score is their mean.
+def slide_fp_tp(probs, hits, lesions: int, labels: int) -> tuple[np.ndarray, np.ndarray]:
+    """One slide's false-positive confidences and per-label best confidences, as the official
+    ``compute_FP_TP_Probs``.
 
     Args:
-        detections: per slide, ``(n_i, 3)`` array of ``(prob, row, col)`` on the grid of the
-            slide's label map (e.g. from :func:`detect_lesions`). Probabilities must be finite;
-            those <= 0 are dropped, being indistinguishable from "not detected".
-        lesion_labels: per slide, ``(H_i, W_i)`` int lesion map (:func:`lesion_labels`):
-            0 = no lesion, k > 0 = lesion k; all zeros for a normal slide.
-        fp_rates: mean false positives per slide at which sensitivity is measured.
+        probs: ``(n,)`` detection confidences.
+        hits: ``(n,)`` the evaluation-mask label each detection falls on (0 = none).
+        lesions: labels ``1..lesions`` are lesions to detect; ``lesions+1..labels`` are ITCs
+            (:func:`evaluation_mask`'s numbering). 0 and 0 for a normal slide.
+        labels: the largest label of the slide's evaluation mask.
+
+    Returns:
+        ``(fp, tp)`` float64: the confidences of detections on no label, and per label
+        ``1..labels`` the highest confidence above 0 of a detection on it, else 0 (missed
+        lesions and every ITC: a detection on an ITC counts neither way).
+
+    Hand-written rather than MONAI's ``compute_fp_tp_probs_nd``, which keeps the true
+    positives in float32 (a float64 false positive of the same confidence would then rank
+    apart from it) and takes a lesion's maximum even when it is not above 0, which the
+    official script does not.
+    """
+    probs = np.asarray(probs, dtype=np.float64).reshape(-1)
+    hits = np.asarray(hits, dtype=np.int64).reshape(-1)
+    if probs.shape != hits.shape:
+        raise ValueError(f"got {probs.size} confidences but {hits.size} hit labels")
+    if not np.isfinite(probs).all():
+        raise ValueError("detection confidences must be finite")
+    if hits.size and (hits.min() < 0 or hits.max() > labels):
+        raise ValueError(f"hit labels must be in 0..{labels}, got {hits.min()}..{hits.max()}")
+    tp = np.zeros(labels, np.float64)
+    on = (hits > 0) & (hits <= lesions)
+    np.maximum.at(tp, hits[on] - 1, probs[on])
+    return probs[hits == 0], tp
+
+
+def lesion_froc(slides: Sequence[tuple[np.ndarray, np.ndarray, int]], fp_rates: Sequence[float] = FP_RATES) -> dict:
+    """CAMELYON16 lesion-level FROC over a set of slides, as ``Evaluation_FROC.py`` computes it.
+
+    Args:
+        slides: per slide ``(fp, tp, lesions)``: :func:`slide_fp_tp`'s two arrays and the
+            slide's number of lesions to detect (ITCs not counted). Normal slides count too,
+            for their false positives and in the mean per slide.
+        fp_rates: mean false positives per slide at which sensitivity is read.
 
     Returns:
         ``{"froc": float | None, "sensitivity": {str(rate): float | None}, "lesions": int,
-        "slides": int}``; froc and sensitivities are None when there is no lesion at all.
+        "slides": int}``; None when there is no lesion to detect.
 
-    The curve and its reading are :func:`~hsmla_med.metrics.froc.froc_summary`'s.
+    The curve is MONAI's ``compute_froc_curve_data``, a copy of the script's ``computeFROC``:
+    every distinct confidence but the lowest of the pool is a threshold (the script takes the
+    lowest for the 0 of a missed lesion or an ITC, which any real test set has); the
+    sensitivity at each rate is ``np.interp`` on it (``compute_froc_score``).
     """
-    if len(detections) != len(lesion_labels):
-        raise ValueError(f"got detections for {len(detections)} slides but labels for {len(lesion_labels)}")
-    fp_probs, tp_probs = [], []
-    for i, (found, labels) in enumerate(zip(detections, lesion_labels)):
-        found = np.asarray(found, dtype=np.float64).reshape(-1, 3)
-        labels = np.asarray(labels)
-        if labels.ndim != 2:
-            raise ValueError(f"slide {i}: lesion labels must be 2D (H, W), got shape {labels.shape}")
-        if not np.isfinite(found).all():
-            raise ValueError(f"slide {i}: detections must be finite")
-        fp, tp = _slide_fp_tp(found[found[:, 0] > 0], labels, i)
-        fp_probs.append(fp)
-        tp_probs.append(tp)
-    summary = froc_summary(
-        np.concatenate(fp_probs) if fp_probs else [], np.concatenate(tp_probs) if tp_probs else [], len(detections), fp_rates
-    )
-    return {"froc": summary["froc"], "sensitivity": summary["sensitivity"], "lesions": summary["targets"], "slides": len(detections)}
+    fp = np.concatenate([np.asarray(s[0], np.float64).reshape(-1) for s in slides]) if slides else np.zeros(0)
+    tp = np.concatenate([np.asarray(s[1], np.float64).reshape(-1) for s in slides]) if slides else np.zeros(0)
+    lesions = int(sum(s[2] for s in slides))
+    result = {"froc": None, "sensitivity": {str(r): None for r in fp_rates}, "lesions": lesions, "slides": len(slides)}
+    if lesions == 0:
+        return result
+    fps_per_slide, sensitivity = compute_froc_curve_data(fp, tp, num_targets=lesions, num_images=len(slides))
+    result["froc"] = float(compute_froc_score(fps_per_slide, sensitivity, eval_thresholds=tuple(fp_rates)))
+    result["sensitivity"] = {str(r): float(compute_froc_score(fps_per_slide, sensitivity, eval_thresholds=(r,))) for r in fp_rates}
+    return result

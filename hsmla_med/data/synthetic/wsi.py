@@ -16,7 +16,8 @@ CMU-1.svs: 4.000121): code that assumes ``level_downsamples`` are integers fails
 tissue islands on bright glass, coloured by Beer-Lambert mixing of haematoxylin and eosin: pink
 fibrous stroma with small purple nuclei. Tumour slides add one to three metastases, a few hundred
 pixels across at the default size, of clearly different texture: denser, larger and darker nuclei
-on a more purple background. They are outlined in ASAP XML as in CAMELYON16: level-0 pixel
+on a more purple background, and, where the tissue leaves room, an isolated tumour cell cluster
+(100 µm across) and an elongated lesion of 300 x 100 µm, smaller than half a 256-pixel patch. They are outlined in ASAP XML as in CAMELYON16: level-0 pixel
 coordinates, group ``Tumor`` on even-numbered slides and the ``_0``/``_2`` convention on
 odd-numbered ones, where a ``_2`` polygon cuts a region of normal tissue (painted as such) out of
 a ``_0`` metastasis. ``reference.csv`` lists the test slides as CAMELYON16's does
@@ -48,7 +49,7 @@ from hsmla_med.io import atomic_path, write_json
 
 __all__ = ["generate_camelyon16"]
 
-_GENERATOR_VERSION = 2  # 2: odd sides, fractional level downsamples
+_GENERATOR_VERSION = 3  # 2: odd sides, fractional level downsamples; 3: an ITC cluster and a lesion under half a patch
 _MIN_SIDE = 256  # pixels; smaller slides leave no room for tissue islands with metastases
 
 # Optical density per unit stain (Ruifrok & Johnston's H&E vectors, normalised), and of glass.
@@ -65,6 +66,11 @@ _TUMOUR = dict(radius_um=6.0, coverage=0.45, nucleus=(1.35, 1.75), haematoxylin=
 _GROUP_COLOURS = {"Tumor": "#F4FA58", "_0": "#F4FA58", "_2": "#64FE2E"}
 _MIN_METASTASIS = 0.02  # smallest metastasis radius, as a share of the slide's shorter side
 _MACRO_UM = 2000.0  # CAMELYON: a macro-metastasis is larger than 2 mm, a micro-metastasis smaller
+# Small lesions of every tumour slide (where the tissue leaves room), the cases the official FROC
+# treats apart: semi-axes in µm of an isolated tumour cell cluster (100 µm across: under the 200 µm
+# ITC limit, a detection on it counts neither way) and of a lesion 300 x 100 µm, above the limit but
+# covering less than half of a 256-pixel patch at 0.972 µm (a patch-grid lesion rule loses it).
+_SMALL_LESIONS_UM = ((50.0, 50.0), (150.0, 50.0))
 
 
 def generate_camelyon16(
@@ -187,7 +193,7 @@ def _slide(rng: np.random.Generator, width: int, height: int, mpp: float, tumour
     tumour_mask = np.zeros((height, width), dtype=bool)
     polygons = []
     if tumour:
-        tumour_mask, polygons = _metastases(rng, tissue, exclusion)
+        tumour_mask, polygons = _metastases(rng, tissue, exclusion, mpp)
 
     # Stain concentrations: eosin of the fibrous background, haematoxylin of nuclei and cytoplasm.
     fibres = _smooth_noise(rng, height, width, cell=max(4, round(12 / mpp)), stretch=4)
@@ -248,8 +254,9 @@ def _tissue(rng: np.random.Generator, width: int, height: int):
     return soft, soft >= 0.5
 
 
-def _metastases(rng: np.random.Generator, tissue: np.ndarray, exclusion: bool):
-    """One to three metastases well inside the tissue: the tumour mask and the outlines.
+def _metastases(rng: np.random.Generator, tissue: np.ndarray, exclusion: bool, mpp: float):
+    """One to three metastases well inside the tissue, then the small lesions of
+    :data:`_SMALL_LESIONS_UM` where there is room: the tumour mask and the outlines.
 
     With ``exclusion`` the first metastasis is larger and has a hole of normal tissue, outlined
     as ``_2`` inside its ``_0`` outline; otherwise outlines are in group ``Tumor``.
@@ -289,6 +296,20 @@ def _metastases(rng: np.random.Generator, tissue: np.ndarray, exclusion: bool):
         polygons += [(group, points) for points in _outlines(region, x0, y0)]
         if holed:
             polygons += [("_2", points) for points in _outlines(hole, x0, y0)]
+    for a, b in ((u / mpp for u in axes) for axes in _SMALL_LESIONS_UM):
+        fits = np.flatnonzero(room >= a)
+        if not fits.size:
+            break
+        pick = rng.choice(fits)
+        py, px = int(grid_y.flat[pick]), int(grid_x.flat[pick])
+        room = np.minimum(room, (np.hypot(grid_y - py, grid_x - px) - 8) / 1.4 - a)
+        half, angle = int(math.ceil(a)) + 2, rng.uniform(0, np.pi)
+        y0, y1, x0, x1 = max(0, py - half), min(height, py + half), max(0, px - half), min(width, px + half)
+        dy, dx = np.mgrid[y0 - py : y1 - py, x0 - px : x1 - px]
+        u, v = dx * math.cos(angle) + dy * math.sin(angle), dy * math.cos(angle) - dx * math.sin(angle)
+        region = ((u / a) ** 2 + (v / b) ** 2 <= 1) & tissue[y0:y1, x0:x1]
+        mask[y0:y1, x0:x1] |= region
+        polygons += [("_0" if exclusion else "Tumor", points) for points in _outlines(region, x0, y0)]
     return mask, polygons
 
 
