@@ -284,3 +284,14 @@ def test_wsi_heatmap_submission_scores_as_validation(tmp_path):
     assert summary["froc"] == pytest.approx(validation["froc"], abs=1e-12)
     assert summary["sensitivity"] == pytest.approx(validation["froc_sensitivity"], abs=1e-12)
     assert summary["auc"] == pytest.approx(validation["auc"], abs=1e-12)
+
+
+def test_synthetic_tumour_slides_have_an_itc_and_a_lesion_under_half_a_patch(tmp_path):
+    """The default synthetic slide (4095 x 3071 at 0.972 µm) has an ITC cluster and a lesion that
+    covers less than half of a 256-pixel patch, yet is one to detect."""
+    root = generate_camelyon16(tmp_path, num_normal=0, num_tumor=1, num_test=0)
+    polygons = camelyon16.read_asap_xml(root / "training" / "lesion_annotations" / "tumor_001.xml")
+    truth, lesions, downsample = camelyon16.slide_truth(polygons, (4095, 3071), 0.972)
+    assert downsample == 8 and truth.max() > lesions >= 2  # an ITC is numbered after the lesions
+    areas = [int(camelyon16.rasterise([p], (4095, 3071), 1).sum()) for p in polygons if p.group != "_2"]
+    assert min(areas) < 256 * 256 / 2 and sum(a < 256 * 256 / 2 for a in areas) >= 2  # the ITC and the small lesion

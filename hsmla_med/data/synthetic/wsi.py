@@ -255,8 +255,9 @@ def _tissue(rng: np.random.Generator, width: int, height: int):
 
 
 def _metastases(rng: np.random.Generator, tissue: np.ndarray, exclusion: bool, mpp: float):
-    """One to three metastases well inside the tissue, then the small lesions of
-    :data:`_SMALL_LESIONS_UM` where there is room: the tumour mask and the outlines.
+    """The small lesions of :data:`_SMALL_LESIONS_UM` (first, so that the metastases, which
+    shrink to the room left, cannot crowd them out) and one to three metastases well inside the
+    tissue: the tumour mask and the outlines.
 
     With ``exclusion`` the first metastasis is larger and has a hole of normal tissue, outlined
     as ``_2`` inside its ``_0`` outline; otherwise outlines are in group ``Tumor``.
@@ -270,6 +271,20 @@ def _metastases(rng: np.random.Generator, tissue: np.ndarray, exclusion: bool, m
     room = ndi.distance_transform_edt(np.pad(tissue[::cell, ::cell], 1))[1:-1, 1:-1] * (cell / 1.5)
     mask = np.zeros_like(tissue)
     polygons = []
+    for a, b in ((u / mpp for u in axes) for axes in _SMALL_LESIONS_UM):
+        fits = np.flatnonzero(room >= a)
+        if not fits.size:
+            continue
+        pick = rng.choice(fits)
+        py, px = int(grid_y.flat[pick]), int(grid_x.flat[pick])
+        room = np.minimum(room, (np.hypot(grid_y - py, grid_x - px) - 8) / 1.4 - a)
+        half, angle = int(math.ceil(a)) + 2, rng.uniform(0, np.pi)
+        y0, y1, x0, x1 = max(0, py - half), min(height, py + half), max(0, px - half), min(width, px + half)
+        dy, dx = np.mgrid[y0 - py : y1 - py, x0 - px : x1 - px]
+        u, v = dx * math.cos(angle) + dy * math.sin(angle), dy * math.cos(angle) - dx * math.sin(angle)
+        region = ((u / a) ** 2 + (v / b) ** 2 <= 1) & tissue[y0:y1, x0:x1]
+        mask[y0:y1, x0:x1] |= region
+        polygons += [("_0" if exclusion else "Tumor", points) for points in _outlines(region, x0, y0)]
     for index in range(int(rng.integers(1, 4))):
         holed = exclusion and index == 0
         radius = side * (rng.uniform(0.075, 0.09) if holed else rng.uniform(0.04, 0.07))
@@ -296,20 +311,6 @@ def _metastases(rng: np.random.Generator, tissue: np.ndarray, exclusion: bool, m
         polygons += [(group, points) for points in _outlines(region, x0, y0)]
         if holed:
             polygons += [("_2", points) for points in _outlines(hole, x0, y0)]
-    for a, b in ((u / mpp for u in axes) for axes in _SMALL_LESIONS_UM):
-        fits = np.flatnonzero(room >= a)
-        if not fits.size:
-            break
-        pick = rng.choice(fits)
-        py, px = int(grid_y.flat[pick]), int(grid_x.flat[pick])
-        room = np.minimum(room, (np.hypot(grid_y - py, grid_x - px) - 8) / 1.4 - a)
-        half, angle = int(math.ceil(a)) + 2, rng.uniform(0, np.pi)
-        y0, y1, x0, x1 = max(0, py - half), min(height, py + half), max(0, px - half), min(width, px + half)
-        dy, dx = np.mgrid[y0 - py : y1 - py, x0 - px : x1 - px]
-        u, v = dx * math.cos(angle) + dy * math.sin(angle), dy * math.cos(angle) - dx * math.sin(angle)
-        region = ((u / a) ** 2 + (v / b) ** 2 <= 1) & tissue[y0:y1, x0:x1]
-        mask[y0:y1, x0:x1] |= region
-        polygons += [("_0" if exclusion else "Tumor", points) for points in _outlines(region, x0, y0)]
     return mask, polygons
 
 
