@@ -63,7 +63,7 @@ def _fold(task, config: dict, k: int, train: Callable[[dict, bool], dict], optio
     started = time.perf_counter()
     summary = train({**config, "fold": k, "output": str(folder)}, (folder / "last.ckpt").is_file())
     module, _ = task.load(folder / "last.ckpt")
-    task.predict(module, [c["image"] for c in cases.validation], validation, options)
+    task.predict(module, [c[task.input_key] for c in cases.validation], validation, options)
     (validation / _DONE).write_text("")
     return {"fold": k, "cases": cases.split["val"], "validation": summary, "seconds": round(time.perf_counter() - started, 1)}
 

@@ -20,7 +20,7 @@ import time
 import zipfile
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -45,10 +45,10 @@ from hsmla_med.io.overlays import gate_overlay, heatmap_overlay
 from hsmla_med.io import atomic_path, write_json
 from hsmla_med.metrics.pathology import (GROW_UM, ITC_UM, auc, detect_lesions, evaluation_geometry, evaluation_mask, lesion_froc, slide_fp_tp,
                                          slide_score)
-from hsmla_med.pipelines.task import InferenceOptions, Task, predict_cases, synthetic_root
+from hsmla_med.pipelines.task import InferenceOptions, Task, input_files, predict_cases, synthetic_root
 
 __all__ = ["TASK", "LABELS", "find_slides", "datalist", "slide_patches", "datamodule", "module_config", "SlideHeatmaps", "held_out", "infer", "slide_truth",
-           "read_lesion_csv", "read_slide_csv", "score_predictions"]
+           "read_lesion_csv", "read_slide_csv", "score_predictions", "crossval_score"]
 
 log = logging.getLogger("hsmla_med")
 LABELS = ["normal", "tumour"]
@@ -110,7 +110,7 @@ def datalist(config: dict) -> Datalist:
             root, synth["num_normal"], synth["num_tumor"], synth["num_test"], tuple(synth["size"]), seed=synth["seed"]))
         synthetic = True
     labelled, test = find_slides(root)
-    ids = [Path(c["image"]).stem for c in labelled]  # the slide name, as the challenge's files name it
+    ids = [Path(c["slide"]).stem for c in labelled]  # the slide name, as the challenge's files name it
     training, validation, record = fold_cases(config, Path(root), labelled, ids, synthetic, classes=[c["label"] for c in labelled])
     return Datalist(LABELS, training, validation, test, Path(root), synthetic, record)
 
@@ -441,18 +441,17 @@ def held_out(cases: Datalist) -> list[str]:
     return [c["slide"] for c in cases.test]
 
 
-def infer(module: ClassificationModule, inputs: str | Path, output: str | Path, options: InferenceOptions = InferenceOptions()) -> list[Path]:
-    """Tumour-probability heatmaps (:class:`SlideHeatmaps`) of a slide or a folder of slides in
+def infer(module: ClassificationModule, inputs: str | Path | Iterable[str | Path], output: str | Path,
+          options: InferenceOptions = InferenceOptions()) -> list[Path]:
+    """Tumour-probability heatmaps (:class:`SlideHeatmaps`) of a slide, a folder of slides or a list of them in
     Lightning's predict loop (:func:`predict_cases`): slides split over processes and shards;
     patches read by ``options.num_workers`` DataLoader workers (one OpenSlide handle each), in
     batches of ``options.batch_size`` (else the checkpoint's), at pyramid level
     ``options.level`` (else the checkpoint's level or mpp), mixed precision on CUDA. A slide
     whose ``<slide>.json`` exists is skipped, so an interrupted run resumes slide by slide (the
     JSON is written last)."""
-    inputs, output = Path(inputs), Path(output)
-    if not inputs.exists():
-        raise DataError(f"{inputs}: slide or folder not found")
-    slides = _slides(inputs) if inputs.is_dir() else [inputs]
+    output = Path(output)
+    slides = input_files(inputs, _slides)
     if not slides:
         raise DataError(f"{inputs}: no slides ({', '.join(SLIDE_SUFFIXES)}) found")
     if options.tta:
@@ -597,6 +596,25 @@ def _score_slide(csv_path: Path, labels: Path, data_dir: Path | None) -> tuple[t
     return (fp, tp, num_lesions), row
 
 
+def crossval_score(folds: list[tuple[Datalist, Path]], output: Path, config: dict) -> dict:
+    """Every fold's validation lesion CSVs linked into ``output/predictions/lesions``, their
+    slide scores merged into one ``slides.csv``, their annotations linked into
+    ``output/labels``, scored by the official rules (the slides' sizes from the dataset)."""
+    from hsmla_med.crossval import pool_file
+
+    scores: dict[str, float] = {}
+    for cases, folder in folds:
+        scores.update(read_slide_csv(folder / SLIDE_CSV))
+        for case in cases.validation:
+            name = Path(case["slide"]).stem
+            pool_file(folder / LESIONS / f"{name}.csv", output / "predictions" / LESIONS / f"{name}.csv")
+            if case["annotation"]:
+                pool_file(Path(case["annotation"]), output / "labels" / f"{name}.xml")
+    (output / "labels").mkdir(parents=True, exist_ok=True)  # all normal: no annotation at all
+    write_slide_csv(output / "predictions" / SLIDE_CSV, scores)
+    return score_predictions(output / "predictions", output / "labels", output, {"data_dir": folds[0][0].source})
+
+
 def score_predictions(predictions: Path, labels: Path, output: Path, options: dict) -> dict:
     """Score a CAMELYON16 submission (``evaluate --task camelyon16 --predictions DIR --labels XML_DIR``).
 
@@ -651,6 +669,7 @@ class CAMELYON16(Task):
     module_class = ClassificationModule
     in_channels = 3
     inputs = "whole slides (any format OpenSlide opens) or a folder of them"
+    input_key = "slide"
     outputs = "OUTPUT/<slide>_heatmap.tif (pyramidal), _overlay.png, _gates.png, <slide>.json, lesions/<slide>.csv and slides.csv"
 
     def score_lines(self, summary: dict, output: Path) -> list[str]:

@@ -237,6 +237,8 @@ class Task(ABC):
     in_channels: ClassVar[int]
     inputs: ClassVar[str]
     outputs: ClassVar[str]
+    #: the key of a case dict (:class:`~hsmla_med.data.datalist.Datalist`) that :meth:`predict` takes
+    input_key: ClassVar[str] = "image"
     #: whether :meth:`predict` applies ``options.postprocessing`` (``postprocessing.json``) to its label maps
     postprocesses: ClassVar[bool] = False
 

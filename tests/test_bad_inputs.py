@@ -129,7 +129,7 @@ def test_checkpoint_missing_keys(capsys, tmp_path, btcv_ckpt):
 @pytest.mark.parametrize("extra, expected", [
     (["--batch-size", "-4"], "--batch-size must be a positive number"),
     (["--level", "-1"], "--level must be a pyramid level"),
-    ([], "slide or folder not found"),
+    ([], "missing.tif: input not found"),
 ])
 def test_wsi_heatmap_refusals(capsys, tmp_path, camelyon_ckpt, extra, expected):
     out = tmp_path / "heat"

@@ -63,12 +63,16 @@ def test_find_slides_layouts(tmp_path, slides):
 def test_patch_grid_labels_follow_the_annotation(slides):
     config = _config(slides)
     cases = camelyon16.datalist(config)
-    tumour = next(c for c in cases.training + cases.validation if c["label"] == 1)
-    grid = camelyon16.slide_patches(tumour, config["data"])
-    assert grid["labels"].sum() > 0 and (grid["labels"] == 0).sum() > 0
-    # the official evaluation-mask label at each patch centre: lesions grown 37.5 µm, so every tumour
-    # patch's centre is on one, and a patch of normal tissue next to a lesion may be too
-    assert (grid["lesions"][grid["labels"] == 1] > 0).all() and 0 < int(grid["num_lesions"]) <= int(grid["num_labels"])
+    tumours = [c for c in cases.training + cases.validation if c["label"] == 1]
+    grids = [camelyon16.slide_patches(c, config["data"]) for c in tumours]
+    for grid in grids:
+        assert grid["labels"].sum() > 0 and (grid["labels"] == 0).sum() > 0
+        # the official evaluation-mask label at each patch centre: lesions grown 37.5 µm, so every tumour
+        # patch's centre is on one, and a patch of normal tissue next to a lesion may be too
+        assert (grid["lesions"][grid["labels"] == 1] > 0).all() and 0 <= int(grid["num_lesions"]) <= int(grid["num_labels"])
+    # on these small slides some tumour slides hold isolated tumour cells only (no lesion to detect), not all
+    assert any(int(g["num_lesions"]) > 0 for g in grids)
+    tumour, grid = tumours[0], grids[0]
     assert (grid["coords"] % 64 == 0).all()
     np.testing.assert_array_equal(grid["rows"], grid["coords"][:, 1] // 64)
     # tumour patches are darker (denser nuclei) than normal tissue patches on the synthetic slides
@@ -154,6 +158,7 @@ def _validation_records(module: ClassificationModule, config: dict) -> list[dict
     for s, case in enumerate(camelyon16.datalist(config).validation):
         grid = camelyon16.slide_patches(case, config["data"])
         records += [{"slide": s, "row": int(r), "col": int(c), "label": int(lab), "lesion": int(les), "slide_label": case["label"],
+                     "num_lesions": int(grid["num_lesions"]), "num_labels": int(grid["num_labels"]),
                      "item": {"slide": case["slide"], "x": int(x), "y": int(y), "level": int(grid["level"]), "size": config["data"]["patch_size"]}}
                     for (x, y), r, c, lab, les in zip(grid["coords"], grid["rows"], grid["cols"], grid["labels"], grid["lesions"])]
     for start in range(0, len(records), batch):

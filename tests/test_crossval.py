@@ -82,3 +82,22 @@ def test_cross_validate_luna16_scores_the_merged_submission(tmp_path):
     assert merged[0] == "seriesuid,coordX,coordY,coordZ,probability" and sorted(merged[1:]) == sorted(sum(parts, []))
     summary = json.loads((run / "crossval" / "summary.json").read_text())
     assert sorted(row["seriesuid"] for row in summary["metric_per_case"]) == sorted(f["val"][0] for f in folds)
+
+
+def test_cross_validate_camelyon16_pools_the_submission_files(tmp_path):
+    from tests.test_camelyon16 import SMALL
+
+    data = {"cache_dir": str(tmp_path / "cache"), "patch_size": 64, "stride": 64, "samples_per_epoch": 16, "batch_size": 8,
+            "num_workers": 0, "folds": 2, "synthetic": SMALL}
+    config = _tiny(tmp_path, {"data": data, "trainer": {"check_val_every_n_epoch": 1, "accelerator": "cpu", "progress_bar": False}})
+    run = tmp_path / "cv"
+    assert main(["cross-validate", "--task", "camelyon16", "--config", config, "--output", str(run), "--max-steps", "1"]) == 0
+    folds = json.loads((tmp_path / "cache" / "camelyon16-synthetic" / SPLITS_FILE).read_text())
+    slides = [f["val"] for f in folds]
+    pooled = run / "crossval" / "predictions"
+    assert sorted(p.stem for p in (pooled / "lesions").glob("*.csv")) == sorted(sum(slides, []))
+    merged = (pooled / "slides.csv").read_text().splitlines()
+    parts = [(run / f"fold_{k}" / "validation" / "slides.csv").read_text().splitlines()[1:] for k in range(2)]
+    assert merged[0] == "Image,Confidence" and sorted(merged[1:]) == sorted(sum(parts, []))
+    summary = json.loads((run / "crossval" / "summary.json").read_text())
+    assert len(summary["metric_per_case"]) == 5 and summary["auc_slides"] == 5
