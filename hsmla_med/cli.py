@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "reference label maps of the same file names, as nnU-Net's compute_metrics_on_folder does, plus HD95 and NSD in mm "
                        "and bootstrap 95%% intervals; writes summary.json and metrics_per_case.csv into --output (default: DIR).")
     _add_task_options(p, required=False)
-    p.add_argument("--checkpoint", help="a checkpoint written by train")
+    p.add_argument("--checkpoint", nargs="+", metavar="CKPT", help="a checkpoint written by train; several: their ensemble (probabilities "
+                   "averaged as infer does), which has trained on every member's training cases")
     p.add_argument("--output", help="folder for metrics.json (default runs/evaluate), or for summary.json with --predictions (default: that folder)")
     p.add_argument("--predictions", metavar="P", help="predictions of any tool, scored without a checkpoint: btcv (default) a folder of NIfTI "
                    "label maps; luna16 a submission CSV (or the folder infer wrote it in); camelyon16 a folder of lesion CSVs and the slide CSV; endovis a folder of mask PNGs")
@@ -426,11 +427,11 @@ def _check_unseen(module, cases, args) -> None:
 
     trained = set((module.config.get("split") or {}).get("train") or [])
     if not trained:
-        log.warning("%s records no split (written before splits_final.json): cannot check that its validation cases are unseen", args.checkpoint)
+        log.warning("%s records no split (written before splits_final.json): cannot check that its validation cases are unseen", " ".join(args.checkpoint))
         return
     seen = sorted(trained & set((cases.split or {}).get("val") or []))
     if seen and not args.allow_training_cases:
-        raise InputError(f"--checkpoint {args.checkpoint} trained on {len(seen)} of the {len(cases.validation)} cases to score "
+        raise InputError(f"--checkpoint {' '.join(args.checkpoint)} trained on {len(seen)} of the {len(cases.validation)} cases to score "
                          f"(fold {cases.split['fold']} of {cases.split['file']}: {', '.join(seen[:5])}{' ...' if len(seen) > 5 else ''}); "
                          "their scores would not be held-out scores; pass --allow-training-cases to score them anyway")
 
@@ -451,19 +452,21 @@ def _evaluate(args) -> dict:
     module, meta = task.load(args.checkpoint, tta=args.tta)
     if args.routing:
         if not hasattr(module.network, "set_routing"):
-            raise InputError(f"--routing: {args.checkpoint} holds a {type(module.network).__name__}, which has no HSMLA layers")
+            raise InputError(f"--routing: {' '.join(args.checkpoint)} holds a {type(module.network).__name__}, which has no HSMLA layers")
         module.network.set_routing(args.routing)
     config = task.evaluation_config(_config(args), module)
     cases = task.datalist(config)
     _check_unseen(module, cases, args)
     if cases.label_names != module.label_names:
-        raise InputError(f"--checkpoint {args.checkpoint} predicts {len(module.label_names)} classes {module.label_names}, "
+        raise InputError(f"--checkpoint {' '.join(args.checkpoint)} predicts {len(module.label_names)} classes {module.label_names}, "
                          f"the dataset has {len(cases.label_names)} {cases.label_names}")
     task.evaluation_outputs(module, output, {"nsd_tolerance": args.nsd_tolerance, "save_probabilities": args.save_probabilities})
     summary = evaluate(module, task.datamodule(config, cases), config["trainer"], output)
     if not _first_process():  # every process holds the gathered summary; one writes and prints it
         return summary
-    write_json(output / "metrics.json", {**summary, **meta, "checkpoint": str(args.checkpoint), "routing": args.routing or "gate"})
+    checkpoints = [str(c) for c in args.checkpoint]
+    write_json(output / "metrics.json", {**summary, **meta, "checkpoint": checkpoints[0] if len(checkpoints) == 1 else checkpoints,
+                                         "routing": args.routing or "gate"})
     reports = task.evaluation_reports(module, output)
     _print_summary(task, summary, output)
     if reports:

@@ -9,7 +9,7 @@ import yaml
 
 from hsmla_med.cli import main
 from hsmla_med.data.splits import SPLITS_FILE
-from tests.conftest import TINY, make_dataset
+from tests.conftest import TINY, cli_error, make_dataset
 
 
 def test_cross_validate_pools_every_case_once_and_resumes(tmp_path, capsys):
@@ -46,6 +46,13 @@ def test_cross_validate_pools_every_case_once_and_resumes(tmp_path, capsys):
     assert main(argv) == 0
     assert (run / "fold_0" / "last.ckpt").stat().st_mtime_ns == before
     assert all(f.get("skipped") for f in json.loads((run / "crossval.json").read_text())["folds"])
+    # the fold ensemble has trained on every case: evaluate refuses to call its scores held out
+    members = [str(run / f"fold_{k}" / "last.ckpt") for k in (0, 1)]
+    evaluate = ["evaluate", "--task", "btcv", "--data-dir", str(data), "--config", str(config), "--checkpoint", *members,
+                "--output", str(tmp_path / "ens")]
+    assert "trained on 1 of the 1 cases" in cli_error(capsys, evaluate)
+    assert main([*evaluate, "--allow-training-cases"]) == 0
+    assert json.loads((tmp_path / "ens" / "metrics.json").read_text())["checkpoint"] == members
 
 
 def _tiny(tmp_path, overlay: dict) -> str:
