@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv beside the repository (once) and installs hsmla-med into it with the test and
-# benchmark extras. Re-runs only when pyproject.toml or this script changes. torch is installed
+# benchmark extras and the DICOM decoders. Re-runs only when pyproject.toml or this script changes. torch is installed
 # first at the pinned CPU build so that nothing resolves it to a CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +11,7 @@ want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q torch==2.13.0
-  .venv/bin/python -m pip install -q -e ".[test,bench]"
+  .venv/bin/python -m pip install -q -e ".[test,bench,dicom-codecs]"
   # cuCIM, the optional fast slide-patch reader (hsmla_med/data/patch_readers.py), so that the
   # tests cover it: its wheel alone reads TIFF slides on the CPU; its dependencies (cupy and the
   # CUDA libraries, gigabytes) serve GPU decoding only
