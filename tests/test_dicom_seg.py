@@ -1,0 +1,156 @@
+"""DICOM SEG out (hsmla_med.io.dicom_seg) and SEG references in evaluate, on series written here
+with pydicom: the label map read back through highdicom equals ours voxel for voxel, and each
+SEG frame lies on the slice of the source instance it references."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import highdicom as hd
+import nibabel as nib
+import numpy as np
+import pydicom
+import pytest
+import SimpleITK as sitk
+from pydicom.dataset import Dataset, FileMetaDataset
+from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, generate_uid
+
+from hsmla_med import __version__
+from hsmla_med.errors import DataError
+from hsmla_med.io.dicom_seg import read_seg, write_seg
+
+NAMES = ["background", "spleen", "right_kidney", "left_kidney", "gallbladder", "tumour"]
+MODEL = {"sha256": "ab" * 32, "checkpoint": "/somewhere/best.ckpt"}
+# (category, type, modifier) code values, SNOMED CT, as pydicom's dictionary gives them
+# (codes.SCT.AnatomicalStructure, .Spleen, .Kidney, .Right, .Left, .Tissue)
+ANATOMY, TISSUE = "91723000", "85756007"
+EXPECTED = {"spleen": (ANATOMY, "78961009", None), "right_kidney": (ANATOMY, "64033007", "24028007"),
+            "left_kidney": (ANATOMY, "64033007", "7771000"), "tumour": (TISSUE, TISSUE, None)}
+
+LPS = ((1.0, 0.0, 0.0), (0.0, 1.0, 0.0))
+# rows and columns rotated about two axes: no axis of the grid is a patient axis
+_c, _s = np.cos(0.5), np.sin(0.5)
+_ROT = np.array([[_c, -_s, 0], [_s, _c, 0], [0, 0, 1]]) @ np.array([[1, 0, 0], [0, np.cos(0.3), -np.sin(0.3)], [0, np.sin(0.3), np.cos(0.3)]])
+OBLIQUE = (tuple(_ROT[:, 0]), tuple(_ROT[:, 1]))
+
+
+def write_series(folder: Path, volume: np.ndarray, orientation=LPS, spacing=(0.8, 0.9, 2.5), origin=(-20.0, 15.0, 40.0)) -> list[Path]:
+    """A CT series, one file per slice under random names: slice ``k`` of ``volume`` (x, y, z)
+    at ``origin + k * spacing[2] * normal``, its pixel ``[row, column]`` = ``volume[column, row, k]``
+    (a DICOM frame is rows x columns). Returns the files in slice order."""
+    folder.mkdir(parents=True, exist_ok=True)
+    study, series, frame = generate_uid(), generate_uid(), generate_uid()
+    row, col = (np.asarray(v, float) for v in orientation)
+    files = []
+    for k in range(volume.shape[2]):
+        ds = Dataset()
+        ds.file_meta = FileMetaDataset()
+        ds.file_meta.TransferSyntaxUID = ExplicitVRLittleEndian
+        ds.file_meta.MediaStorageSOPClassUID = ds.SOPClassUID = CTImageStorage
+        ds.file_meta.MediaStorageSOPInstanceUID = ds.SOPInstanceUID = generate_uid()
+        ds.StudyInstanceUID, ds.SeriesInstanceUID, ds.FrameOfReferenceUID = study, series, frame
+        ds.PatientID, ds.PatientName, ds.PatientBirthDate, ds.PatientSex = "P001", "Phantom^Test", "", "O"
+        ds.StudyDate, ds.StudyTime, ds.StudyID, ds.AccessionNumber, ds.ReferringPhysicianName = "20260101", "120000", "1", "", ""
+        ds.Modality, ds.SeriesNumber, ds.InstanceNumber, ds.Manufacturer = "CT", 3, k + 1, "pydicom"
+        ds.ImageOrientationPatient = [float(v) for v in (*row, *col)]
+        ds.ImagePositionPatient = [float(v) for v in np.asarray(origin) + k * spacing[2] * np.cross(row, col)]
+        ds.PixelSpacing = [spacing[1], spacing[0]]  # between rows (y), between columns (x)
+        ds.SliceThickness = spacing[2]
+        ds.Rows, ds.Columns = volume.shape[1], volume.shape[0]
+        ds.SamplesPerPixel, ds.PhotometricInterpretation = 1, "MONOCHROME2"
+        ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 16, 16, 15, 1
+        ds.RescaleSlope, ds.RescaleIntercept = 1, 0
+        ds.PixelData = np.ascontiguousarray(volume[:, :, k].T.astype(np.int16)).tobytes()
+        path = folder / f"{generate_uid()[-12:]}.dcm"
+        ds.save_as(path, enforce_file_format=True)
+        files.append(path)
+    return files
+
+
+def known_labels(shape=(11, 9, 6), seed=0) -> np.ndarray:
+    """Classes 1, 2, 3 and 5 present, 4 absent; one slice without any foreground; no symmetry."""
+    labels = np.random.default_rng(seed).choice([0, 1, 2, 3, 5], size=shape).astype(np.uint8)
+    labels[:, :, 2] = 0
+    return labels
+
+
+def itk_series(folder: Path) -> tuple[list[Path], np.ndarray, sitk.Image]:
+    """SimpleITK's reading of a series folder, the reference reader: its file order (sorted by
+    position along the normal), the voxels as (x, y, z), and the image."""
+    files = [Path(f) for f in sitk.ImageSeriesReader.GetGDCMSeriesFileNames(str(folder))]
+    image = sitk.ReadImage([str(f) for f in files])
+    return files, sitk.GetArrayFromImage(image).transpose(2, 1, 0), image
+
+
+@pytest.mark.parametrize("orientation", [LPS, OBLIQUE], ids=["lps", "oblique"])
+def test_seg_round_trip_voxel_for_voxel_and_on_the_source_slices(tmp_path, orientation):
+    truth = known_labels()
+    write_series(tmp_path / "series", truth * 10, orientation)
+    files, volume, _ = itk_series(tmp_path / "series")
+    labels = (volume // 10).astype(np.uint8)  # the label map as our NIfTI of the series holds it
+    np.testing.assert_array_equal(labels, truth)  # the writer above and SimpleITK agree on the grid
+    out = write_seg(labels, files, NAMES, tmp_path / "out" / "case.seg.dcm", MODEL)
+
+    np.testing.assert_array_equal(read_seg(out, files, NAMES), labels)
+    # independently of our index mapping: highdicom's frame for each source instance is that
+    # instance's own pixels, class by class (segment labels -> class values by name)
+    seg = hd.seg.segread(out)
+    value = {int(s.SegmentNumber): NAMES.index(s.SegmentLabel) for s in seg.SegmentSequence}
+    for path in files:
+        source = pydicom.dcmread(path)
+        for number, cls in value.items():
+            frame = seg.get_pixels_by_source_instance([source.SOPInstanceUID], segment_numbers=[number])[0, :, :, 0]
+            np.testing.assert_array_equal(frame.astype(bool), source.pixel_array == cls * 10, err_msg=f"{path.name} class {cls}")
+
+
+def test_seg_segments_codes_references_and_algorithm(tmp_path):
+    labels = known_labels()
+    files = write_series(tmp_path / "series", labels * 10)
+    files, _, _ = itk_series(tmp_path / "series")
+    seg = hd.seg.segread(write_seg(labels, files, NAMES, tmp_path / "case.seg.dcm", MODEL))
+    sources = [pydicom.dcmread(f) for f in files]
+
+    assert seg.SegmentationType == "BINARY"
+    segments = {s.SegmentLabel: s for s in seg.SegmentSequence}
+    assert list(segments) == ["spleen", "right_kidney", "left_kidney", "tumour"]  # gallbladder (absent) left out
+    assert [int(s.SegmentNumber) for s in seg.SegmentSequence] == [1, 2, 3, 4]
+    for name, (category, kind, modifier) in EXPECTED.items():
+        s = segments[name]
+        got_type = s.SegmentedPropertyTypeCodeSequence[0]
+        assert (s.SegmentedPropertyCategoryCodeSequence[0].CodeValue, got_type.CodeValue) == (category, kind)
+        modifiers = [m.CodeValue for m in got_type.get("SegmentedPropertyTypeModifierCodeSequence", [])]
+        assert modifiers == ([modifier] if modifier else [])
+        assert s.SegmentAlgorithmType == "AUTOMATIC"
+        algorithm = s.SegmentationAlgorithmIdentificationSequence[0]
+        assert (algorithm.AlgorithmName, algorithm.AlgorithmVersion) == ("hsmla-med", __version__)
+        assert MODEL["sha256"] in algorithm.AlgorithmParameters
+
+    schemes = set()
+    seg.walk(lambda ds, elem: schemes.add(elem.value) if elem.keyword == "CodingSchemeDesignator" else None)
+    assert "SCT" in schemes and "SRT" not in schemes
+
+    (series,) = seg.ReferencedSeriesSequence
+    assert series.SeriesInstanceUID == sources[0].SeriesInstanceUID
+    assert {i.ReferencedSOPInstanceUID for i in series.ReferencedInstanceSequence} == {d.SOPInstanceUID for d in sources}
+    assert seg.FrameOfReferenceUID == sources[0].FrameOfReferenceUID
+    assert seg.StudyInstanceUID == sources[0].StudyInstanceUID
+    assert seg.PatientID == sources[0].PatientID
+
+
+def test_write_seg_refuses_a_label_map_off_the_series_grid_and_unsorted_files(tmp_path):
+    labels = known_labels()
+    files = write_series(tmp_path / "series", labels * 10)
+    with pytest.raises(ValueError, match="grid"):
+        write_seg(labels.transpose(1, 0, 2), files, NAMES, tmp_path / "a.seg.dcm", MODEL)
+    with pytest.raises(ValueError, match="sorted"):
+        write_seg(labels, files[::-1], NAMES, tmp_path / "b.seg.dcm", MODEL)
+    assert not list(tmp_path.glob("*.seg.dcm"))
+
+
+def test_read_seg_names_an_unknown_segment_label(tmp_path):
+    labels = known_labels()
+    files = write_series(tmp_path / "series", labels * 10)
+    out = write_seg(labels, files, NAMES, tmp_path / "case.seg.dcm", MODEL)
+    with pytest.raises(DataError, match="tumour"):
+        read_seg(out, files, NAMES[:5])
