@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--labels", metavar="L", help="with --predictions, the reference: btcv a folder of label maps (same file names, same shape "
                    "and affine); luna16 annotations.csv (or a LUNA16 folder, whose CSVs are found there); camelyon16 the folder of annotation XMLs; endovis the dataset folder")
     p.add_argument("--dataset-json", metavar="F", help="btcv, with --predictions: dataset.json naming the classes ('labels'; default: the label values found)")
+    p.add_argument("--dicom", metavar="DIR", help="btcv, with --predictions: the folder under which the image series that DICOM SEG files "
+                   "(.dcm, among the predictions or labels) reference are found, by Series Instance UID, at any depth (default: the --labels folder); "
+                   "a SEG's segments take the label values of their names in --dataset-json")
     p.add_argument("--nsd-tolerance", type=float, metavar="MM", help="btcv: NSD tolerance in mm (default: the checkpoint's inference.nsd_tolerance; "
                    "with --predictions 2)")
     p.add_argument("--save-probabilities", action="store_true", help="btcv, with --checkpoint: also write OUTPUT/validation/<case>.npz, the class "
@@ -415,7 +418,7 @@ def _evaluate_predictions(args) -> dict:
             raise InputError(f"{option} {path}: not found")
     default = predictions if predictions.is_dir() else predictions.parent
     output = _writable_folder(args.output if args.output is not None else default, "--output")
-    options = {k: getattr(args, k) for k in ("dataset_json", "nsd_tolerance", "excluded", "seriesuids", "data_dir", "problem")}
+    options = {k: getattr(args, k) for k in ("dataset_json", "nsd_tolerance", "excluded", "seriesuids", "data_dir", "problem", "dicom")}
     summary = task.score_predictions(predictions, labels, output, options)
     print("\n".join(task.score_lines(summary, output)))
     return summary

@@ -9,12 +9,19 @@ Files pair by name (nnU-Net's convention: ``labels/X.nii.gz`` with ``predictions
 ``hsmla-med infer`` writes: ``img0001.nii.gz`` for BTCV's ``label0001.nii.gz``) pairs too. Every
 reference needs a prediction and every prediction a reference; the geometry of every pair
 (shape and affine) is checked from the headers before any volume is scored.
+
+A reference or a prediction may also be a DICOM SEG (``X.seg.dcm`` or ``X.dcm``, as ``infer
+--output-format dicom-seg`` writes it): it is read onto the grid of the image series it
+references (:func:`~hsmla_med.io.dicom_seg.read_seg`), which is looked for by its Series
+Instance UID under one folder, ``--dicom`` (default: the labels folder, any depth), and its
+segments take the label values of their names in the dataset JSON's ``labels`` (required then).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -31,23 +38,25 @@ __all__ = ["DEFAULT_NSD_TOLERANCE", "check_nsd_tolerance", "evaluate_folder", "p
 
 log = logging.getLogger("hsmla_med")
 
+_SEG = re.compile(r"(\.seg)?\.dcm$", re.IGNORECASE)  # a DICOM SEG label map: X.seg.dcm or X.dcm
 _AFFINE_ATOL = 1e-3  # mm, as hsmla_med.data.datalist.check_pair compares an image with its label
 DEFAULT_NSD_TOLERANCE = 2.0  # mm: --nsd-tolerance and inference.nsd_tolerance when not given
 
 
-def _nifti_files(folder: Path, option: str) -> dict[str, Path]:
-    """NIfTI files of ``folder`` by name without the extension."""
+def _label_files(folder: Path, option: str, seg: bool = False) -> dict[str, Path]:
+    """NIfTI files (and with ``seg`` DICOM SEG files) of ``folder`` by name without the extension."""
     if not folder.is_dir():
         raise InputError(f"{option} {folder}: folder not found")
     files = {}
     for path in sorted(folder.iterdir()):
-        if _NIFTI.search(path.name) and path.is_file() and not is_temporary(path):
-            stem = _NIFTI.sub("", path.name)
+        pattern = _NIFTI if _NIFTI.search(path.name) else _SEG if seg and _SEG.search(path.name) else None
+        if pattern is not None and path.is_file() and not is_temporary(path):
+            stem = pattern.sub("", path.name)
             if stem in files:
                 raise DataError(f"{path}: {files[stem].name} has the same name in {option} {folder}")
             files[stem] = path
     if not files:
-        raise DataError(f"{option} {folder}: no NIfTI label maps (.nii, .nii.gz) in the folder")
+        raise DataError(f"{option} {folder}: no NIfTI label maps (.nii, .nii.gz){' or DICOM SEG files (.dcm)' if seg else ''} in the folder")
     return files
 
 
@@ -61,12 +70,13 @@ def _image_names(meta: dict) -> dict[str, str]:
     return aliases
 
 
-def pair_files(predictions: Path, labels: Path, aliases: dict[str, str] | None = None) -> list[tuple[Path, Path]]:
+def pair_files(predictions: Path, labels: Path, aliases: dict[str, str] | None = None, seg: bool = False) -> list[tuple[Path, Path]]:
     """``(reference, prediction)`` pairs by file name (or by the reference's image name in
-    ``aliases``), in the references' order; :class:`DataError` listing the references without a
-    prediction, or the predictions without a reference."""
-    references = _nifti_files(labels, "--labels")
-    found = _nifti_files(predictions, "--predictions")
+    ``aliases``), in the references' order, DICOM SEG files (``.dcm``) among them with ``seg``;
+    :class:`DataError` listing the references without a prediction, or the predictions without a
+    reference."""
+    references = _label_files(labels, "--labels", seg)
+    found = _label_files(predictions, "--predictions", seg)
     pairs, missing = [], []
     for stem, reference in references.items():
         names = [stem] + ([aliases[stem]] if aliases and stem in aliases else [])
@@ -96,14 +106,16 @@ def _spatial(shape: tuple[int, ...], path: Path) -> tuple[int, ...]:
     return shape[:3]
 
 
-def check_geometry(pairs: list[tuple[Path, Path]]) -> list[np.ndarray]:
+def check_geometry(pairs: list[tuple[Path, Path]], grids: dict[Path, tuple] | None = None) -> list[np.ndarray]:
     """Each prediction must lie on its reference's voxel grid: the same shape and affine (within
-    1e-3). Returns each reference's voxel spacing in mm; :class:`DataError` naming the first
-    prediction that differs, in one line."""
+    1e-3), read from the NIfTI headers, or for a file in ``grids`` (a DICOM SEG) its series'
+    ``(shape, affine)`` there. Returns each reference's voxel spacing in mm; :class:`DataError`
+    naming the first prediction that differs, in one line."""
+    grids = grids or {}
     spacings = []
     for reference, prediction in pairs:
-        ref_shape, ref_affine = read_header(reference)
-        pred_shape, pred_affine = read_header(prediction)
+        ref_shape, ref_affine = grids[reference] if reference in grids else read_header(reference)
+        pred_shape, pred_affine = grids[prediction] if prediction in grids else read_header(prediction)
         if _spatial(pred_shape, prediction) != _spatial(ref_shape, reference):
             raise DataError(f"{prediction}: shape {pred_shape} does not match the label map's {ref_shape} ({reference})")
         if not np.allclose(pred_affine, ref_affine, atol=_AFFINE_ATOL):
@@ -170,19 +182,63 @@ def _dataset_labels(dataset_json: Path) -> tuple[dict[int, str], dict[str, str]]
     return {i: name for i, name in enumerate(names) if i > 0}, _image_names(meta)
 
 
+def _seg_series(pairs: list[tuple[Path, Path]], folder: Path) -> dict[Path, list[Path]]:
+    """Each DICOM SEG among ``pairs`` -> the sorted files of the image series it references,
+    found under ``folder``; :class:`DataError` naming a SEG whose series is not there."""
+    segs = [path for pair in pairs for path in pair if _SEG.search(path.name)]
+    if not segs:
+        return {}
+    from hsmla_med.io.dicom import find_series
+    from hsmla_med.io.dicom_seg import referenced_series_uid
+
+    series = {s.uid: s.files for s in find_series(folder)}
+    sources = {}
+    for seg in segs:
+        uid = referenced_series_uid(seg)
+        if uid not in series:
+            raise DataError(f"{seg}: the image series it references ({uid}) is not under --dicom {folder}; give the folder that holds it")
+        sources[seg] = series[uid]
+    return sources
+
+
+def _seg_grids(sources: dict[Path, list[Path]]) -> dict[Path, tuple]:
+    """``(shape, affine)`` of each SEG's series, as the series' NIfTI has them (SimpleITK's grid:
+    :func:`~hsmla_med.io.dicom.read_series`)."""
+    from hsmla_med.io.dicom import read_series
+
+    grids = {}
+    for seg, files in sources.items():
+        volume, affine = read_series(files)
+        grids[seg] = (volume.shape, affine)
+    return grids
+
+
+def _read_label_map(path: Path, sources: dict[Path, list[Path]], names: dict[int, str] | None) -> np.ndarray:
+    """A NIfTI label map (:func:`read_labels`), or a DICOM SEG on its series' grid, its segments
+    valued by ``names``."""
+    if path not in sources:
+        return read_labels(path)
+    from hsmla_med.io.dicom_seg import read_seg
+
+    return read_seg(path, sources[path], ["background"] + [names[k] for k in sorted(names)]).astype(np.int64)
+
+
 def evaluate_folder(predictions: str | Path, labels: str | Path, dataset_json: str | Path | None = None,
-                    output: str | Path | None = None, nsd_tolerance: float = DEFAULT_NSD_TOLERANCE, draws: int = 1000, seed: int = 0) -> dict:
+                    output: str | Path | None = None, nsd_tolerance: float = DEFAULT_NSD_TOLERANCE, draws: int = 1000, seed: int = 0,
+                    dicom: str | Path | None = None) -> dict:
     """Score every prediction against its reference; write ``summary.json`` and
     ``metrics_per_case.csv`` into ``output`` (default: the predictions folder).
 
     Args:
-        predictions, labels: folders of NIfTI label maps, paired by file name.
+        predictions, labels: folders of NIfTI label maps or DICOM SEG files, paired by file name.
         dataset_json: its ``labels`` (MSD ``{"0": "background"}`` or nnU-Net v2
             ``{"background": 0}``) name the classes scored, and a label value outside them is an
             error; without it the classes are the non-zero values found in either folder.
         output: folder for the two reports.
         nsd_tolerance: NSD tolerance in mm.
         draws, seed: of the bootstrap confidence intervals.
+        dicom: the folder under which the image series of DICOM SEG files are found (default:
+            ``labels``).
 
     Returns:
         The ``summary.json`` document (:func:`~hsmla_med.metrics.summary.summarize_cases`).
@@ -190,11 +246,15 @@ def evaluate_folder(predictions: str | Path, labels: str | Path, dataset_json: s
     predictions, labels = Path(predictions), Path(labels)
     check_nsd_tolerance(nsd_tolerance, "--nsd-tolerance")
     names, aliases = _dataset_labels(Path(dataset_json)) if dataset_json is not None else (None, {})
-    pairs = pair_files(predictions, labels, aliases)
-    spacings = check_geometry(pairs)
+    pairs = pair_files(predictions, labels, aliases, seg=True)
+    seg = next((path for pair in pairs for path in pair if _SEG.search(path.name)), None)
+    if seg is not None and names is None:
+        raise InputError(f"{seg}: --dataset-json is needed with DICOM SEG files: its labels give the segments their label values")
+    sources = _seg_series(pairs, Path(dicom) if dicom is not None else labels)
+    spacings = check_geometry(pairs, _seg_grids(sources))
     cases, sizes = [], []
     for (reference, prediction), spacing in zip(pairs, spacings, strict=True):
-        ref, pred = read_labels(reference), read_labels(prediction)
+        ref, pred = _read_label_map(reference, sources, names), _read_label_map(prediction, sources, names)
         found = _foreground(reference, ref, names, dataset_json) | _foreground(prediction, pred, names, dataset_json)
         classes = list(names) if names is not None else sorted(found)
         log.info("scoring %s against %s", prediction.name, reference.name)

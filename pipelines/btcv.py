@@ -229,12 +229,13 @@ def crossval_score(folds: list[tuple[Datalist, Path]], output: Path, config: dic
 
 
 def score_predictions(predictions: Path, labels: Path, output: Path, options: dict) -> dict:
-    """NIfTI label maps of any tool against reference label maps of the same names
-    (:func:`~hsmla_med.evaluation.evaluate_folder`)."""
+    """NIfTI label maps (or DICOM SEG files, their series under ``options["dicom"]``) of any tool
+    against reference label maps of the same names (:func:`~hsmla_med.evaluation.evaluate_folder`)."""
     from hsmla_med.evaluation import evaluate_folder
 
     tolerance = options.get("nsd_tolerance")
-    return evaluate_folder(predictions, labels, options.get("dataset_json"), output, DEFAULT_NSD_TOLERANCE if tolerance is None else tolerance)
+    return evaluate_folder(predictions, labels, options.get("dataset_json"), output, DEFAULT_NSD_TOLERANCE if tolerance is None else tolerance,
+                           dicom=options.get("dicom"))
 
 
 class BTCV(Task):

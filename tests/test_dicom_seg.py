@@ -17,7 +17,7 @@ from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, generate_uid
 
 from hsmla_med import __version__
-from hsmla_med.errors import DataError
+from hsmla_med.errors import DataError, InputError
 from hsmla_med.io.dicom_seg import read_seg, write_seg
 
 NAMES = ["background", "spleen", "right_kidney", "left_kidney", "gallbladder", "tumour"]
@@ -154,3 +154,55 @@ def test_read_seg_names_an_unknown_segment_label(tmp_path):
     out = write_seg(labels, files, NAMES, tmp_path / "case.seg.dcm", MODEL)
     with pytest.raises(DataError, match="tumour"):
         read_seg(out, files, NAMES[:5])
+
+
+def _nifti_like(image: sitk.Image, labels: np.ndarray, path: Path) -> Path:
+    """``labels`` (x, y, z) as NIfTI on ``image``'s grid, written by SimpleITK (the reference
+    conversion of a series to NIfTI)."""
+    out = sitk.GetImageFromArray(labels.transpose(2, 1, 0).astype(np.uint8))
+    out.CopyInformation(image)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sitk.WriteImage(out, str(path))
+    return path
+
+
+def test_evaluate_with_seg_files_equals_evaluate_with_their_nifti(tmp_path):
+    from hsmla_med.evaluation import evaluate_folder
+
+    truth = known_labels(shape=(14, 12, 7))
+    write_series(tmp_path / "dicom" / "case", truth * 10, OBLIQUE)
+    files, _, image = itk_series(tmp_path / "dicom" / "case")
+    predicted = truth.copy()
+    predicted[3:9, 2:7, 1:5] = 1  # a wrong block: Dice below 1, HD95 above 0
+    dataset = tmp_path / "dataset.json"
+    dataset.write_text(json.dumps({"labels": {str(i): n for i, n in enumerate(NAMES)}}))
+    _nifti_like(image, truth, tmp_path / "labels_nifti" / "case.nii.gz")
+    _nifti_like(image, predicted, tmp_path / "pred_nifti" / "case.nii.gz")
+    write_seg(truth, files, NAMES, tmp_path / "labels_seg" / "case.seg.dcm", MODEL)
+    write_seg(predicted, files, NAMES, tmp_path / "pred_seg" / "case.seg.dcm", MODEL)
+
+    def scores(predictions, labels):
+        summary = evaluate_folder(tmp_path / predictions, tmp_path / labels, dataset, tmp_path / "out" / f"{predictions}-{labels}",
+                                  draws=10, dicom=tmp_path / "dicom")
+        return summary["metric_per_case"][0]["metrics"], summary["foreground_mean"]
+
+    expected = scores("pred_nifti", "labels_nifti")
+    assert 0 < expected[1]["Dice"] < 1
+    assert scores("pred_nifti", "labels_seg") == expected  # a SEG reference
+    assert scores("pred_seg", "labels_nifti") == expected  # a SEG prediction
+
+
+def test_evaluate_names_a_seg_whose_series_is_missing_and_needs_label_names(tmp_path):
+    from hsmla_med.evaluation import evaluate_folder
+
+    truth = known_labels()
+    files = write_series(tmp_path / "dicom" / "case", truth * 10)
+    _, _, image = itk_series(tmp_path / "dicom" / "case")
+    write_seg(truth, files, NAMES, tmp_path / "labels" / "case.seg.dcm", MODEL)
+    _nifti_like(image, truth, tmp_path / "pred" / "case.nii.gz")
+    dataset = tmp_path / "dataset.json"
+    dataset.write_text(json.dumps({"labels": {str(i): n for i, n in enumerate(NAMES)}}))
+    with pytest.raises(DataError, match="is not under --dicom"):
+        evaluate_folder(tmp_path / "pred", tmp_path / "labels", dataset, tmp_path / "out")  # default: the labels folder
+    with pytest.raises(InputError, match="--dataset-json is needed"):
+        evaluate_folder(tmp_path / "pred", tmp_path / "labels", None, tmp_path / "out", dicom=tmp_path / "dicom")
