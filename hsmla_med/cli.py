@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "data preparation)")
     p.add_argument("--input", required=True, help="a file or a folder: " + "; ".join(f"{t.inputs} ({n})" for n, t in tasks.items()))
     p.add_argument("--output", required=True, help="folder for the predictions")
+    p.add_argument("--series-uid", metavar="UID", help="btcv: the DICOM series (SeriesInstanceUID) to segment in an --input folder "
+                   "that holds files of several series (refused without it, listing them)")
     p.add_argument("--tta", action="store_true", help="mirroring test-time augmentation")
     overlaps = ", ".join(f"{n} {c['inference']['overlap']}" for n in TASKS if "overlap" in (c := task_config(n))["inference"])
     p.add_argument("--overlap", type=float, help=f"sliding-window overlap in [0, 1) (default: the checkpoint's; as trained by default: {overlaps})")
@@ -334,7 +336,7 @@ def _options(args, **extra):
 
 def _infer(args) -> list[Path]:
     task = get_task(args.task)
-    options = _options(args, crop=args.crop, save_probabilities=args.save_probabilities,
+    options = _options(args, crop=args.crop, save_probabilities=args.save_probabilities, series_uid=args.series_uid,
                        postprocessing=_postprocessing(task, args.postprocessing, args.checkpoint))
     _apart(args.input, args.output, "--input")
     output = _writable_folder(args.output, "--output")

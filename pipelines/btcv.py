@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import nibabel as nib
 import numpy as np
 from monai.bundle import ConfigParser
 from monai.transforms import Compose
@@ -29,7 +30,8 @@ from hsmla_med.inference import geometry
 from hsmla_med.inference.geometry import UNCROPPED_BACKGROUND, write_labels, write_probabilities
 from hsmla_med.metrics.summary import write_reports
 from hsmla_med.inference.postprocessing import apply_postprocessing
-from hsmla_med.io import is_temporary
+from hsmla_med.io import atomic_path, is_temporary
+from hsmla_med.io.dicom import DicomSeries, find_series, is_dicom_file, select_series
 from hsmla_med.pipelines.task import InferenceOptions, Task, input_files, predict_cases, synthetic_root
 
 __all__ = ["TASK", "datalist", "check_config", "preprocessing_items", "UNCROPPED_BACKGROUND", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer", "score_predictions", "crossval_score"]
@@ -154,19 +156,52 @@ def held_out(cases: Datalist) -> list[str]:
     return [c["image"] for c in cases.validation + cases.test]
 
 
-def _nifti_files(folder: Path) -> list[Path]:
+def _volume_inputs(folder: Path, series_uid: str | None = None) -> list[Path | DicomSeries]:
+    """The NIfTI files of an input folder, else its DICOM image series (one case per series:
+    :func:`~hsmla_med.io.dicom.select_series`)."""
     files = sorted(p for p in folder.iterdir() if p.name.endswith((".nii", ".nii.gz")) and not is_temporary(p))
-    if not files:
-        raise DataError(f"{folder}: no NIfTI files (.nii, .nii.gz) in the input folder")
-    return files
+    if files:
+        return files
+    series = find_series(folder)
+    if not series:
+        raise DataError(f"{folder}: no NIfTI files (.nii, .nii.gz) and no DICOM image series in the input folder")
+    return select_series(series, folder, series_uid)
+
+
+def _write_series_labels(path: Path, labels: np.ndarray, affine: np.ndarray) -> Path:
+    """A series' uint8 label map as NIfTI with its RAS affine as qform and sform (code 1,
+    scanner), atomically: a series has no NIfTI header whose fields :func:`write_labels` could
+    copy."""
+    img = nib.Nifti1Image(labels, affine)
+    img.set_qform(affine, code=1)
+    img.set_sform(affine, code=1)
+    with atomic_path(path) as tmp:
+        nib.save(img, str(tmp))
+    return path
+
+
+def _case(source: Path | DicomSeries, output: Path, inference: dict) -> dict:
+    """The ``infer`` item of a NIfTI file or a DICOM series (a DICOM file given alone: its
+    series). A series is loaded from its sorted files (``image``; kept as ``dicom_files`` for
+    writers that reference the source instances) and named by :attr:`DicomSeries.name`."""
+    if isinstance(source, Path) and is_dicom_file(source):
+        source = next(s for s in find_series(source.parent) if source in s.files)
+    if isinstance(source, DicomSeries):
+        files = [str(f) for f in source.files]
+        return {"name": source.name, "image": files, "dicom_files": files, "source": str(source.folder),
+                "output": output / f"{source.name}.nii.gz", "inference": inference}
+    read_header(source)  # an unreadable header or an affine that places no voxel: one line, before any work
+    return {"name": case_name(source), "image": str(source), "source": str(source), "output": output / f"{case_name(source)}.nii.gz", "inference": inference}
 
 
 def infer(
     module: SegmentationModule, inputs: str | Path | Iterable[str | Path], output: str | Path, options: InferenceOptions = InferenceOptions()
 ) -> list[Path]:
-    """Segment NIfTI volumes and write ``output/<case>.nii.gz`` label maps (uint8) with exactly
-    each input's shape and affine (and ``<case>.npz`` probabilities with
-    ``options.save_probabilities``), in Lightning's predict loop (:func:`predict_cases`: cases
+    """Segment NIfTI volumes or DICOM series (folders: :func:`_volume_inputs`; a folder of
+    several series needs ``options.series_uid``) and write ``output/<case>.nii.gz`` label maps
+    (uint8) with exactly each input's shape and affine (a series: ``<series name>.nii.gz`` on the
+    grid SimpleITK reads it on, :func:`~hsmla_med.io.dicom.read_series`), and ``<case>.npz``
+    probabilities with ``options.save_probabilities``, in Lightning's predict loop (:func:`predict_cases`: cases
     split over processes and shards; cases with a label map are skipped).
 
     Each volume goes through the training preprocessing (RAS, resampling, intensity, foreground
@@ -180,17 +215,12 @@ def infer(
     inference = options.apply(cfg["inference"])
     pre = Compose(preprocessing(cfg["data"], cfg["in_channels"], len(module.label_names), keys=("image",)))
     output = Path(output)
-    files = input_files(inputs, _nifti_files)
-    for f in files:
-        read_header(f)  # an unreadable header or an affine that places no voxel: one line, before any work
-    items = [
-        {"name": case_name(f), "image": str(f), "source": str(f), "output": output / f"{case_name(f)}.nii.gz", "inference": inference}
-        for f in files
-    ]
+    items = [_case(f, output, inference) for f in input_files(inputs, lambda folder: _volume_inputs(folder, options.series_uid))]
 
     def write(case: dict) -> list[Path]:
         source = Path(case["source"])
-        shape, _ = read_header(source)
+        # a series' grid is the one its reader gave (MONAI keeps it as original_affine / spatial_shape)
+        shape = tuple(int(n) for n in case["image"].meta["spatial_shape"]) if "dicom_files" in case else read_header(source)[0]
         labels, probabilities = labels_in_input_geometry(case, pre, options.save_probabilities)
         labels = apply_postprocessing(labels, options.postprocessing)  # the probabilities stay as predicted
         if labels.shape != tuple(shape[:3]):
@@ -198,7 +228,10 @@ def infer(
         written = []
         if probabilities is not None:
             written.append(write_probabilities(output / f"{case['name']}.npz", probabilities))
-        written.append(write_labels(case["output"], labels, source))  # last: it marks the case done
+        if "dicom_files" in case:  # last: it marks the case done
+            written.append(_write_series_labels(case["output"], labels, np.asarray(case["image"].meta["original_affine"], dtype=np.float64)))
+        else:
+            written.append(write_labels(case["output"], labels, source))
         options.progress(f"{source.name} {tuple(shape)}: {case['output'].name}")
         return written
 
@@ -244,7 +277,7 @@ class BTCV(Task):
     name = "btcv"
     module_class = SegmentationModule
     in_channels = 1
-    inputs = "NIfTI volumes (.nii, .nii.gz)"
+    inputs = "NIfTI volumes (.nii, .nii.gz) or DICOM series (a series folder, or a folder of series folders)"
     outputs = "OUTPUT/<case>.nii.gz label maps with each input's shape and affine"
     postprocesses = True
 

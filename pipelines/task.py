@@ -159,6 +159,8 @@ class InferenceOptions:
             label map; ``None`` for none (tasks with :attr:`Task.postprocesses`).
         overwrite: predict every case again, also into a folder of another checkpoint or other
             options (else refused; see :func:`predict_cases`).
+        series_uid: the DICOM series (SeriesInstanceUID) to read from an input folder that holds
+            files of several series (volume tasks).
         progress: called with one line per input.
 
     The options that change what is written (:meth:`provenance`) are recorded with the outputs;
@@ -180,6 +182,7 @@ class InferenceOptions:
     save_probabilities: bool = field(default=False, metadata=_SHAPES_OUTPUTS)
     postprocessing: list[dict] | None = field(default=None, metadata=_SHAPES_OUTPUTS)
     overwrite: bool = False
+    series_uid: str | None = None
     progress: Callable[[str], None] = field(default=print, compare=False)
 
     def __post_init__(self) -> None:

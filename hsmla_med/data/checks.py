@@ -14,6 +14,7 @@ import torch
 from monai.transforms import LoadImaged, MapTransform
 
 from hsmla_med.errors import DataError
+from hsmla_med.io.dicom import DicomSeriesReader
 
 __all__ = ["CheckCased", "LoadCased", "source_file"]
 
@@ -25,11 +26,19 @@ def source_file(tensor) -> str:
 
 
 class LoadCased(LoadImaged):
-    """``LoadImaged`` whose failures (truncated or foreign files) name the file that failed."""
+    """``LoadImaged`` whose failures (truncated or foreign files) name the file that failed, and
+    which also reads a DICOM series (a series folder, or the list of a series' files:
+    :class:`~hsmla_med.io.dicom.DicomSeriesReader`, tried before MONAI's readers)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.register(DicomSeriesReader())
 
     def __call__(self, data, reader=None):
         try:
             return super().__call__(data, reader)
+        except DataError:
+            raise  # already names the file (the DICOM checks)
         except Exception as err:
             files = ", ".join(str(data[k]) for k in self.keys if k in data)
             raise DataError(f"{files}: cannot read image data ({type(err).__name__}: {err})") from None
