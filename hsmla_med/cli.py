@@ -121,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap", type=float, help=f"sliding-window overlap in [0, 1) (default: the checkpoint's; as trained by default: {overlaps})")
     p.add_argument("--crop", choices=["auto", "none"], default="auto", help="endovis: auto crops frames of the challenge's raw size as in training and uses other sizes whole; none never crops")
     p.add_argument("--save-probabilities", action="store_true", help="btcv: also write OUTPUT/<case>.npz, the class probabilities (float16) in the input's grid (an ensemble's: their mean)")
+    p.add_argument("--output-format", action="append", metavar="F", help="btcv: nifti (default: OUTPUT/<case>.nii.gz) and/or dicom-seg "
+                   "(OUTPUT/<case>.seg.dcm, a DICOM SEG referencing the input series; DICOM inputs only); repeat it or give a comma list for both")
     p.add_argument("--postprocessing", metavar="F", help="btcv: the postprocessing.json to apply to the label maps (largest connected "
                    "components, chosen on validation by cross-validate); default: the postprocessing.json in the folder that holds "
                    "the checkpoints, or above a cross-validate fold_K folder, if there is one; none: no post-processing")
@@ -334,9 +336,20 @@ def _options(args, **extra):
     )
 
 
+def _output_formats(given: list[str] | None, task) -> tuple[str, ...]:
+    """``--output-format`` values (repeated or comma lists) in order, once each; dicom-seg is btcv's."""
+    from hsmla_med.errors import InputError
+
+    formats = tuple(dict.fromkeys(f.strip() for value in given or ["nifti"] for f in value.split(",") if f.strip()))
+    if "dicom-seg" in formats and task.name != "btcv":
+        raise InputError(f"--output-format dicom-seg: only --task btcv writes label volumes as DICOM SEG, not {task.name}")
+    return formats
+
+
 def _infer(args) -> list[Path]:
     task = get_task(args.task)
-    options = _options(args, crop=args.crop, save_probabilities=args.save_probabilities, series_uid=args.series_uid,
+    formats = _output_formats(args.output_format, task)
+    options = _options(args, crop=args.crop, save_probabilities=args.save_probabilities, output_formats=formats, series_uid=args.series_uid,
                        postprocessing=_postprocessing(task, args.postprocessing, args.checkpoint))
     _apart(args.input, args.output, "--input")
     output = _writable_folder(args.output, "--output")

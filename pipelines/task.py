@@ -133,6 +133,7 @@ def synthetic_root(data: dict, task: str, files: str, nature: str, generate: Cal
 
 
 _SHAPES_OUTPUTS = {"shapes_outputs": True}
+OUTPUT_FORMATS = ("nifti", "dicom-seg")  # infer --output-format (volume tasks)
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,10 @@ class InferenceOptions:
         shard: this job's :class:`~hsmla_med.engine.prediction.Shard` of the cases.
         num_workers: DataLoader workers that read and preprocess the inputs.
         save_probabilities: also write the class probabilities (volumes: ``<case>.npz``).
+        output_formats: the label map files of a volume (btcv): ``nifti`` (``<case>.nii.gz``)
+            and/or ``dicom-seg`` (``<case>.seg.dcm``, for DICOM series inputs only). Not recorded
+            as shaping the outputs: a format changes which files are written, not their content,
+            and a case counts as done when its last format's file exists (the SEG when asked).
         postprocessing: the kept steps of a ``postprocessing.json``
             (:func:`~hsmla_med.inference.postprocessing.apply_postprocessing`), applied to each
             label map; ``None`` for none (tasks with :attr:`Task.postprocesses`).
@@ -180,6 +185,7 @@ class InferenceOptions:
     shard: Shard = Shard()
     num_workers: int = 0
     save_probabilities: bool = field(default=False, metadata=_SHAPES_OUTPUTS)
+    output_formats: tuple[str, ...] = ("nifti",)
     postprocessing: list[dict] | None = field(default=None, metadata=_SHAPES_OUTPUTS)
     overwrite: bool = False
     series_uid: str | None = None
@@ -200,6 +206,8 @@ class InferenceOptions:
             raise InputError(f"--num-nodes must be positive, got {self.num_nodes}")
         if self.num_workers < 0:
             raise InputError(f"--num-workers must be >= 0, got {self.num_workers}")
+        if not self.output_formats or set(self.output_formats) - set(OUTPUT_FORMATS):
+            raise InputError(f"--output-format must be one or both of {', '.join(OUTPUT_FORMATS)}, got {','.join(self.output_formats) or 'none'}")
 
     def provenance(self) -> dict:
         """The options that shape the outputs, as recorded with them."""

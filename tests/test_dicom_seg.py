@@ -206,3 +206,18 @@ def test_evaluate_names_a_seg_whose_series_is_missing_and_needs_label_names(tmp_
         evaluate_folder(tmp_path / "pred", tmp_path / "labels", dataset, tmp_path / "out")  # default: the labels folder
     with pytest.raises(InputError, match="--dataset-json is needed"):
         evaluate_folder(tmp_path / "pred", tmp_path / "labels", None, tmp_path / "out", dicom=tmp_path / "dicom")
+
+
+def test_seg_of_an_anonymised_series_without_type2_patient_and_study_attributes(tmp_path):
+    labels = known_labels()
+    files = write_series(tmp_path / "series", labels * 10)
+    for path in files:  # as anonymisers export them: the type 2 attributes dropped, not emptied
+        ds = pydicom.dcmread(path)
+        for keyword in ("PatientBirthDate", "PatientSex", "AccessionNumber", "StudyID", "StudyTime", "ReferringPhysicianName"):
+            delattr(ds, keyword)
+        ds.save_as(path)
+    out = write_seg(labels, files, NAMES, tmp_path / "case.seg.dcm", MODEL)
+    seg = hd.seg.segread(out)
+    assert seg.PatientBirthDate == "" and seg.StudyID == "" and seg.PatientID == "P001"
+    np.testing.assert_array_equal(read_seg(out, files, NAMES), labels)
+    assert "PatientSex" not in pydicom.dcmread(files[0])  # the sources are left as they are

@@ -37,6 +37,10 @@ __all__ = ["ALGORITHM_NAME", "SEG_SUFFIX", "segment_codes", "write_seg", "read_s
 ALGORITHM_NAME = "hsmla-med"
 SEG_SUFFIX = ".seg.dcm"  # infer's output name: <case>.seg.dcm beside <case>.nii.gz
 _SEG_SOP_CLASS = "1.2.840.10008.5.1.4.1.1.66.4"  # Segmentation Storage
+# Patient and General Study attributes of type 2 (present, may be empty) that highdicom copies
+# from the first source; anonymised exports often drop them, so absent ones are set empty there
+_TYPE2_COPIED = ("PatientName", "PatientID", "PatientBirthDate", "PatientSex", "AccessionNumber", "StudyID", "StudyDate", "StudyTime",
+                 "ReferringPhysicianName")
 _SERIES_NUMBER = 300  # not a source series' number in the usual CT exports (1..20); viewers sort by it
 
 # normalised class name -> (pydicom codes.SCT keyword of the type, laterality keyword or None);
@@ -150,6 +154,9 @@ def write_seg(labels: np.ndarray, source_files: Sequence[str | Path], label_name
 
     datasets = _read_sources(source_files)
     _check_order(datasets)
+    for keyword in _TYPE2_COPIED:  # in memory only: the source files stay as they are
+        if keyword not in datasets[0]:
+            setattr(datasets[0], keyword, "")
     expected = (int(datasets[0].Columns), int(datasets[0].Rows), len(datasets))
     if labels.ndim != 3 or labels.shape != expected:
         raise ValueError(f"labels of shape {labels.shape} do not lie on the series' grid (columns, rows, slices) {expected}")
