@@ -17,7 +17,7 @@ from monai.bundle import ConfigParser
 from monai.transforms import Compose
 
 from hsmla_med.data.checks import CheckCased, LoadCased
-from hsmla_med.data.datalist import Datalist, case_name, load_datalist, read_header
+from hsmla_med.data.datalist import Datalist, case_name, load_datalist, read_header, read_json
 from hsmla_med.data.splits import fold_datalist
 from hsmla_med.data.synthetic.btcv import generate_btcv
 from hsmla_med.data.volume_crops import crop_and_augment, roi_size, spatial_dims
@@ -152,8 +152,10 @@ def datamodule(config: dict, cases: Datalist, in_channels: int = 1) -> CaseDataM
 
 
 def held_out(cases: Datalist) -> list[str]:
-    """The volumes ``demo`` segments after training: validation and test images."""
-    return [c["image"] for c in cases.validation + cases.test]
+    """The volumes ``demo`` segments after training: validation and test images, and the
+    synthetic dataset's DICOM series (``test_dicom``: a test case again, as a PACS exports it)."""
+    dicom = read_json(cases.source).get("test_dicom", []) if cases.synthetic and cases.source else []
+    return [c["image"] for c in cases.validation + cases.test] + [str(cases.source.parent / d) for d in dicom]
 
 
 def _volume_inputs(folder: Path, series_uid: str | None = None) -> list[Path | DicomSeries]:

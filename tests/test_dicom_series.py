@@ -283,3 +283,20 @@ def test_cli_infer_refuses_two_series_then_segments_the_picked_one(tmp_path, cap
     written = nib.load(str(tmp_path / "out" / "P-01_20240102_5_venous.nii.gz"))
     assert written.shape == (40, 36, 4)
     np.testing.assert_allclose(written.affine, hand_affine(), atol=1e-4)
+
+
+def test_synthetic_btcv_ships_its_first_test_case_as_a_dicom_series(tmp_path):
+    """The synthetic dataset's DICOM case is its first test image, voxel for voxel on the same
+    grid, listed as ``test_dicom`` and segmented by ``demo`` (:func:`btcv.held_out`)."""
+    from hsmla_med.data.datalist import load_datalist
+    from hsmla_med.data.synthetic.btcv import generate_btcv
+
+    json_path = generate_btcv(tmp_path / "btcv", num_train=1, num_validation=1, num_test=1, shape=(24, 20, 10))
+    (series,) = find_series(tmp_path / "btcv" / "imagesTs_dicom")
+    assert series.folder == tmp_path / "btcv" / "imagesTs_dicom" / "img0003" and series.name == "SYN0003_20240101_1_synthetic-CT"
+    array, affine = read_series(series)
+    nifti = nib.load(str(tmp_path / "btcv" / "imagesTs" / "img0003.nii.gz"))
+    assert np.array_equal(array, np.asarray(nifti.dataobj))
+    np.testing.assert_allclose(affine, nifti.affine, atol=1e-4)
+    cases = load_datalist(tmp_path / "btcv", json_path.name)
+    assert btcv.held_out(cases)[-1] == str(series.folder)

@@ -2,8 +2,9 @@
 
 BTCV itself needs a registration to download, so a user without data gets this stand-in, laid out
 as MONAI's BTCV tutorial reads the real one: ``imagesTr/img0001.nii.gz`` with
-``labelsTr/label0001.nii.gz``, held-out images in ``imagesTs/``, and ``dataset_0.json`` with the
-``training``/``validation`` lists and the ``test`` list of plain paths; the same 13 organ labels,
+``labelsTr/label0001.nii.gz``, held-out images in ``imagesTs/`` (the first also as a DICOM series
+in ``imagesTs_dicom/``), and ``dataset_0.json`` with the ``training``/``validation`` lists and the
+``test`` list of plain paths; the same 13 organ labels,
 int16 images in Hounsfield units and uint8 labels. Each case is a phantom: an elliptical body with
 a fat rim and a muscle wall, a spine, and the 13 organs as deformed ellipsoids and tubes at
 plausible positions, each with its own mean HU (:data:`ORGAN_HU`) so that a small network learns
@@ -23,12 +24,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 from typing import NamedTuple
 
 import nibabel as nib
 import numpy as np
 
+from hsmla_med.data.synthetic.dicom_series import write_ct_series
 from hsmla_med.io import atomic_path, write_json
 
 __all__ = ["BTCV_LABELS", "ORGAN_HU", "generate_btcv"]
@@ -93,7 +96,7 @@ _HEADER_CODES = ((1, 1), (0, 2), (1, 0), (2, 1))
 _OBLIQUE_CASE = 2  # this case's voxel axes are rotated against the world's (gantry tilt, oblique plan)
 _OBLIQUE_DEGREES = (12.0, 6.0)  # about z (feet-head) and about x (tilt)
 _JSON_NAME = "dataset_0.json"  # MONAI's BTCV datalist
-_GENERATOR_VERSION = 2  # 2: dataset_0.json, header codes 0 and 2, an oblique case
+_GENERATOR_VERSION = 3  # 2: dataset_0.json, header codes 0 and 2, an oblique case; 3: the first test case also as a DICOM series
 
 
 class _Ellipsoid(NamedTuple):
@@ -147,7 +150,10 @@ def generate_btcv(
         root: dataset folder; created if missing.
         num_train, num_validation: labelled cases in the JSON's ``training`` and ``validation``
             lists (``imagesTr/img0001.nii.gz``... with ``labelsTr/label0001.nii.gz``...).
-        num_test: unlabelled cases in ``imagesTs``, numbered after the labelled ones.
+        num_test: unlabelled cases in ``imagesTs``, numbered after the labelled ones; the first
+            is also written as a CT DICOM series, ``imagesTs_dicom/img<N>/`` (one file per
+            slice, random names: :func:`~hsmla_med.data.synthetic.dicom_series.write_ct_series`),
+            listed as ``test_dicom`` in the JSON.
         shape: voxels per case (x, y, z); the spacing adapts so the field stays about
             200 x 200 x 150 mm.
         seed: case ``i`` depends only on ``seed`` and ``i``, so the same seed gives the same
@@ -184,7 +190,7 @@ def generate_btcv(
         _is_cached(former, root, params)  # refuses a foreign one
         former.unlink()
 
-    cases = []
+    cases, dicom = [], []
     for index in range(1, num_train + num_validation + num_test + 1):
         labelled = index <= num_train + num_validation
         image, label, affine = _case(np.random.default_rng((int(seed), index)), shape, index)
@@ -197,6 +203,10 @@ def generate_btcv(
             cases.append({"image": image_rel, "label": label_rel})
         else:
             cases.append(image_rel)
+            if not dicom:  # one DICOM case: enough to show the path, cheap to write
+                dicom.append(f"imagesTs_dicom/img{index:04d}")
+                shutil.rmtree(root / dicom[0], ignore_errors=True)  # slices of another shape would join the series
+                write_ct_series(root / dicom[0], image, affine, np.random.default_rng((int(seed), index, 1)), f"SYN{index:04d}")
     meta = {
         "name": "BTCV-synthetic",
         "description": "Synthetic abdominal CT phantoms in the BTCV layout (not real anatomy), "
@@ -211,6 +221,7 @@ def generate_btcv(
         "training": cases[:num_train],
         "validation": cases[num_train : num_train + num_validation],
         "test": cases[num_train + num_validation :],
+        "test_dicom": dicom,  # the first test case again, as a DICOM series folder
         "generator": params,
     }
     write_json(json_path, meta)
@@ -229,7 +240,7 @@ def _is_cached(json_path: Path, root: Path, params: dict) -> bool:
         return False
     listed = meta.get("training", []) + meta.get("validation", [])
     files = [c[k] for c in listed for k in ("image", "label")] + list(meta.get("test", []))
-    return all((root / f).is_file() for f in files)
+    return all((root / f).is_file() for f in files) and all((root / d).is_dir() and any((root / d).iterdir()) for d in meta.get("test_dicom", []))
 
 
 def _save_nifti(array: np.ndarray, affine: np.ndarray, path: Path, codes: tuple[int, int]) -> None:
