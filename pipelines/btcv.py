@@ -23,6 +23,7 @@ from hsmla_med.data.synthetic.btcv import generate_btcv
 from hsmla_med.data.volume_crops import crop_and_augment, roi_size, spatial_dims
 from hsmla_med.engine.base import hparams
 from hsmla_med.engine.datamodule import CaseDataModule
+from hsmla_med.engine.prediction import model_record
 from hsmla_med.engine.segmentation import SegmentationModule
 from hsmla_med.errors import ConfigError, DataError
 from hsmla_med.evaluation import DEFAULT_NSD_TOLERANCE, check_nsd_tolerance
@@ -32,6 +33,7 @@ from hsmla_med.metrics.summary import write_reports
 from hsmla_med.inference.postprocessing import apply_postprocessing
 from hsmla_med.io import atomic_path, is_temporary
 from hsmla_med.io.dicom import DicomSeries, find_series, is_dicom_file, select_series
+from hsmla_med.io.dicom_seg import SEG_SUFFIX, write_seg
 from hsmla_med.pipelines.task import InferenceOptions, Task, input_files, predict_cases, synthetic_root
 
 __all__ = ["TASK", "datalist", "check_config", "preprocessing_items", "UNCROPPED_BACKGROUND", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer", "score_predictions", "crossval_score"]
@@ -196,14 +198,26 @@ def _case(source: Path | DicomSeries, output: Path, inference: dict) -> dict:
     return {"name": case_name(source), "image": str(source), "source": str(source), "output": output / f"{case_name(source)}.nii.gz", "inference": inference}
 
 
+def _seg_outputs(items: list[dict], output: Path) -> None:
+    """With ``--output-format dicom-seg``: each case's ``<name>.seg.dcm`` becomes its last output
+    (the one that marks it done); a NIfTI input is refused, it has no instances a SEG could reference."""
+    for item in items:
+        if "dicom_files" not in item:
+            raise DataError(f"{item['source']}: --output-format dicom-seg needs a DICOM series input (a SEG references the series' "
+                            "instances); a NIfTI file has none: use --output-format nifti")
+        item["output"] = output / f"{item['name']}{SEG_SUFFIX}"
+
+
 def infer(
     module: SegmentationModule, inputs: str | Path | Iterable[str | Path], output: str | Path, options: InferenceOptions = InferenceOptions()
 ) -> list[Path]:
     """Segment NIfTI volumes or DICOM series (folders: :func:`_volume_inputs`; a folder of
     several series needs ``options.series_uid``) and write ``output/<case>.nii.gz`` label maps
     (uint8) with exactly each input's shape and affine (a series: ``<series name>.nii.gz`` on the
-    grid SimpleITK reads it on, :func:`~hsmla_med.io.dicom.read_series`), and ``<case>.npz``
-    probabilities with ``options.save_probabilities``, in Lightning's predict loop (:func:`predict_cases`: cases
+    grid SimpleITK reads it on, :func:`~hsmla_med.io.dicom.read_series`), with ``dicom-seg`` among
+    ``options.output_formats`` a series' ``<case>.seg.dcm`` (:func:`~hsmla_med.io.dicom_seg.write_seg`:
+    the same labels as a DICOM SEG referencing the series; instead of the NIfTI without ``nifti``),
+    and ``<case>.npz`` probabilities with ``options.save_probabilities``, in Lightning's predict loop (:func:`predict_cases`: cases
     split over processes and shards; cases with a label map are skipped).
 
     Each volume goes through the training preprocessing (RAS, resampling, intensity, foreground
@@ -218,6 +232,10 @@ def infer(
     pre = Compose(preprocessing(cfg["data"], cfg["in_channels"], len(module.label_names), keys=("image",)))
     output = Path(output)
     items = [_case(f, output, inference) for f in input_files(inputs, lambda folder: _volume_inputs(folder, options.series_uid))]
+    seg = "dicom-seg" in options.output_formats
+    if seg:
+        _seg_outputs(items, output)
+        algorithm = model_record(module)  # once: the weights' sha256 in every SEG's algorithm identification
 
     def write(case: dict) -> list[Path]:
         source = Path(case["source"])
@@ -230,11 +248,16 @@ def infer(
         written = []
         if probabilities is not None:
             written.append(write_probabilities(output / f"{case['name']}.npz", probabilities))
-        if "dicom_files" in case:  # last: it marks the case done
-            written.append(_write_series_labels(case["output"], labels, np.asarray(case["image"].meta["original_affine"], dtype=np.float64)))
-        else:
-            written.append(write_labels(case["output"], labels, source))
-        options.progress(f"{source.name} {tuple(shape)}: {case['output'].name}")
+        nifti = output / f"{case['name']}.nii.gz"
+        if "nifti" in options.output_formats and "dicom_files" in case:
+            written.append(_write_series_labels(nifti, labels, np.asarray(case["image"].meta["original_affine"], dtype=np.float64)))
+        elif "nifti" in options.output_formats:
+            written.append(write_labels(nifti, labels, source))
+        if seg and labels.any():  # last: it marks the case done
+            written.append(write_seg(labels, case["dicom_files"], module.label_names, case["output"], algorithm))
+        elif seg:
+            options.progress(f"{source.name}: no foreground class predicted, no DICOM SEG written (a SEG holds at least one segment)")
+        options.progress(f"{source.name} {tuple(shape)}: {', '.join(p.name for p in written)}")
         return written
 
     return predict_cases(module, items, pre, write, options)

@@ -221,3 +221,47 @@ def test_seg_of_an_anonymised_series_without_type2_patient_and_study_attributes(
     assert seg.PatientBirthDate == "" and seg.StudyID == "" and seg.PatientID == "P001"
     np.testing.assert_array_equal(read_seg(out, files, NAMES), labels)
     assert "PatientSex" not in pydicom.dcmread(files[0])  # the sources are left as they are
+
+
+def _tiny_module(tmp_path):
+    from tests.test_original_geometry import _module
+
+    return _module(tmp_path / "data", tmp_path / "run")[1]
+
+
+def test_infer_writes_a_seg_equal_to_its_nifti_voxel_for_voxel(tmp_path):
+    from hsmla_med.engine.prediction import model_digest
+    from hsmla_med.pipelines import btcv
+    from hsmla_med.pipelines.task import InferenceOptions
+    from tests.conftest import phantom
+
+    image, _ = phantom((36, 32, 8), np.random.default_rng(3))
+    write_series(tmp_path / "dicom" / "case", np.pad(image, ((4, 4), (4, 4), (0, 0)), constant_values=-1000), OBLIQUE)
+    files, _, _ = itk_series(tmp_path / "dicom" / "case")
+    module = _tiny_module(tmp_path)
+    options = InferenceOptions(output_formats=("nifti", "dicom-seg"), progress=lambda _: None)
+    (done,) = btcv.infer(module, tmp_path / "dicom", tmp_path / "out", options)
+    nifti = tmp_path / "out" / done.name.replace(".seg.dcm", ".nii.gz")
+    assert done.name.endswith(".seg.dcm") and nifti.is_file()
+    labels = np.asarray(nib.load(str(nifti)).dataobj)
+    assert {1, 2} <= set(np.unique(labels).tolist())  # not a comparison of empty maps
+    np.testing.assert_array_equal(read_seg(done, files, module.label_names), labels)
+    algorithm = hd.seg.segread(done).SegmentSequence[0].SegmentationAlgorithmIdentificationSequence[0]
+    assert model_digest(module) in algorithm.AlgorithmParameters
+
+    (only,) = btcv.infer(module, tmp_path / "dicom", tmp_path / "out_seg", InferenceOptions(output_formats=("dicom-seg",), progress=lambda _: None))
+    written = sorted(p.name for p in (tmp_path / "out_seg").iterdir() if not p.name.startswith("."))
+    assert written == [only.name, "provenance.json"]  # the SEG instead of the NIfTI
+
+
+def test_infer_refuses_dicom_seg_for_a_nifti_input_in_one_line(tmp_path):
+    from hsmla_med.pipelines import btcv
+    from hsmla_med.pipelines.task import InferenceOptions
+    from tests.conftest import phantom, write_nifti
+
+    nifti = write_nifti(tmp_path / "in" / "case.nii.gz", phantom((36, 32, 8), np.random.default_rng(3))[0], np.diag([1.5, 1.5, 2.0, 1.0]))
+    with pytest.raises(DataError, match=r"case.nii.gz: --output-format dicom-seg needs a DICOM series input") as err:
+        btcv.infer(_tiny_module(tmp_path), nifti, tmp_path / "out", InferenceOptions(output_formats=("nifti", "dicom-seg")))
+    assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
+    with pytest.raises(InputError, match="--output-format must be one or both of nifti, dicom-seg, got png"):
+        InferenceOptions(output_formats=("png",))
