@@ -300,3 +300,12 @@ def test_synthetic_btcv_ships_its_first_test_case_as_a_dicom_series(tmp_path):
     np.testing.assert_allclose(affine, nifti.affine, atol=1e-4)
     cases = load_datalist(tmp_path / "btcv", json_path.name)
     assert btcv.held_out(cases)[-1] == str(series.folder)
+
+
+def test_cli_infer_refuses_a_series_with_a_missing_slice_in_one_line(tmp_path, capsys, checkpoint):
+    from tests.conftest import cli_error
+
+    files = write_series(tmp_path / "in" / "s", _volume((40, 36, 6)))
+    sorted(files, key=lambda f: float(pydicom.dcmread(f).ImagePositionPatient[2]))[2].unlink()
+    line = cli_error(capsys, ["infer", "--task", "btcv", "--checkpoint", checkpoint, "--input", str(tmp_path / "in"), "--output", str(tmp_path / "out")])
+    assert f"{tmp_path / 'in' / 's'}: series " in line and "1 missing slice(s) between" in line

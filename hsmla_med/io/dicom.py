@@ -109,7 +109,7 @@ def find_series(folder: str | Path) -> list[DicomSeries]:
             groups.setdefault(str(ds.SeriesInstanceUID), []).append((path, ds))
     if skipped:
         log.warning("%s: skipped %d non-image DICOM object(s): %s", folder, len(skipped), ", ".join(skipped[:5]) + (" ..." if len(skipped) > 5 else ""))
-    series = [_series(uid, members, folder) for uid, members in groups.items()]
+    series = [_series(uid, members) for uid, members in groups.items()]
     series.sort(key=lambda s: (str(s.folder), _number(s.number), s.uid))
     _name_uniquely(series)
     return series
@@ -122,15 +122,16 @@ def _number(value: str) -> float:
         return float("inf")
 
 
-def _series(uid: str, members: list[tuple[Path, object]], folder: Path) -> DicomSeries:
-    """A checked :class:`DicomSeries` of the files (and headers) of one SeriesInstanceUID."""
+def _series(uid: str, members: list[tuple[Path, object]]) -> DicomSeries:
+    """A checked :class:`DicomSeries` of the files (and headers) of one SeriesInstanceUID; its
+    ``folder`` (the one its errors name) is the deepest that holds all its files."""
+    folder = Path(os.path.commonpath([str(path.parent) for path, _ in members]))
     files, headers = _sorted_slices(members, folder)
     first = headers[0]
     parts = [first.get("PatientID", ""), first.get("StudyDate", ""), first.get("SeriesNumber", ""), first.get("SeriesDescription", "")]
     name = "_".join(p for p in (_sanitise(x) for x in parts) if p) or _sanitise(uid)
-    common = os.path.commonpath([str(f.parent) for f in files])
     return DicomSeries(uid, str(first.get("SeriesNumber", "")), str(first.get("SeriesDescription", "")), str(first.get("Modality", "")),
-                       files, name, Path(common))
+                       files, name, folder)
 
 
 def _name_uniquely(series: list[DicomSeries]) -> None:
