@@ -265,3 +265,24 @@ def test_infer_refuses_dicom_seg_for_a_nifti_input_in_one_line(tmp_path):
     assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
     with pytest.raises(InputError, match="--output-format must be one or both of nifti, dicom-seg, got png"):
         InferenceOptions(output_formats=("png",))
+
+
+def test_label_overlay_draws_each_class_in_its_own_colour_over_the_image(tmp_path):
+    from matplotlib import colormaps
+    from PIL import Image
+
+    from hsmla_med.io.overlays import label_overlay
+
+    labels = np.zeros((40, 60), np.uint8)
+    labels[5:35, 5:25], labels[5:35, 35:55] = 1, 3  # class 2 absent
+    alpha = 0.5
+    path = label_overlay(tmp_path / "o.png", np.zeros((40, 60)), labels, ["background", "a", "b", "c"], alpha=alpha)
+    pixels = np.asarray(Image.open(path).convert("RGB")).reshape(-1, 3)
+    colours, counts = np.unique(pixels, axis=0, return_counts=True)
+    found = {tuple(c): n for c, n in zip(colours.tolist(), counts.tolist())}
+    # a flat image is drawn black: class k is alpha times tab20's colour k - 1
+    expected = {k: tuple(np.rint(255 * np.asarray(colormaps["tab20"](k - 1)[:3]) * alpha).astype(int).tolist()) for k in (1, 2, 3)}
+    assert found.get(expected[1], 0) > 1000 and found.get(expected[3], 0) > 1000  # the two drawn regions (scaled to >= 512 px)
+    assert found.get(expected[2], 0) == 0  # an absent class is not drawn
+    with pytest.raises(ValueError, match="0..3"):
+        label_overlay(tmp_path / "bad.png", np.zeros((40, 60)), labels + 1, ["background", "a", "b", "c"])

@@ -1,4 +1,5 @@
-"""PNG pictures of whole-slide results: a per-patch map laid over the slide thumbnail.
+"""PNG pictures of whole-slide results: a per-patch map laid over the slide thumbnail; and of a
+label map (a segmentation, e.g. a DICOM SEG read back) over its image slice (:func:`label_overlay`).
 
 Two pictures per slide: :func:`heatmap_overlay` shows the tumour probability, and
 :func:`gate_overlay` shows where HSMLA's gate sent tiles to softmax refinement, so a reader can
@@ -15,19 +16,20 @@ PIL writes the PNG, atomically (:func:`hsmla_med.io.atomic_path`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.cm import ScalarMappable
-from matplotlib.colors import Normalize
+from matplotlib.colors import Colormap, ListedColormap, Normalize
 from matplotlib.figure import Figure
 from PIL import Image
 
 from hsmla_med.io.atomic import atomic_path
 
-__all__ = ["gate_overlay", "heatmap_overlay"]
+__all__ = ["gate_overlay", "heatmap_overlay", "label_overlay"]
 
 DPI = 100
 # long side of the drawn thumbnail in pixels: small thumbnails are enlarged so that the colour
@@ -35,6 +37,7 @@ DPI = 100
 MIN_SIDE, MAX_SIDE = 512, 2048
 # fixed margins in inches: outer border, colour bar width, gap and room for its ticks and label
 MARGIN, BAR, GAP, BAR_TEXT, TITLE = 0.15, 0.25, 0.15, 0.9, 0.45
+CHAR_WIDTH = 0.075  # inches per character of a tick label at matplotlib's default 10 pt font
 
 
 def _resize_nearest(values: np.ndarray, height: int, width: int) -> np.ndarray:
@@ -45,8 +48,10 @@ def _resize_nearest(values: np.ndarray, height: int, width: int) -> np.ndarray:
     return values[np.minimum(rows, values.shape[0] - 1)][:, np.minimum(cols, values.shape[1] - 1)]
 
 
-def _overlay(path, thumbnail, values, title: str, alpha: float, cmap_name: str, label: str) -> Path:
-    """Draw ``values`` (0..1, NaN transparent) over ``thumbnail`` with a colour bar; write a PNG."""
+def _overlay(path, thumbnail, values, title: str, alpha: float, cmap_name: str | Colormap, label: str,
+             ticks: Sequence[float] = tuple(np.linspace(0, 1, 6)), tick_labels: Sequence[str] | None = None, bar_text: float = BAR_TEXT) -> Path:
+    """Draw ``values`` (0..1, NaN transparent) over ``thumbnail`` with a colour bar (``ticks``,
+    named by ``tick_labels`` if given, ``bar_text`` inches for them and the bar's label); write a PNG."""
     thumbnail = np.asarray(thumbnail)
     values = np.asarray(values, dtype=np.float64)
     if thumbnail.ndim != 3 or thumbnail.shape[2] != 3 or thumbnail.dtype != np.uint8:
@@ -64,10 +69,10 @@ def _overlay(path, thumbnail, values, title: str, alpha: float, cmap_name: str, 
     scale = np.clip(max(height, width), MIN_SIDE, MAX_SIDE) / max(height, width) / DPI
     img_w, img_h = width * scale, height * scale  # inches, the thumbnail's aspect ratio
     title_h = TITLE if title else 0.0
-    fig_w = MARGIN + img_w + GAP + BAR + BAR_TEXT
+    fig_w = MARGIN + img_w + GAP + BAR + bar_text
     fig_h = MARGIN + img_h + max(MARGIN, title_h)
 
-    cmap = colormaps[cmap_name]
+    cmap = colormaps[cmap_name] if isinstance(cmap_name, str) else cmap_name
     norm = Normalize(vmin=0.0, vmax=1.0)
     # the picture is blended here at its drawn size and pasted pixel for pixel into the rendered
     # figure: Agg resampling two translucent imshow layers took seconds per overlay at 2048 px
@@ -85,7 +90,9 @@ def _overlay(path, thumbnail, values, title: str, alpha: float, cmap_name: str, 
         ax.set_title(title)
     cax = fig.add_axes(((MARGIN + img_w + GAP) / fig_w, MARGIN / fig_h, BAR / fig_w, img_h / fig_h))
     # the legend shows the full-strength colours, not the translucent ones blended over tissue
-    fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), cax=cax, label=label, ticks=np.linspace(0, 1, 6))
+    bar = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), cax=cax, label=label, ticks=list(ticks))
+    if tick_labels is not None:
+        bar.set_ticklabels(list(tick_labels))
 
     canvas.draw()
     rendered = np.asarray(canvas.buffer_rgba())[..., :3].copy()
@@ -133,3 +140,37 @@ def gate_overlay(path, thumbnail: np.ndarray, gate_map: np.ndarray, title: str =
         a colour bar labelled "share of tiles refined (alpha)" (the gate's alpha, not opacity).
     """
     return _overlay(path, thumbnail, gate_map, title, 0.5, "viridis", "share of tiles refined (alpha)")
+
+
+def label_overlay(path, image: np.ndarray, labels: np.ndarray, names: Sequence[str], title: str = "", alpha: float = 0.5) -> Path:
+    """Write a PNG of a label map over its grey image slice, for looking at a segmentation (our
+    DICOM SEG read back over its CT series, ``scripts/render_seg_overlay.py``).
+
+    Args:
+        path: PNG file to write (folders are created; written atomically).
+        image: ``(H, W)`` slice in display orientation (rows down), any numbers: drawn grey from
+            its minimum (black) to its maximum (white).
+        labels: ``(H, W)`` integer label map on the same pixels; 0 (background) is transparent.
+        names: class names by label value, background first; the colour bar names each class.
+        title: text above the picture; none when empty.
+        alpha: opacity of the class colours over the image.
+
+    Returns:
+        ``path``. Class ``k`` is drawn in colour ``k - 1`` of matplotlib's qualitative "tab20"
+        (distinct neighbouring hues, not a scale: classes are no ordered values).
+    """
+    image, labels = np.asarray(image, dtype=np.float64), np.asarray(labels)
+    if image.shape != labels.shape or image.ndim != 2:
+        raise ValueError(f"image and labels must be 2D of one shape, got {image.shape} and {labels.shape}")
+    classes = len(names) - 1
+    if classes < 1 or labels.min() < 0 or labels.max() > classes:
+        raise ValueError(f"label values must lie in 0..{classes} (the names after the background), got {labels.min()}..{labels.max()}")
+    low, high = image.min(), image.max()
+    grey = np.rint(255 * (image - low) / ((high - low) or 1.0)).astype(np.uint8)
+    # class k at the middle of the k-th of ``classes`` equal bins of 0..1, coloured by the k-th
+    # colour of a listed colormap of exactly ``classes`` colours: one flat colour per class
+    values = np.where(labels > 0, (labels - 0.5) / classes, np.nan)
+    cmap = ListedColormap([colormaps["tab20"](i % 20) for i in range(classes)])
+    centres = (np.arange(1, classes + 1) - 0.5) / classes
+    room = 0.5 + CHAR_WIDTH * max(len(n) for n in names[1:])  # the class names and the bar label, not cut off
+    return _overlay(path, np.repeat(grey[..., None], 3, axis=2), values, title, alpha, cmap, "class", centres, list(names[1:]), room)
