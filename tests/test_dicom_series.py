@@ -309,3 +309,18 @@ def test_cli_infer_refuses_a_series_with_a_missing_slice_in_one_line(tmp_path, c
     sorted(files, key=lambda f: float(pydicom.dcmread(f).ImagePositionPatient[2]))[2].unlink()
     line = cli_error(capsys, ["infer", "--task", "btcv", "--checkpoint", checkpoint, "--input", str(tmp_path / "in"), "--output", str(tmp_path / "out")])
     assert f"{tmp_path / 'in' / 's'}: series " in line and "1 missing slice(s) between" in line
+
+
+def test_rescale_slope_of_each_slice_is_applied(tmp_path):
+    """A slice whose rescale slope differs from the first slice's (0.5: half-HU values): its
+    values are stored * slope + intercept, not truncated to the first slice's integer type."""
+    volume = _volume((12, 10, 4))
+    write_series(tmp_path / "s", volume)
+    (series,) = find_series(tmp_path / "s")
+    ds = pydicom.dcmread(series.files[-1])
+    ds.RescaleSlope = 0.5
+    ds.PixelData = (2 * (volume[:, :, -1].T.astype(np.int32) + 1024) + 1).astype(np.uint16).tobytes()  # HU + 0.5
+    ds.save_as(series.files[-1])
+    expected = volume.astype(np.float64)
+    expected[:, :, -1] += 0.5
+    assert np.array_equal(read_series(series)[0], expected)

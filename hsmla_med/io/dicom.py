@@ -232,6 +232,9 @@ def _sitk_volume(files: Sequence[Path]) -> tuple[np.ndarray, np.ndarray]:
 
     reader = sitk.ImageSeriesReader()
     reader.SetFileNames([str(f) for f in files])
+    # float32 (what the pipeline computes in): else the first slice's pixel type holds every
+    # slice, and a later slice's fractional rescale slope would be truncated to integers
+    reader.SetOutputPixelType(sitk.sitkFloat32)
     image = reader.Execute()
     direction = np.array(image.GetDirection(), dtype=np.float64).reshape(3, 3)
     return sitk.GetArrayFromImage(image).transpose(2, 1, 0), _ras_affine(direction * np.array(image.GetSpacing()), np.array(image.GetOrigin()))
@@ -258,7 +261,7 @@ def _pydicom_volume(files: Sequence[Path]) -> tuple[np.ndarray, np.ndarray]:
 
     slices = [pydicom.dcmread(f) for f in files]
     first = slices[0]
-    volume = np.stack([apply_rescale(ds.pixel_array, ds) if "RescaleSlope" in ds else ds.pixel_array for ds in slices], axis=-1)
+    volume = np.stack([apply_rescale(ds.pixel_array, ds) for ds in slices], axis=-1)  # unchanged without a rescale
     row_col = np.array(first.ImageOrientationPatient, dtype=np.float64)
     normal = np.cross(row_col[:3], row_col[3:])
     origin = np.array(first.ImagePositionPatient, dtype=np.float64)
