@@ -39,8 +39,9 @@ NON_IMAGE_MODALITIES = {"SR", "KO", "PR", "RTSTRUCT", "RTPLAN", "RTRECORD", "RTD
 ORIENTATION_TOLERANCE = 1e-4  # direction cosines that differ by less are the same orientation
 SPACING_TOLERANCE = 1e-3  # mm: pixel spacings, and a tilt's in-plane shift over the series
 SLICE_STEP_TOLERANCE = 0.01  # relative: slice steps within 1% of the median step are regular
-# pydicom's decoders for compressed transfer syntaxes that GDCM (SimpleITK) may lack
-_DECODERS = (("JPEG-LS", "pylibjpeg-libjpeg"), ("JPEG 2000", "pylibjpeg-openjpeg"), ("JPEG", "pylibjpeg-libjpeg"), ("RLE", "pylibjpeg-rle"))
+# pydicom's decoders (the dicom-codecs extra) for compressed transfer syntaxes, by a word of the
+# syntax's name, most specific first; RLE and deflate pydicom decodes itself
+_DECODERS = (("JPEG-LS", "pylibjpeg-libjpeg"), ("JPEG 2000", "pylibjpeg-openjpeg"), ("JPEG", "pylibjpeg-libjpeg"))
 
 
 @dataclass
@@ -275,11 +276,12 @@ def _pydicom_volume(files: Sequence[Path]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _decoder_hint(transfer_syntax) -> str:
+    """Which package decodes ``transfer_syntax`` for pydicom, and how to install it."""
     name = getattr(transfer_syntax, "name", str(transfer_syntax))
     for key, package in _DECODERS:
         if key in name:
             return f"pydicom decodes it with {package} (pip install 'hsmla-med[dicom-codecs]': pylibjpeg, pylibjpeg-libjpeg, pylibjpeg-openjpeg)"
-    return "no decoder for it is known to hsmla-med"
+    return "no other decoder for it is known to hsmla-med"
 
 
 def read_series(series: DicomSeries | Sequence[str | Path]) -> tuple[np.ndarray, np.ndarray]:
