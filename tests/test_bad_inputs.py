@@ -288,12 +288,12 @@ def test_checkpoint_with_foreign_objects_is_refused_without_torch_advice(capsys,
 
 
 def test_infer_ignores_temporaries_of_killed_runs(tmp_path):
-    from hsmla_med.pipelines.btcv import _nifti_files
+    from hsmla_med.pipelines.btcv import _volume_inputs
     from hsmla_med.pipelines.task import input_files
 
     case = write_nifti(tmp_path / "in" / "case1.nii.gz", np.zeros((4, 4, 4), np.float32), np.eye(4))
     (tmp_path / "in" / ".case2.4242.tmp.nii.gz").write_bytes(b"half")
-    assert input_files(tmp_path / "in", _nifti_files) == [case]
+    assert input_files(tmp_path / "in", _volume_inputs) == [case]
 
 
 def test_cache_filling_threads_have_ended_when_a_case_fails():
