@@ -338,3 +338,15 @@ def test_cli_output_formats_and_evaluate_with_dicom(tmp_path, capsys, checkpoint
     assert "--output-format dicom-seg: only --task btcv" in line
     line = cli_error(capsys, [*infer, "--output", str(tmp_path / "e"), "--output-format", "nifti,png"])
     assert "--output-format must be one or both of nifti, dicom-seg, got nifti,png" in line
+
+
+def test_seg_recommends_the_colours_of_our_pictures(tmp_path):
+    from matplotlib import colormaps
+
+    labels = known_labels()
+    files = write_series(tmp_path / "series", labels * 10)
+    seg = hd.seg.segread(write_seg(labels, files, NAMES, tmp_path / "case.seg.dcm", MODEL))
+    for s in seg.SegmentSequence:  # class k: tab20's colour k - 1, as label_overlay draws it
+        rgb = hd.color.CIELabColor.from_dicom_value(s.RecommendedDisplayCIELabValue).to_rgb()
+        expected = np.asarray(colormaps["tab20"](NAMES.index(s.SegmentLabel) - 1)[:3]) * 255
+        np.testing.assert_allclose(rgb, expected, atol=2)

@@ -18,7 +18,8 @@ Segmented Property Category and Type are SNOMED CT codes (scheme ``SCT``; never 
 of our synthetic ``dataset_0.json`` and MONAI's short ones), with Right/Left as a Type Modifier
 for paired organs. A class with no entry gets the generic category and type SCT 85756007
 "Tissue", its name still the Segment Label. The class held in a segment is recovered on reading
-from its label (:func:`read_seg` with the dataset's label names).
+from its label (:func:`read_seg` with the dataset's label names). Each segment recommends to
+viewers the colour our pictures draw its class in (:func:`~hsmla_med.io.overlays.class_colour`).
 """
 
 from __future__ import annotations
@@ -81,12 +82,17 @@ def segment_codes(name: str) -> tuple:
     return codes.SCT.AnatomicalStructure, getattr(codes.SCT, kind), getattr(codes.SCT, side) if side else None
 
 
-def _segment(number: int, name: str, algorithm):
-    """One highdicom SegmentDescription: label ``name``, SCT codes, AUTOMATIC by ``algorithm``."""
+def _segment(number: int, value: int, name: str, algorithm):
+    """One highdicom SegmentDescription: class ``value`` labelled ``name``, SCT codes, AUTOMATIC
+    by ``algorithm``, the class's colour of our pictures as the recommended display colour."""
     import highdicom as hd
 
+    from hsmla_med.io.overlays import class_colour  # matplotlib: imported when a SEG is written, not with infer
+
     category, kind, modifier = segment_codes(name)
-    description = hd.seg.SegmentDescription(number, name, category, kind, hd.seg.SegmentAlgorithmTypeValues.AUTOMATIC, algorithm)
+    colour = hd.color.CIELabColor.from_rgb(*class_colour(value))  # viewers show the colours of our pictures
+    description = hd.seg.SegmentDescription(number, name, category, kind, hd.seg.SegmentAlgorithmTypeValues.AUTOMATIC, algorithm,
+                                            display_color=colour)
     if modifier is not None:  # highdicom has no argument for it; the standard nests it in the type's item
         description.SegmentedPropertyTypeCodeSequence[0].SegmentedPropertyTypeModifierCodeSequence = [hd.sr.CodedConcept.from_code(modifier)]
     return description
@@ -166,7 +172,7 @@ def write_seg(labels: np.ndarray, source_files: Sequence[str | Path], label_name
     if present[-1] >= len(label_names):
         raise ValueError(f"label value {present[-1]} has no name among {len(label_names)} label names")
     model = _algorithm(algorithm)
-    segments = [_segment(i + 1, label_names[value], model) for i, value in enumerate(present)]
+    segments = [_segment(i + 1, value, label_names[value], model) for i, value in enumerate(present)]
     numbers = np.zeros(present[-1] + 1, np.uint8 if len(present) < 256 else np.uint16)
     numbers[present] = np.arange(1, len(present) + 1)  # class value -> segment number
     frames = np.ascontiguousarray(numbers[labels].transpose(2, 1, 0))  # (z, rows = y, columns = x)

@@ -29,7 +29,7 @@ from PIL import Image
 
 from hsmla_med.io.atomic import atomic_path
 
-__all__ = ["gate_overlay", "heatmap_overlay", "label_overlay"]
+__all__ = ["class_colour", "gate_overlay", "heatmap_overlay", "label_overlay"]
 
 DPI = 100
 # long side of the drawn thumbnail in pixels: small thumbnails are enlarged so that the colour
@@ -142,6 +142,13 @@ def gate_overlay(path, thumbnail: np.ndarray, gate_map: np.ndarray, title: str =
     return _overlay(path, thumbnail, gate_map, title, 0.5, "viridis", "share of tiles refined (alpha)")
 
 
+def class_colour(value: int) -> tuple[int, int, int]:
+    """The RGB colour (0..255) of class ``value`` (1..): colour ``value - 1`` of matplotlib's
+    qualitative "tab20" (distinct neighbouring hues, not a scale: classes are no ordered
+    values). Our pictures draw classes in it, and our DICOM SEGs recommend it to viewers."""
+    return tuple(int(round(255 * c)) for c in colormaps["tab20"]((value - 1) % 20)[:3])
+
+
 def label_overlay(path, image: np.ndarray, labels: np.ndarray, names: Sequence[str], title: str = "", alpha: float = 0.5) -> Path:
     """Write a PNG of a label map over its grey image slice, for looking at a segmentation (our
     DICOM SEG read back over its CT series, ``scripts/render_seg_overlay.py``).
@@ -156,8 +163,7 @@ def label_overlay(path, image: np.ndarray, labels: np.ndarray, names: Sequence[s
         alpha: opacity of the class colours over the image.
 
     Returns:
-        ``path``. Class ``k`` is drawn in colour ``k - 1`` of matplotlib's qualitative "tab20"
-        (distinct neighbouring hues, not a scale: classes are no ordered values).
+        ``path``. Class ``k`` is drawn in :func:`class_colour` ``(k)``.
     """
     image, labels = np.asarray(image, dtype=np.float64), np.asarray(labels)
     if image.shape != labels.shape or image.ndim != 2:
@@ -170,7 +176,7 @@ def label_overlay(path, image: np.ndarray, labels: np.ndarray, names: Sequence[s
     # class k at the middle of the k-th of ``classes`` equal bins of 0..1, coloured by the k-th
     # colour of a listed colormap of exactly ``classes`` colours: one flat colour per class
     values = np.where(labels > 0, (labels - 0.5) / classes, np.nan)
-    cmap = ListedColormap([colormaps["tab20"](i % 20) for i in range(classes)])
+    cmap = ListedColormap([np.asarray(class_colour(k)) / 255 for k in range(1, classes + 1)])
     centres = (np.arange(1, classes + 1) - 0.5) / classes
     room = 0.5 + CHAR_WIDTH * max(len(n) for n in names[1:])  # the class names and the bar label, not cut off
     return _overlay(path, np.repeat(grey[..., None], 3, axis=2), values, title, alpha, cmap, "class", centres, list(names[1:]), room)
