@@ -303,7 +303,7 @@ class BTCV(Task):
     module_class = SegmentationModule
     in_channels = 1
     inputs = "NIfTI volumes (.nii, .nii.gz) or DICOM series (a series folder, or a folder of series folders)"
-    outputs = "OUTPUT/<case>.nii.gz label maps with each input's shape and affine"
+    outputs = "OUTPUT/<case>.nii.gz label maps with each input's shape and affine (a DICOM series: also or instead <case>.seg.dcm, --output-format)"
     postprocesses = True
 
     def evaluation_outputs(self, module: SegmentationModule, output: Path, options: dict) -> None:
