@@ -44,17 +44,22 @@ DEFAULT_NSD_TOLERANCE = 2.0  # mm: --nsd-tolerance and inference.nsd_tolerance w
 
 
 def _label_files(folder: Path, option: str, seg: bool = False) -> dict[str, Path]:
-    """NIfTI files (and with ``seg`` DICOM SEG files) of ``folder`` by name without the extension."""
+    """NIfTI files (and with ``seg`` DICOM SEG files) of ``folder`` by name without the extension.
+    A SEG beside a NIfTI file of its name is left out: ``infer --output-format nifti,dicom-seg``
+    writes both, with the same labels."""
     if not folder.is_dir():
         raise InputError(f"{option} {folder}: folder not found")
-    files = {}
+    files: dict[str, Path] = {}
+    segs: dict[str, Path] = {}
     for path in sorted(folder.iterdir()):
         pattern = _NIFTI if _NIFTI.search(path.name) else _SEG if seg and _SEG.search(path.name) else None
         if pattern is not None and path.is_file() and not is_temporary(path):
+            found = files if pattern is _NIFTI else segs
             stem = pattern.sub("", path.name)
-            if stem in files:
-                raise DataError(f"{path}: {files[stem].name} has the same name in {option} {folder}")
-            files[stem] = path
+            if stem in found:
+                raise DataError(f"{path}: {found[stem].name} has the same name in {option} {folder}")
+            found[stem] = path
+    files = {**{stem: path for stem, path in segs.items() if stem not in files}, **files}
     if not files:
         raise DataError(f"{option} {folder}: no NIfTI label maps (.nii, .nii.gz){' or DICOM SEG files (.dcm)' if seg else ''} in the folder")
     return files

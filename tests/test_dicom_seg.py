@@ -350,3 +350,19 @@ def test_seg_recommends_the_colours_of_our_pictures(tmp_path):
         rgb = hd.color.CIELabColor.from_dicom_value(s.RecommendedDisplayCIELabValue).to_rgb()
         expected = np.asarray(colormaps["tab20"](NAMES.index(s.SegmentLabel) - 1)[:3]) * 255
         np.testing.assert_allclose(rgb, expected, atol=2)
+
+
+def test_evaluate_takes_the_nifti_of_a_case_infer_wrote_in_both_formats(tmp_path):
+    from hsmla_med.evaluation import pair_files
+
+    for folder in ("pred", "ref"):
+        (tmp_path / folder).mkdir()
+    for name in ("a.nii.gz", "a.seg.dcm", "b.seg.dcm"):
+        (tmp_path / "pred" / name).write_bytes(b"")
+    for name in ("a.nii.gz", "b.nii.gz"):
+        (tmp_path / "ref" / name).write_bytes(b"")
+    pairs = pair_files(tmp_path / "pred", tmp_path / "ref", seg=True)
+    assert [(r.name, p.name) for r, p in pairs] == [("a.nii.gz", "a.nii.gz"), ("b.nii.gz", "b.seg.dcm")]
+    (tmp_path / "pred" / "b.dcm").write_bytes(b"")
+    with pytest.raises(DataError, match="b.seg.dcm: b.dcm has the same name"):
+        pair_files(tmp_path / "pred", tmp_path / "ref", seg=True)
