@@ -324,3 +324,13 @@ def test_rescale_slope_of_each_slice_is_applied(tmp_path):
     expected = volume.astype(np.float64)
     expected[:, :, -1] += 0.5
     assert np.array_equal(read_series(series)[0], expected)
+
+
+def test_loading_volumes_is_quiet_without_nvimagecodec(caplog, recwarn):
+    """With pydicom installed MONAI builds its NvImgCodecPydicomReader in every LoadImaged, which
+    logs and warns where nvImageCodec (a GPU JPEG decoder) is missing: LoadCased stays quiet."""
+    from hsmla_med.data.checks import LoadCased
+
+    with caplog.at_level(logging.DEBUG):
+        LoadCased(["image"], ensure_channel_first=True, image_only=True)
+    assert "nvImageCodec" not in caplog.text and not [w for w in recwarn if "NvImgCodec" in str(w.message)]

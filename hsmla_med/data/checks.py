@@ -8,6 +8,8 @@ names the file instead of surfacing later as a NaN loss or an index error in one
 
 from __future__ import annotations
 
+import logging
+import warnings
 from collections.abc import Hashable, Mapping
 
 import torch
@@ -31,7 +33,17 @@ class LoadCased(LoadImaged):
     :class:`~hsmla_med.io.dicom.DicomSeriesReader`, tried before MONAI's readers)."""
 
     def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+        # MONAI instantiates every reader it can import; with pydicom installed that includes
+        # NvImgCodecPydicomReader, which logs and warns on every machine without nvImageCodec
+        # (a GPU JPEG decoder that none of our files need): silenced while it is built
+        plugin_log = logging.getLogger("monai.data.nvimgcodec_pydicom_plugin")
+        disabled, plugin_log.disabled = plugin_log.disabled, True
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="NvImgCodecPydicomReader")
+                super().__init__(*args, **kwargs)
+        finally:
+            plugin_log.disabled = disabled
         self.register(DicomSeriesReader())
 
     def __call__(self, data, reader=None):
