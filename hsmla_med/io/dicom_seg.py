@@ -33,11 +33,10 @@ import numpy as np
 from hsmla_med.errors import DataError
 from hsmla_med.io.atomic import atomic_path
 
-__all__ = ["ALGORITHM_NAME", "SEG_SUFFIX", "segment_codes", "write_seg", "read_seg", "referenced_series_uid", "is_seg"]
+__all__ = ["ALGORITHM_NAME", "SEG_SUFFIX", "segment_codes", "write_seg", "read_seg", "referenced_series_uid"]
 
 ALGORITHM_NAME = "hsmla-med"
 SEG_SUFFIX = ".seg.dcm"  # infer's output name: <case>.seg.dcm beside <case>.nii.gz
-_SEG_SOP_CLASS = "1.2.840.10008.5.1.4.1.1.66.4"  # Segmentation Storage
 # Patient and General Study attributes of type 2 (present, may be empty) that highdicom copies
 # from the first source; anonymised exports often drop them, so absent ones are set empty there
 _TYPE2_COPIED = ("PatientName", "PatientID", "PatientBirthDate", "PatientSex", "AccessionNumber", "StudyID", "StudyDate", "StudyTime",
@@ -112,17 +111,22 @@ def _algorithm(model: dict):
     return hd.AlgorithmIdentificationSequence(ALGORITHM_NAME, codes.DCM.ArtificialIntelligence, __version__, parameters=parameters)
 
 
-def _read_sources(source_files: Sequence[str | Path], pixels: bool = False) -> list:
-    """The source datasets (without pixel data unless ``pixels``); multi-frame images refused,
-    since a label volume's slice is one source file here."""
+def _header(path: str | Path):
+    """The header of a DICOM file (no pixel data); :class:`DataError` for another file."""
     import pydicom
 
+    try:
+        return pydicom.dcmread(str(path), stop_before_pixels=True)
+    except Exception as err:  # pydicom raises several types for foreign or truncated files
+        raise DataError(f"{path}: cannot read as DICOM ({err})") from None
+
+
+def _read_sources(source_files: Sequence[str | Path]) -> list:
+    """The source headers; multi-frame images refused, since a label volume's slice is one
+    source file here."""
     datasets = []
     for path in source_files:
-        try:
-            ds = pydicom.dcmread(str(path), stop_before_pixels=not pixels)
-        except Exception as err:  # pydicom raises several types for foreign or truncated files
-            raise DataError(f"{path}: cannot read as DICOM ({err})") from None
+        ds = _header(path)
         if int(getattr(ds, "NumberOfFrames", 1) or 1) > 1:
             raise DataError(f"{path}: a multi-frame image; a DICOM SEG is written for series of single-frame slices")
         datasets.append(ds)
@@ -188,17 +192,6 @@ def write_seg(labels: np.ndarray, source_files: Sequence[str | Path], label_name
     return Path(output_path)
 
 
-def is_seg(path: str | Path) -> bool:
-    """Whether ``path`` is a DICOM file of the Segmentation Storage class."""
-    import pydicom
-
-    try:
-        ds = pydicom.dcmread(str(path), stop_before_pixels=True, specific_tags=["SOPClassUID"])
-    except Exception:  # any unreadable file is no SEG
-        return False
-    return str(getattr(ds, "SOPClassUID", "")) == _SEG_SOP_CLASS
-
-
 def _read(path: str | Path):
     import highdicom as hd
 
@@ -209,10 +202,9 @@ def _read(path: str | Path):
 
 
 def referenced_series_uid(path: str | Path) -> str:
-    """The Series Instance UID of the image series a SEG references; :class:`DataError` for a
-    SEG referencing none or several."""
-    seg = _read(path)
-    series = {str(item.SeriesInstanceUID) for item in getattr(seg, "ReferencedSeriesSequence", [])}
+    """The Series Instance UID of the image series a SEG references (from its header);
+    :class:`DataError` for a SEG referencing none or several."""
+    series = {str(item.SeriesInstanceUID) for item in _header(path).get("ReferencedSeriesSequence", [])}
     if len(series) != 1:
         raise DataError(f"{path}: a DICOM SEG must reference one image series, it references {len(series)}")
     return series.pop()
