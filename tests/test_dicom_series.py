@@ -334,3 +334,9 @@ def test_loading_volumes_is_quiet_without_nvimagecodec(caplog, recwarn):
     with caplog.at_level(logging.DEBUG):
         LoadCased(["image"], ensure_channel_first=True, image_only=True)
     assert "nvImageCodec" not in caplog.text and not [w for w in recwarn if "NvImgCodec" in str(w.message)]
+
+
+def test_orientation_that_is_no_rotation_is_refused(tmp_path):
+    write_series(tmp_path / "s", _volume((12, 10, 3)), ((1.0, 0.0, 0.0), (0.6, 0.8, 0.0)))  # unit vectors 53 degrees apart
+    with pytest.raises(DataError, match=r"ImageOrientationPatient \[1\.0, 0\.0, 0\.0, 0\.6, 0\.8, 0\.0\] is not two orthogonal unit vectors"):
+        find_series(tmp_path / "s")

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 # structure sets / plans / doses, segmentations, raw data, encapsulated documents.
 NON_IMAGE_MODALITIES = {"SR", "KO", "PR", "RTSTRUCT", "RTPLAN", "RTRECORD", "RTDOSE", "SEG", "REG", "RAW", "DOC", "PLAN", "FID"}
 ORIENTATION_TOLERANCE = 1e-4  # direction cosines that differ by less are the same orientation
+ORTHONORMAL_TOLERANCE = 1e-3  # ImageOrientationPatient: unit lengths and a right angle, as written to 4-6 digits
 SPACING_TOLERANCE = 1e-3  # mm: pixel spacings, and a tilt's in-plane shift over the series
 SLICE_STEP_TOLERANCE = 0.01  # relative: slice steps within 1% of the median step are regular
 # pydicom's decoders (the dicom-codecs extra) for compressed transfer syntaxes, by a word of the
@@ -85,6 +86,11 @@ def _is_volume_slice(ds) -> bool:
     orientation in the patient (a SEG, SR or RTSTRUCT has none at the top level)."""
     return (ds.get("Modality", "") not in NON_IMAGE_MODALITIES and "ImagePositionPatient" in ds and "ImageOrientationPatient" in ds
             and "PixelSpacing" in ds)
+
+
+def _values(values) -> str:
+    """A multi-valued DICOM attribute as ``[1.0, 0.0]`` (its ``list`` shows strings' quotes)."""
+    return "[" + ", ".join(str(v) for v in values) + "]"
 
 
 def _sanitise(text: str) -> str:
@@ -145,23 +151,32 @@ def _name_uniquely(series: list[DicomSeries]) -> None:
         seen.add(s.name)
 
 
+def _orthonormal(row_col: np.ndarray) -> bool:
+    """Whether ImageOrientationPatient holds two orthogonal unit vectors (else the grid has no
+    slice normal, and the tilt and gap checks would report nonsense)."""
+    row, col = row_col[:3], row_col[3:]
+    return row_col.shape == (6,) and max(abs(row @ row - 1), abs(col @ col - 1), abs(row @ col)) < ORTHONORMAL_TOLERANCE
+
+
 def _sorted_slices(members: list[tuple[Path, object]], folder: Path) -> tuple[list[Path], list]:
     """The files of one series sorted by position along the slice normal, after the checks of
-    a regular grid (each a :class:`DataError` naming ``folder``): multi-frame objects, one
-    orientation, one pixel spacing and size, no gantry tilt, no repeated or missing slice."""
+    a regular grid (each a :class:`DataError` naming ``folder``): multi-frame objects, an
+    orientation that is a rotation, one orientation, one pixel spacing and size, no gantry tilt, no repeated or missing slice."""
     for path, ds in members:
         if int(ds.get("NumberOfFrames", 1) or 1) > 1:
             raise DataError(f"{path}: a multi-frame DICOM object ({ds.NumberOfFrames} frames) is not read; export the series as one file per slice")
     ref = members[0][1]
     row_col = np.array(ref.ImageOrientationPatient, dtype=np.float64)
+    if not _orthonormal(row_col):
+        raise DataError(f"{members[0][0]}: ImageOrientationPatient {_values(ref.ImageOrientationPatient)} is not two orthogonal unit vectors")
     size, spacing = (ref.Rows, ref.Columns), np.array(ref.PixelSpacing, dtype=np.float64)
     for path, ds in members[1:]:
         if np.abs(np.array(ds.ImageOrientationPatient, dtype=np.float64) - row_col).max() > ORIENTATION_TOLERANCE:
             raise DataError(f"{folder}: series {ref.SeriesInstanceUID}: inconsistent orientation within the series: {path.name} has "
-                            f"{list(ds.ImageOrientationPatient)}, {members[0][0].name} {list(ref.ImageOrientationPatient)}")
+                            f"{_values(ds.ImageOrientationPatient)}, {members[0][0].name} {_values(ref.ImageOrientationPatient)}")
         if (ds.Rows, ds.Columns) != size or np.abs(np.array(ds.PixelSpacing, dtype=np.float64) - spacing).max() > SPACING_TOLERANCE:
             raise DataError(f"{folder}: series {ref.SeriesInstanceUID}: inconsistent pixel spacing or size within the series: {path.name} has "
-                            f"{list(ds.PixelSpacing)} mm, {ds.Rows} x {ds.Columns}; {members[0][0].name} {list(ref.PixelSpacing)} mm, {size[0]} x {size[1]}")
+                            f"{_values(ds.PixelSpacing)} mm, {ds.Rows} x {ds.Columns}; {members[0][0].name} {_values(ref.PixelSpacing)} mm, {size[0]} x {size[1]}")
     normal = np.cross(row_col[:3], row_col[3:])
     positions = np.array([ds.ImagePositionPatient for _, ds in members], dtype=np.float64)
     order = np.argsort(positions @ normal, kind="stable")
