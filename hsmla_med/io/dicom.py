@@ -321,14 +321,15 @@ class DicomSeriesReader(ImageReader):
     """A MONAI ``ImageReader`` for a DICOM series: a folder holding one series, or the files of
     one series (a list, as ``infer`` keeps them). Registered first in
     :class:`~hsmla_med.data.checks.LoadCased`, so ``LoadImaged`` reads a series where it reads a
-    NIfTI file; the image is channel-last free ``(x, y, z)`` with ``affine`` and
+    NIfTI file; the image is ``(x, y, z)`` without a channel, with ``affine`` and
     ``original_affine`` in RAS, as MONAI's NIfTI reader gives them."""
 
     def verify_suffix(self, filename: Sequence[str | os.PathLike] | str | os.PathLike) -> bool:
         names = [filename] if isinstance(filename, (str, os.PathLike)) else list(filename)
-        return bool(names) and ((len(names) == 1 and Path(names[0]).is_dir()) or all(is_dicom_file(n) for n in names[:1]))
+        return bool(names) and ((len(names) == 1 and Path(names[0]).is_dir()) or is_dicom_file(names[0]))
 
-    def read(self, data: Sequence[str | os.PathLike] | str | os.PathLike, **kwargs) -> tuple[DicomSeries | list[Path], str]:
+    def read(self, data: Sequence[str | os.PathLike] | str | os.PathLike, **kwargs) -> tuple[list[Path], str]:
+        """The series' files in slice order (checked again: a list may come from anywhere) and the folder that names it."""
         names = [data] if isinstance(data, (str, os.PathLike)) else list(data)
         if len(names) == 1 and Path(names[0]).is_dir():
             (series,) = series_in(names[0])
