@@ -101,3 +101,16 @@ def cli_error(capsys, argv) -> str:
     lines = [line for line in err.splitlines() if line.startswith("hsmla-med: error:")]
     assert len(lines) == 1, err
     return lines[0]
+
+
+@pytest.fixture(scope="session")
+def tiny_btcv_checkpoint(tmp_path_factory) -> str:
+    """A tiny BTCV checkpoint (2 training steps on a 'background, disc, bar' dataset), trained
+    once per session for the tests that only need some checkpoint to run."""
+    from hsmla_med.cli import main
+
+    root = tmp_path_factory.mktemp("tiny-btcv")
+    data = make_dataset(root / "data", cases=2)
+    assert main(["train", "--task", "btcv", "--data-dir", str(data), "--config", str(tiny_yaml(root / "tiny.yaml")),
+                 "--max-steps", "2", "--output", str(root / "run")]) == 0
+    return str(root / "run" / "last.ckpt")

@@ -288,20 +288,7 @@ def test_label_overlay_draws_each_class_in_its_own_colour_over_the_image(tmp_pat
         label_overlay(tmp_path / "bad.png", np.zeros((40, 60)), labels + 1, ["background", "a", "b", "c"])
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A tiny BTCV checkpoint (2 training steps) of the 'background, disc, bar' dataset."""
-    from hsmla_med.cli import main
-    from tests.conftest import make_dataset, tiny_yaml
-
-    root = tmp_path_factory.mktemp("ckpt")
-    data = make_dataset(root / "data", cases=2)
-    assert main(["train", "--task", "btcv", "--data-dir", str(data), "--config", str(tiny_yaml(root / "tiny.yaml")),
-                 "--max-steps", "2", "--output", str(root / "run")]) == 0
-    return str(root / "run" / "last.ckpt")
-
-
-def test_cli_output_formats_and_evaluate_with_dicom(tmp_path, capsys, checkpoint):
+def test_cli_output_formats_and_evaluate_with_dicom(tmp_path, capsys, tiny_btcv_checkpoint):
     """``infer --output-format nifti --output-format dicom-seg`` (and the comma list) writes both;
     ``evaluate --dicom`` scores the SEG as its NIfTI; a NIfTI input and another task are refused
     in one line."""
@@ -310,7 +297,7 @@ def test_cli_output_formats_and_evaluate_with_dicom(tmp_path, capsys, checkpoint
 
     image, _ = phantom((36, 32, 6), np.random.default_rng(3))
     write_series(tmp_path / "dicom" / "case", image)
-    infer = ["infer", "--task", "btcv", "--checkpoint", checkpoint, "--input", str(tmp_path / "dicom")]
+    infer = ["infer", "--task", "btcv", "--checkpoint", tiny_btcv_checkpoint, "--input", str(tmp_path / "dicom")]
     assert main([*infer, "--output", str(tmp_path / "a"), "--output-format", "nifti", "--output-format", "dicom-seg"]) == 0
     assert main([*infer, "--output", str(tmp_path / "b"), "--output-format", "dicom-seg,nifti"]) == 0
     for out in ("a", "b"):
@@ -333,7 +320,7 @@ def test_cli_output_formats_and_evaluate_with_dicom(tmp_path, capsys, checkpoint
     nifti = write_nifti(tmp_path / "nifti" / "case.nii.gz", image, np.diag([1.5, 1.5, 2.0, 1.0]))
     line = cli_error(capsys, [*infer[:-1], str(nifti), "--output", str(tmp_path / "c"), "--output-format", "dicom-seg"])
     assert "case.nii.gz: --output-format dicom-seg needs a DICOM series input" in line
-    line = cli_error(capsys, ["infer", "--task", "endovis", "--checkpoint", checkpoint, "--input", str(tmp_path / "dicom"),
+    line = cli_error(capsys, ["infer", "--task", "endovis", "--checkpoint", tiny_btcv_checkpoint, "--input", str(tmp_path / "dicom"),
                               "--output", str(tmp_path / "d"), "--output-format", "dicom-seg"])
     assert "--output-format dicom-seg: only --task btcv" in line
     line = cli_error(capsys, [*infer, "--output", str(tmp_path / "e"), "--output-format", "nifti,png"])

@@ -23,7 +23,7 @@ from hsmla_med.io import dicom
 from hsmla_med.io.dicom import find_series, read_series, select_series
 from hsmla_med.pipelines import btcv
 from hsmla_med.pipelines.task import InferenceOptions
-from tests.conftest import phantom, tiny_yaml
+from tests.conftest import phantom
 from tests.test_original_geometry import _module
 
 LPS_AXIAL = ((1.0, 0.0, 0.0), (0.0, 1.0, 0.0))
@@ -256,27 +256,14 @@ def test_infer_item_keeps_the_sorted_source_files(tmp_path):
     assert item["output"] == tmp_path / "out" / "P-01_20240102_3_CT-abdomen.nii.gz"
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A tiny BTCV checkpoint (2 training steps)."""
-    from hsmla_med.cli import main
-    from tests.conftest import make_dataset
-
-    root = tmp_path_factory.mktemp("ckpt")
-    data = make_dataset(root / "data", cases=2)
-    assert main(["train", "--task", "btcv", "--data-dir", str(data), "--config", str(tiny_yaml(root / "tiny.yaml")),
-                 "--max-steps", "2", "--output", str(root / "run")]) == 0
-    return str(root / "run" / "last.ckpt")
-
-
-def test_cli_infer_refuses_two_series_then_segments_the_picked_one(tmp_path, capsys, checkpoint):
+def test_cli_infer_refuses_two_series_then_segments_the_picked_one(tmp_path, capsys, tiny_btcv_checkpoint):
     from hsmla_med.cli import main
     from tests.conftest import cli_error
 
     first, second = generate_uid(), generate_uid()
     write_series(tmp_path / "s", _volume((40, 36, 6)), uid=first, number=2, description="arterial")
     write_series(tmp_path / "s", _volume((40, 36, 4)), uid=second, number=5, description="venous", seed=1)
-    argv = ["infer", "--task", "btcv", "--checkpoint", checkpoint, "--input", str(tmp_path / "s"), "--output", str(tmp_path / "out")]
+    argv = ["infer", "--task", "btcv", "--checkpoint", tiny_btcv_checkpoint, "--input", str(tmp_path / "s"), "--output", str(tmp_path / "out")]
     line = cli_error(capsys, argv)
     assert f"2 DICOM series in one folder; pick one with --series-uid: {first} (number 2, 'arterial', 6 slice(s)); {second}" in line
     assert main([*argv, "--series-uid", second]) == 0
@@ -302,12 +289,12 @@ def test_synthetic_btcv_ships_its_first_test_case_as_a_dicom_series(tmp_path):
     assert btcv.held_out(cases)[-1] == str(series.folder)
 
 
-def test_cli_infer_refuses_a_series_with_a_missing_slice_in_one_line(tmp_path, capsys, checkpoint):
+def test_cli_infer_refuses_a_series_with_a_missing_slice_in_one_line(tmp_path, capsys, tiny_btcv_checkpoint):
     from tests.conftest import cli_error
 
     files = write_series(tmp_path / "in" / "s", _volume((40, 36, 6)))
     sorted(files, key=lambda f: float(pydicom.dcmread(f).ImagePositionPatient[2]))[2].unlink()
-    line = cli_error(capsys, ["infer", "--task", "btcv", "--checkpoint", checkpoint, "--input", str(tmp_path / "in"), "--output", str(tmp_path / "out")])
+    line = cli_error(capsys, ["infer", "--task", "btcv", "--checkpoint", tiny_btcv_checkpoint, "--input", str(tmp_path / "in"), "--output", str(tmp_path / "out")])
     assert f"{tmp_path / 'in' / 's'}: series " in line and "1 missing slice(s) between" in line
 
 
