@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from monai.networks.layers.factories import Conv
 
 from hsmla_med.nn.attention import HSMLA, calibrate_tau
-from hsmla_med.nn.blocks import ChannelLayerNorm, ConvNormAct, DSConv, HSMLABlock, MBConv
+from hsmla_med.nn.blocks import ConvNormAct, DSConv, HSMLABlock, MBConv
 
 __all__ = ["VARIANTS", "DECODERS", "Variant", "HSMLABackbone", "UNetDecoder", "HSMLASegNet", "HSMLAClassifier"]
 
