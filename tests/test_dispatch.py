@@ -12,7 +12,6 @@ import torch
 from hsmla_med import kernels
 from hsmla_med.kernels import _cpu_build, gate_cpu, refine_cpu
 from hsmla_med.nn import HSMLA, HSMLASegNet, select_backend
-from hsmla_med.nn import dispatch
 from hsmla_med.nn import functional as HF
 
 CPU = torch.device("cpu")
