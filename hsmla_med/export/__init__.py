@@ -171,7 +171,7 @@ def export_onnx(network: nn.Module, size: Sequence[int], in_channels: int, path:
             log.warning("ONNX export: %s", notes[-1])
         program.save(str(tmp), external_data=False)
         model = onnx.load(str(tmp))
-        _name_spatial_axes(model, len(size))
+        _name_axes(model, len(size))
         if metadata is not None:
             extras = {"spatial_ranges": ranges[2:], "spatial_multiple": multiple}
             onnx.helper.set_model_props(model, {"hsmla_med": json.dumps({**metadata, **extras})})
@@ -193,7 +193,7 @@ def _onnx_program(net: nn.Module, example: torch.Tensor):
     batch = {0: torch.export.Dim("batch", min=1, max=MAX_BATCH)}
     spatial = {2 + i: torch.export.Dim.AUTO for i in range(example.dim() - 2)}
     try:
-        return _export_onnx_program(net, example, {**batch, **spatial}), []
+        return _export_onnx_program(_capture(net, example, {**batch, **spatial}), example), []
     except Exception as err:  # any failure of the dynamic attempt: the static one decides
         reason = _last_paragraph(str(err)) or type(err).__name__
     note = f"spatial axes static: the exporter could not make them dynamic at this size ({reason})"
@@ -210,19 +210,34 @@ def _last_paragraph(message: str, limit: int = 300) -> str:
     return paragraphs[-1][:limit] if paragraphs else ""
 
 
-def _export_onnx_program(net: nn.Module, example: torch.Tensor, dynamic: dict):
+def _capture(net: nn.Module, example: torch.Tensor, dynamic: dict) -> torch.export.ExportedProgram:
+    """``torch.export``'s non-strict capture of ``net`` with the options the ONNX exporter's first
+    capture strategy uses. Made here rather than by the exporter because, given the module, the
+    exporter retries a failed non-strict capture with the strict one (TorchDynamo), which fails
+    the same way on these networks (the 64 x 64 case above) and cost a minute before the static
+    export could start."""
+    from torch.fx.experimental import _config  # the exporter's own setting for size-0/1 dynamic axes
+
+    with _quiet_exporter(), _config.patch(backed_size_oblivious=True):
+        return torch.export.export(net, (example,), dynamic_shapes=(dynamic,), strict=False, prefer_deferred_runtime_asserts_over_guards=True)
+
+
+def _export_onnx_program(net: nn.Module | torch.export.ExportedProgram, example: torch.Tensor, dynamic: dict | None = None):
+    """The ONNX program of ``net`` (a module, exported with the ``dynamic`` shapes, or a program
+    :func:`_capture` made, whose shapes it keeps)."""
     with _quiet_exporter():  # the masks of the dense refinement are built in the graph, no cache is touched
         return torch.onnx.export(
             net, (example,), dynamo=True, opset_version=OPSET, input_names=["image"], output_names=["logits"],
-            dynamic_shapes=(dynamic,), external_data=False, verbose=False,
+            dynamic_shapes=None if dynamic is None else (dynamic,), external_data=False, verbose=False,
         )
 
 
-def _name_spatial_axes(model, dims: int) -> None:
-    """Rename the exporter's symbols of the input's spatial axes (``s0``, ``s53``) to
-    ``spatial0``, ``spatial1``, ... wherever they name an axis of a graph input, output or value."""
-    axes = model.graph.input[0].type.tensor_type.shape.dim[2 : 2 + dims]
-    names = {d.dim_param: f"spatial{i}" for i, d in enumerate(axes) if d.dim_param}
+def _name_axes(model, dims: int) -> None:
+    """Rename the exporter's symbols of the input's batch and spatial axes (``s0``, ``s53``) to
+    ``batch``, ``spatial0``, ``spatial1``, ... wherever they name an axis of a graph input, output
+    or value (a captured program carries no names of its own, :func:`_capture`)."""
+    axes = model.graph.input[0].type.tensor_type.shape.dim
+    names = {d.dim_param: name for d, name in zip([axes[0], *axes[2 : 2 + dims]], ["batch", *(f"spatial{i}" for i in range(dims))]) if d.dim_param}
     for value in [*model.graph.input, *model.graph.output, *model.graph.value_info]:
         for d in value.type.tensor_type.shape.dim:
             if d.dim_param in names:
