@@ -118,24 +118,29 @@ def test_a_run_whose_peers_never_come_stops_with_one_line_naming_them(tmp_path):
     assert not (tmp_path / "run" / "last.ckpt").exists()
 
 
-def _evaluate(tmp_path, data, config, ckpt, name, *extra) -> dict:
-    out = tmp_path / name
-    cmd = [sys.executable, "-m", "hsmla_med.cli", "evaluate", "--task", "btcv", "--data-dir", str(data), "--config", str(config),
-           "--checkpoint", str(ckpt), "--output", str(out), "--accelerator", "cpu", *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count(f"metrics: {out / 'metrics.json'}") == 1, result.stdout  # the first process reports, once
+def _evaluate_argv(tmp_path, data, config, ckpt, name, *extra) -> list:
+    return ["evaluate", "--task", "btcv", "--data-dir", str(data), "--config", str(config), "--checkpoint", str(ckpt),
+            "--output", str(tmp_path / name), "--accelerator", "cpu", *extra]
+
+
+def _metrics(out, stdout: str) -> dict:
+    assert stdout.count(f"metrics: {out / 'metrics.json'}") == 1, stdout  # the first process reports, once
     return json.loads((out / "metrics.json").read_text())
 
 
-def test_two_process_gloo_matches_one_process(tmp_path):
+def test_two_process_gloo_matches_one_process(tmp_path, capsys):
     data = make_dataset(tmp_path / "data", cases=5, validation=3)
     config = tiny_yaml(tmp_path / "tiny.yaml")
     run = tmp_path / "run"
     assert main(["train", "--task", "btcv", "--data-dir", str(data), "--config", str(config), "--max-steps", "4", "--output", str(run)]) == 0
-    one = _evaluate(tmp_path, data, config, run / "last.ckpt", "one", "--devices", "1")
-    two = _evaluate(tmp_path, data, config, run / "last.ckpt", "two", "--devices", "2", "--strategy", "ddp")
+    capsys.readouterr()
+    # one process in this one (a third interpreter would only repeat the imports), two launched
+    assert main(_evaluate_argv(tmp_path, data, config, run / "last.ckpt", "one", "--devices", "1")) == 0
+    one = _metrics(tmp_path / "one", capsys.readouterr().out)
+    cmd = [sys.executable, "-m", "hsmla_med.cli", *_evaluate_argv(tmp_path, data, config, run / "last.ckpt", "two", "--devices", "2", "--strategy", "ddp")]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    two = _metrics(tmp_path / "two", result.stdout)
     assert one["cases"] == two["cases"] == 3
     for key in ("dice", "hd95"):
         assert two[key] == pytest.approx(one[key], rel=1e-6)
