@@ -44,7 +44,7 @@ def _wsi(args) -> list[dict]:
     return bench_wsi()
 
 
-def _volume(args) -> list[dict]:
+def _volume(args) -> dict[str, list[dict]]:
     from hsmla_med.bench.volume import bench_volume
 
     return bench_volume()
@@ -57,9 +57,10 @@ def _processes(args) -> list[dict]:
 
 
 # --only NAME -> (what the table holds, the function making its rows); each writes NAME.csv
+# (a function returning {name: rows} writes one name.csv per table: volume also volume_dicom.csv)
 _TABLES = {
     "wsi": ("whole-slide heatmaps, 256 px patches at level 0, batch 32:", _wsi),
-    "volume": ("btcv inference on one 512x512x300 CT, 14 classes, HSMLA-B0 (peak resident memory):", _volume),
+    "volume": ("btcv inference on one 512x512x300 CT, 14 classes, HSMLA-B0 (peak resident memory); the same CT as a DICOM series into a DICOM SEG:", _volume),
     "processes": ("btcv inference of 8 synthetic volumes, one process vs two DDP processes (CPU, gloo):", _processes),
     "endovis": ("EndoVis 2017 frames, 1024x1280 RGB (the standard crop), batch 1, 3 -> 8 channels:", lambda args: bench_endovis(args.runs)),
     "export": ("exported ONNX under onnxruntime (CPU) vs PyTorch eager with the C kernels, batch 1, 1 -> 14 channels:", lambda args: __import__("hsmla_med.bench.export", fromlist=["bench_export"]).bench_export(args.size, args.runs, args.threads)),
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=positive_int, default=32, help="head width of the benchmarked layer")
     parser.add_argument(
         "--only", choices=["models", "layers", "wsi", "endovis", "learning", "gpu", "volume", "processes", "export"],
-        help="run one table (gpu: networks on a CUDA GPU, inference 2D/3D and training (scripts/bench_kernels.py: the Triton kernels); wsi: whole-slide heatmap throughput against the forward passes alone; volume: peak memory of infer on a 512x512x300 CT; processes: infer of 8 volumes in one vs two DDP processes; endovis: frames/s of HSMLA-B0 vs SegFormer-B0 on 1024x1280 RGB frames; learning: networks trained and scored on MNI152 grey/white matter; none of these is part of the default run)",
+        help="run one table (gpu: networks on a CUDA GPU, inference 2D/3D and training (scripts/bench_kernels.py: the Triton kernels); wsi: whole-slide heatmap throughput against the forward passes alone; volume: peak memory of infer on a 512x512x300 CT, and as a 300-file DICOM series into a DICOM SEG against NIfTI; processes: infer of 8 volumes in one vs two DDP processes; endovis: frames/s of HSMLA-B0 vs SegFormer-B0 on 1024x1280 RGB frames; learning: networks trained and scored on MNI152 grey/white matter; none of these is part of the default run)",
     )
     parser.add_argument("--threads", type=positive_int, default=os.cpu_count(), help="torch CPU threads")
     learning.add_arguments(parser)
@@ -125,9 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in _TABLES:
         title, table = _TABLES[args.only]
         print(title, flush=True)
-        rows = table(args)
-        write_csv(args.out / f"{args.only}.csv", rows)
-        print("\n" + markdown(rows) + "\n")
+        result = table(args)
+        for name, rows in (result if isinstance(result, dict) else {args.only: result}).items():
+            write_csv(args.out / f"{name}.csv", rows)
+            print(f"\n{name}.csv:\n" + markdown(rows) + "\n")
         return 0
     if args.only == "learning":
         return learning.run(args)

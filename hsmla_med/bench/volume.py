@@ -10,6 +10,14 @@ Reports each one's wall time, peak resident set (``VmHWM``) and how many voxels'
 from ``all-classes`` (random weights give near-uniform probabilities, so near-ties that float
 rounding can flip are far more common than with a trained network).
 
+The same run's second table (``volume_dicom.csv``) sets ``per-class`` (NIfTI in, NIfTI out)
+beside ``series-seg``: the same volume written as a CT DICOM series (one file per slice,
+:func:`~hsmla_med.data.synthetic.dicom_series.write_ct_series`) and segmented into a DICOM SEG
+(``output_formats=("dicom-seg",)``), also in a fresh process: wall time and peak resident set,
+their ratios series / NIfTI (issue 28's target: at most 1.3 each) and how many voxels of the
+SEG, read back onto the series' files (:func:`~hsmla_med.io.dicom_seg.read_seg`), differ from
+the NIfTI labels (target: at most 0.1 %).
+
     hsmla-med bench --only volume --out bench_out
 
 ``--only processes``: ``hsmla-med infer`` over 8 synthetic BTCV volumes in one process and in
@@ -29,22 +37,32 @@ from pathlib import Path
 
 import numpy as np
 
+from hsmla_med.bench.common import status_kib
+
 SHAPE, SPACING, CLASSES = (512, 512, 300), (0.8, 0.8, 2.5), 14
+LABEL_NAMES = [f"class{i}" for i in range(CLASSES)]
 MODES = ("all-classes", "per-class")
+SERIES_MODE = "series-seg"  # per-class on the volume as a DICOM series, labels written as DICOM SEG
 
 
-def _volume(path: Path) -> Path:
-    """A CT-like int16 volume: body ellipse of soft tissue, brighter organs, air outside."""
+def _volume(path: Path, shape: tuple[int, int, int] = SHAPE) -> np.ndarray:
+    """A CT-like int16 volume: body ellipse of soft tissue, brighter organs, air outside; saved
+    as NIfTI at ``path`` (affine ``diag(SPACING)``) and returned."""
     import nibabel as nib
 
-    x, y = np.meshgrid(np.linspace(-1, 1, SHAPE[0]), np.linspace(-1, 1, SHAPE[1]), indexing="ij")
+    x, y = np.meshgrid(np.linspace(-1, 1, shape[0]), np.linspace(-1, 1, shape[1]), indexing="ij")
     body = (x / 0.85) ** 2 + (y / 0.65) ** 2 < 1
     organs = ((x - 0.3) ** 2 + (y + 0.1) ** 2 < 0.06) | ((x + 0.35) ** 2 + y**2 < 0.04)
     slab = np.where(body, np.where(organs, 150, 40), -1000).astype(np.int16)
-    noise = np.random.default_rng(0).normal(0, 20, (SHAPE[0], SHAPE[1], 8)).astype(np.int16)
-    volume = np.repeat(slab[..., None], SHAPE[2], axis=2) + np.tile(noise, (1, 1, SHAPE[2] // 8 + 1))[..., : SHAPE[2]]
-    nib.save(nib.Nifti1Image(volume, np.diag([*SPACING, 1.0])), str(path))
-    return path
+    noise = np.random.default_rng(0).normal(0, 20, (shape[0], shape[1], 8)).astype(np.int16)
+    volume = np.repeat(slab[..., None], shape[2], axis=2) + np.tile(noise, (1, 1, shape[2] // 8 + 1))[..., : shape[2]]
+    nib.save(nib.Nifti1Image(volume, _affine()), str(path))
+    return volume
+
+
+def _affine() -> np.ndarray:
+    """The benchmark volume's RAS affine (NIfTI's; the series is written from it too)."""
+    return np.diag([*SPACING, 1.0])
 
 
 def _all_classes(case: dict, transform, probabilities: bool = False):
@@ -58,12 +76,9 @@ def _all_classes(case: dict, transform, probabilities: bool = False):
     return pred.argmax(0).numpy().astype(np.uint8), None
 
 
-def status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
-def _child(volume: str, out: str, mode: str) -> None:
+def _measure(volume: str, out: str, mode: str) -> dict:
+    """``btcv.infer`` of ``volume`` into ``out`` the ``mode`` way (in this process; the benchmark
+    runs it in a fresh one, :func:`_run`): ``seconds`` and ``peak_gib``."""
     import torch
 
     from hsmla_med.config import merge_config, model_config, task_config
@@ -73,7 +88,7 @@ def _child(volume: str, out: str, mode: str) -> None:
 
     torch.manual_seed(0)
     config = merge_config(task_config("btcv"), {})
-    module = SegmentationModule(btcv.module_config(config, model_config("b0"), [f"class{i}" for i in range(CLASSES)])).eval()
+    module = SegmentationModule(btcv.module_config(config, model_config("b0"), LABEL_NAMES)).eval()
     if mode == "all-classes":
         btcv.labels_in_input_geometry = _all_classes
         spacing = btcv.Spacingd
@@ -82,30 +97,67 @@ def _child(volume: str, out: str, mode: str) -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # peak (VmHWM) := current resident set
     start = time.perf_counter()
-    btcv.infer(module, volume, out, InferenceOptions(device="cpu", progress=lambda _: None))
-    print(json.dumps({"seconds": time.perf_counter() - start, "peak_gib": status_kib("VmHWM") / 2**20}))
+    formats = ("dicom-seg",) if mode == SERIES_MODE else ("nifti",)
+    btcv.infer(module, volume, out, InferenceOptions(device="cpu", output_formats=formats, progress=lambda _: None))
+    return {"seconds": time.perf_counter() - start, "peak_gib": status_kib("VmHWM") / 2**20}
 
 
-def bench_volume() -> list[dict]:
-    """Rows ``mode, seconds, peak_gib, voxels_differing, fraction_differing`` (labels compared
-    with ``all-classes``)."""
+def _run(source: Path, out: Path, mode: str) -> dict:
+    """:func:`_measure` in a fresh process."""
+    result = subprocess.run([sys.executable, "-m", "hsmla_med.bench.volume", str(source), str(out), mode], capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(f"volume benchmark, {mode}:\n{result.stderr[-3000:]}")
+    run = json.loads(result.stdout.strip().splitlines()[-1])
+    print(f"  {mode}: {run['seconds']:.1f} s, peak {run['peak_gib']:.2f} GiB", flush=True)
+    return run
+
+
+def _seg_labels(out: Path, files: list[Path]) -> np.ndarray:
+    """The labels of the one DICOM SEG in ``out``, read back onto the series ``files``."""
+    from hsmla_med.io.dicom_seg import SEG_SUFFIX, read_seg
+
+    segs = sorted(out.glob(f"*{SEG_SUFFIX}"))
+    if len(segs) != 1:
+        raise RuntimeError(f"volume benchmark, {SERIES_MODE}: expected one DICOM SEG in {out}, found {len(segs)}")
+    return read_seg(segs[0], files, LABEL_NAMES)
+
+
+def _differing(labels: np.ndarray, reference: np.ndarray) -> dict:
+    differing = int((labels != reference).sum())
+    return {"voxels_differing": differing, "fraction_differing": differing / reference.size}
+
+
+def bench_volume(shape: tuple[int, int, int] = SHAPE, modes: tuple[str, ...] = MODES) -> dict[str, list[dict]]:
+    """Two tables. ``volume``: rows ``mode, seconds, peak_gib, voxels_differing,
+    fraction_differing`` (labels compared with the first of ``modes``). ``volume_dicom`` (with
+    ``per-class`` among ``modes``): rows ``input, output, seconds, peak_gib, seconds_ratio,
+    peak_ratio, voxels_differing, fraction_differing`` for ``per-class`` and ``series-seg``
+    (ratios and labels compared with ``per-class``)."""
     import nibabel as nib
 
-    rows, labels = [], {}
+    from hsmla_med.data.synthetic.dicom_series import write_ct_series
+
+    rows, runs, labels = [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        volume = _volume(Path(tmp) / "ct.nii.gz")
-        for mode in MODES:
-            out = Path(tmp) / mode
-            result = subprocess.run([sys.executable, "-m", "hsmla_med.bench.volume", str(volume), str(out), mode], capture_output=True, text=True)
-            if result.returncode:
-                raise RuntimeError(f"volume benchmark, {mode}:\n{result.stderr[-3000:]}")
-            run = json.loads(result.stdout.strip().splitlines()[-1])
-            labels[mode] = np.asarray(nib.load(str(out / "ct.nii.gz")).dataobj)
-            differing = int((labels[mode] != labels[MODES[0]]).sum())
-            rows.append({"mode": mode, "seconds": run["seconds"], "peak_gib": run["peak_gib"],
-                         "voxels_differing": differing, "fraction_differing": differing / labels[mode].size})
-            print(f"  {mode}: {run['seconds']:.1f} s, peak {run['peak_gib']:.2f} GiB", flush=True)
-    return rows
+        tmp = Path(tmp)
+        volume = _volume(tmp / "ct.nii.gz", shape)
+        for mode in modes:
+            runs[mode] = _run(tmp / "ct.nii.gz", tmp / mode, mode)
+            labels[mode] = np.asarray(nib.load(str(tmp / mode / "ct.nii.gz")).dataobj)
+            rows.append({"mode": mode, "seconds": runs[mode]["seconds"], "peak_gib": runs[mode]["peak_gib"],
+                         **_differing(labels[mode], labels[modes[0]])})
+        if "per-class" not in modes:
+            return {"volume": rows}
+        files = write_ct_series(tmp / "series", volume, _affine(), np.random.default_rng(0), "bench", "benchmark CT")
+        del volume  # the parent's memory is not measured, but the machine's is shared with the child
+        series = _run(tmp / "series", tmp / SERIES_MODE, SERIES_MODE)
+        nifti = runs["per-class"]
+        dicom = [
+            {"input": "NIfTI (1 file)", "output": "NIfTI", **nifti, "seconds_ratio": 1.0, "peak_ratio": 1.0, "voxels_differing": 0, "fraction_differing": 0.0},
+            {"input": f"DICOM series ({len(files)} files)", "output": "DICOM SEG", **series, "seconds_ratio": series["seconds"] / nifti["seconds"],
+             "peak_ratio": series["peak_gib"] / nifti["peak_gib"], **_differing(_seg_labels(tmp / SERIES_MODE, files), labels["per-class"])},
+        ]
+    return {"volume": rows, "volume_dicom": dicom}
 
 
 def _checkpoint(path: Path) -> Path:
@@ -155,4 +207,4 @@ def bench_processes(cases: int = 8, shape: tuple[int, int, int] = (192, 192, 64)
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1], sys.argv[2], sys.argv[3])
+    print(json.dumps(_measure(sys.argv[1], sys.argv[2], sys.argv[3])))
