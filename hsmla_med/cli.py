@@ -15,7 +15,7 @@ import time
 import warnings
 from pathlib import Path
 
-from hsmla_med.config import task_config
+from hsmla_med.config import load_yaml, task_config
 from hsmla_med.pipelines import TASKS, get_task
 
 __all__ = ["main", "build_parser"]
@@ -114,8 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "data preparation)")
     p.add_argument("--input", required=True, help="a file or a folder: " + "; ".join(f"{t.inputs} ({n})" for n, t in tasks.items()))
     p.add_argument("--output", required=True, help="folder for the predictions")
-    p.add_argument("--series-uid", metavar="UID", help="btcv: the DICOM series (SeriesInstanceUID) to segment in an --input folder "
+    p.add_argument("--series-uid", metavar="UID", help="btcv, luna16: the DICOM series (SeriesInstanceUID) to read in an --input folder "
                    "that holds files of several series (refused without it, listing them)")
+    p.add_argument("--series-rules", metavar="F", help="btcv: a YAML or JSON file of rules that pick the DICOM series to segment by their "
+                   "attributes, in MONAI Deploy's format ({selections: [{name, conditions: {Modality: '(?i)CT', SeriesDescription: "
+                   "REGEX, ImageType: [ORIGINAL, PRIMARY]}}]}); default: the checkpoint's inference.series_selection")
     p.add_argument("--tta", action="store_true", help="mirroring test-time augmentation")
     overlaps = ", ".join(f"{n} {c['inference']['overlap']}" for n in TASKS if "overlap" in (c := task_config(n))["inference"])
     p.add_argument("--overlap", type=float, help=f"sliding-window overlap in [0, 1) (default: the checkpoint's; as trained by default: {overlaps})")
@@ -194,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config(args) -> dict:
-    from hsmla_med.config import load_yaml, merge_config, task_config, validate_config
+    from hsmla_med.config import merge_config, validate_config
     from hsmla_med.engine.run import check_trainer_config
 
     get_task(args.task)  # unknown task: a clear error before anything else
@@ -350,6 +353,7 @@ def _infer(args) -> list[Path]:
     task = get_task(args.task)
     formats = _output_formats(args.output_format, task)
     options = _options(args, crop=args.crop, save_probabilities=args.save_probabilities, output_formats=formats, series_uid=args.series_uid,
+                       series_rules=load_yaml(args.series_rules) if args.series_rules else None,
                        postprocessing=_postprocessing(task, args.postprocessing, args.checkpoint))
     _apart(args.input, args.output, "--input")
     output = _writable_folder(args.output, "--output")
@@ -495,7 +499,7 @@ def _evaluate(args) -> dict:
 def _demo(args) -> int:
     from importlib import resources
 
-    from hsmla_med.config import load_yaml, merge_config, task_config, validate_config
+    from hsmla_med.config import merge_config, validate_config
     from hsmla_med.pipelines.task import InferenceOptions
 
     tasks = list(TASKS) if args.task == "all" else [args.task]

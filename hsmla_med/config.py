@@ -211,6 +211,13 @@ def _crop(value, key):
         raise ConfigError(f"{key} must be null or [top, left, height, width] in whole pixels (offsets >= 0, sizes >= 1), got {value!r}")
 
 
+def _series_selection(value, key):
+    if value is not None:
+        from hsmla_med.io.dicom import SeriesRules  # pydicom: imported only for a config that has rules
+
+        SeriesRules(value, key, ConfigError)
+
+
 def _optional_string(value, key):
     if value is not None:
         _string(value, key)
@@ -237,6 +244,7 @@ _CHECKS = {
     "inference.sw_batch_size": _number(1, integer=True),
     "inference.slab": _number(1, integer=True),
     "inference.batch_size": _number(1, integer=True),
+    "inference.series_selection": _series_selection,
     "trainer.max_steps": _number(1, integer=True, nullable=True),
     "trainer.max_epochs": _number(1, integer=True, nullable=True),
     "trainer.check_val_every_n_epoch": _number(1, integer=True),
@@ -260,7 +268,7 @@ _CHECKS = {
     "data.mpp": _number(0, low_open=True, nullable=True),
     "data.crop": _crop,
 }
-_TYPED_BY_CHECK = {"data.crop", "data.splits_file"}  # keys whose check above is their whole type check (their default's type is not)
+_TYPED_BY_CHECK = {"data.crop", "data.splits_file", "inference.series_selection"}  # keys whose check above is their whole type check (their default's type is not)
 
 
 def _same_type(value, default, key: str) -> None:

@@ -155,12 +155,24 @@ def check_nsd_tolerance(value, name: str, error: type[Exception] = InputError) -
 
 
 def score_prediction(reference: Path, prediction: np.ndarray, classes: Sequence[int], nsd_tolerance: float,
-                     prediction_file: str) -> dict:
+                     prediction_file: str, image: Path | None = None, label_names: Sequence[str] | None = None) -> dict:
     """One case of ``summary.json``: ``prediction``, a label map on the voxel grid of the label
     file ``reference`` (validation brings it there: :func:`~hsmla_med.inference.geometry.labels_in_input_geometry`),
-    scored against that file at the voxel spacing of its own affine, for each of ``classes``."""
-    _, affine = read_header(reference)
-    truth = read_labels(reference)
+    scored against that file at the voxel spacing of its own affine, for each of ``classes``. A
+    DICOM SEG ``reference`` is read onto the grid of ``image``, the series folder it references,
+    its segments valued by ``label_names`` (the dataset's)."""
+    from hsmla_med.io.dicom_seg import is_seg_file
+
+    if is_seg_file(reference):
+        from hsmla_med.data.datalist import image_series
+        from hsmla_med.io.dicom import series_geometry
+        from hsmla_med.io.dicom_seg import read_seg
+
+        series = image_series(image)
+        affine, truth = series_geometry(series)[1], read_seg(reference, series.files, label_names).astype(np.int64)
+    else:
+        _, affine = read_header(reference)
+        truth = read_labels(reference)
     if truth.shape != prediction.shape:
         raise DataError(f"{reference}: shape {truth.shape} differs from the prediction's {prediction.shape} in its grid")
     spacing = nib.affines.voxel_sizes(affine).tolist()
@@ -207,15 +219,11 @@ def _seg_series(pairs: list[tuple[Path, Path]], folder: Path) -> dict[Path, list
 
 
 def _seg_grids(sources: dict[Path, list[Path]]) -> dict[Path, tuple]:
-    """``(shape, affine)`` of each SEG's series, as the series' NIfTI has them (SimpleITK's grid:
-    :func:`~hsmla_med.io.dicom.read_series`)."""
-    from hsmla_med.io.dicom import read_series
+    """``(shape, affine)`` of each SEG's series, as the series' NIfTI has them (SimpleITK's grid),
+    from the series' headers (:func:`~hsmla_med.io.dicom.series_geometry`)."""
+    from hsmla_med.io.dicom import series_geometry
 
-    grids = {}
-    for seg, files in sources.items():
-        volume, affine = read_series(files)
-        grids[seg] = (volume.shape, affine)
-    return grids
+    return {seg: series_geometry(files) for seg, files in sources.items()}
 
 
 def _read_label_map(path: Path, sources: dict[Path, list[Path]], names: dict[int, str] | None) -> np.ndarray:

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-import nibabel as nib
 import numpy as np
 from monai.bundle import ConfigParser
 from monai.transforms import Compose
@@ -25,15 +24,15 @@ from hsmla_med.engine.base import hparams
 from hsmla_med.engine.datamodule import CaseDataModule
 from hsmla_med.engine.prediction import model_record
 from hsmla_med.engine.segmentation import SegmentationModule
-from hsmla_med.errors import ConfigError, DataError
+from hsmla_med.errors import ConfigError, DataError, InputError
 from hsmla_med.evaluation import DEFAULT_NSD_TOLERANCE, check_nsd_tolerance
 from hsmla_med.inference import geometry
 from hsmla_med.inference.geometry import UNCROPPED_BACKGROUND, write_labels, write_probabilities
 from hsmla_med.metrics.summary import write_reports
 from hsmla_med.inference.postprocessing import apply_postprocessing
-from hsmla_med.io import atomic_path, is_temporary
-from hsmla_med.io.dicom import DicomSeries, find_series, is_dicom_file, select_series
-from hsmla_med.io.dicom_seg import SEG_SUFFIX, write_seg
+from hsmla_med.io import is_temporary
+from hsmla_med.io.dicom import DicomSeries, SeriesRules, find_series, is_dicom_file, select_series
+from hsmla_med.io.dicom_seg import SEG_SUFFIX, is_seg_file, write_seg
 from hsmla_med.pipelines.task import InferenceOptions, Task, input_files, predict_cases, synthetic_root
 
 __all__ = ["TASK", "datalist", "check_config", "preprocessing_items", "UNCROPPED_BACKGROUND", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer", "score_predictions", "crossval_score"]
@@ -120,23 +119,25 @@ def preprocessing_items(data: dict, keys: Sequence[str] = ("image",)) -> tuple[l
     ]
 
 
-def preprocessing(data: dict, in_channels: int, num_classes: int, keys: Sequence[str] = ("image", "label")) -> list:
+def preprocessing(data: dict, in_channels: int, num_classes: int, keys: Sequence[str] = ("image", "label"),
+                  label_names: Sequence[str] | None = None) -> list:
     """Load, check, then :func:`preprocessing_items` instantiated by MONAI's ``ConfigParser``
-    (the parser the bundle runs under)."""
+    (the parser the bundle runs under). ``label_names`` (the dataset's) value the segments of
+    DICOM SEG labels (:class:`~hsmla_med.data.checks.LoadCased`)."""
     imports, items = preprocessing_items(data, keys)
     parser = ConfigParser({"imports": imports, "preprocessing": items})
     parser.get_parsed_content("imports")  # the modules the items' expressions name
     return [
-        LoadCased(list(keys), ensure_channel_first=True, image_only=True),
+        LoadCased(list(keys), ensure_channel_first=True, image_only=True, label_names=label_names),
         CheckCased(in_channels, num_classes),
         *parser.get_parsed_content("preprocessing"),
     ]
 
 
-def transforms(config: dict, in_channels: int, num_classes: int) -> tuple[Compose, Compose]:
+def transforms(config: dict, in_channels: int, num_classes: int, label_names: Sequence[str] | None = None) -> tuple[Compose, Compose]:
     """Training and validation transforms: :func:`preprocessing`, then for training
     :func:`crop_and_augment`."""
-    pre = preprocessing(config["data"], in_channels, num_classes)
+    pre = preprocessing(config["data"], in_channels, num_classes, label_names=label_names)
     return Compose(pre + crop_and_augment(config)), Compose(pre)
 
 
@@ -148,7 +149,7 @@ def module_config(config: dict, model: dict, label_names: Sequence[str], in_chan
 
 
 def datamodule(config: dict, cases: Datalist, in_channels: int = 1) -> CaseDataModule:
-    train, val = transforms(config, in_channels, cases.num_classes)
+    train, val = transforms(config, in_channels, cases.num_classes, cases.label_names)
     data = config["data"]
     return CaseDataModule(cases.training, cases.validation, train, val, data["batch_size"], data["num_workers"], data["cache_rate"])
 
@@ -160,7 +161,7 @@ def held_out(cases: Datalist) -> list[str]:
     return [c["image"] for c in cases.validation + cases.test] + [str(cases.source.parent / d) for d in dicom]
 
 
-def _volume_inputs(folder: Path, series_uid: str | None = None) -> list[Path | DicomSeries]:
+def _volume_inputs(folder: Path, series_uid: str | None = None, rules: SeriesRules | None = None) -> list[Path | DicomSeries]:
     """The NIfTI files of an input folder, else its DICOM image series (one case per series:
     :func:`~hsmla_med.io.dicom.select_series`)."""
     files = sorted(p for p in folder.iterdir() if p.name.endswith((".nii", ".nii.gz")) and not is_temporary(p))
@@ -169,19 +170,16 @@ def _volume_inputs(folder: Path, series_uid: str | None = None) -> list[Path | D
     series = find_series(folder)
     if not series:
         raise DataError(f"{folder}: no NIfTI files (.nii, .nii.gz) and no DICOM image series in the input folder")
-    return select_series(series, folder, series_uid)
+    return select_series(series, folder, series_uid, rules)
 
 
-def _write_series_labels(path: Path, labels: np.ndarray, affine: np.ndarray) -> Path:
-    """A series' uint8 label map as NIfTI with its RAS affine as qform and sform (code 1,
-    scanner), atomically: a series has no NIfTI header whose fields :func:`write_labels` could
-    copy."""
-    img = nib.Nifti1Image(labels, affine)
-    img.set_qform(affine, code=1)
-    img.set_sform(affine, code=1)
-    with atomic_path(path) as tmp:
-        nib.save(img, str(tmp))
-    return path
+def _series_rules(options: InferenceOptions, inference: dict) -> SeriesRules | None:
+    """The series selection rules of this run (``--series-rules``) or of the checkpoint
+    (``inference.series_selection``), ``None`` for none."""
+    if options.series_rules is not None:
+        return SeriesRules(options.series_rules, "--series-rules", InputError)
+    rules = inference.get("series_selection")
+    return None if rules is None else SeriesRules(rules, "the checkpoint's inference.series_selection")
 
 
 def _case(source: Path | DicomSeries, output: Path, inference: dict) -> dict:
@@ -231,7 +229,8 @@ def infer(
     inference = options.apply(cfg["inference"])
     pre = Compose(preprocessing(cfg["data"], cfg["in_channels"], len(module.label_names), keys=("image",)))
     output = Path(output)
-    items = [_case(f, output, inference) for f in input_files(inputs, lambda folder: _volume_inputs(folder, options.series_uid))]
+    rules = _series_rules(options, inference)
+    items = [_case(f, output, inference) for f in input_files(inputs, lambda folder: _volume_inputs(folder, options.series_uid, rules))]
     seg = "dicom-seg" in options.output_formats
     if seg:
         _seg_outputs(items, output)
@@ -250,7 +249,7 @@ def infer(
             written.append(write_probabilities(output / f"{case['name']}.npz", probabilities))
         nifti = output / f"{case['name']}.nii.gz"
         if "nifti" in options.output_formats and "dicom_files" in case:
-            written.append(_write_series_labels(nifti, labels, np.asarray(case["image"].meta["original_affine"], dtype=np.float64)))
+            written.append(write_labels(nifti, labels, np.asarray(case["image"].meta["original_affine"], dtype=np.float64)))
         elif "nifti" in options.output_formats:
             written.append(write_labels(nifti, labels, source))
         if seg and labels.any():  # last: it marks the case done
@@ -281,8 +280,10 @@ def crossval_score(folds: list[tuple[Datalist, Path]], output: Path, config: dic
         for case in cases.validation:
             name = f"{case_name(case['image'])}.nii.gz"
             pool_file(folder / name, output / "predictions" / name)
-            pool_file(Path(case["label"]), output / "labels" / name)
-    options = {"dataset_json": folds[0][0].source, "nsd_tolerance": config["inference"].get("nsd_tolerance", 2.0)}
+            label = Path(case["label"])  # a DICOM SEG keeps its kind: the evaluator reads it onto its series
+            pool_file(label, output / "labels" / (f"{case_name(case['image'])}{SEG_SUFFIX}" if is_seg_file(label) else name))
+    options = {"dataset_json": folds[0][0].source, "nsd_tolerance": config["inference"].get("nsd_tolerance", 2.0),
+               "dicom": folds[0][0].source.parent}  # where the series of SEG labels are
     return score_predictions(output / "predictions", output / "labels", output, options)
 
 

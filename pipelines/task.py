@@ -166,6 +166,9 @@ class InferenceOptions:
             options (else refused; see :func:`predict_cases`).
         series_uid: the DICOM series (SeriesInstanceUID) to read from an input folder that holds
             files of several series (volume tasks).
+        series_rules: rules that pick the series of DICOM inputs by their attributes
+            (:class:`~hsmla_med.io.dicom.SeriesRules`: MONAI Deploy's format), instead of the
+            checkpoint's ``inference.series_selection``; ``series_uid`` overrides both.
         progress: called with one line per input.
 
     The options that change what is written (:meth:`provenance`) are recorded with the outputs;
@@ -189,6 +192,7 @@ class InferenceOptions:
     postprocessing: list[dict] | None = field(default=None, metadata=_SHAPES_OUTPUTS)
     overwrite: bool = False
     series_uid: str | None = None
+    series_rules: dict | list | None = None
     progress: Callable[[str], None] = field(default=print, compare=False)
 
     def __post_init__(self) -> None:

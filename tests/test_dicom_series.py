@@ -265,7 +265,7 @@ def test_cli_infer_refuses_two_series_then_segments_the_picked_one(tmp_path, cap
     write_series(tmp_path / "s", _volume((40, 36, 4)), uid=second, number=5, description="venous", seed=1)
     argv = ["infer", "--task", "btcv", "--checkpoint", tiny_btcv_checkpoint, "--input", str(tmp_path / "s"), "--output", str(tmp_path / "out")]
     line = cli_error(capsys, argv)
-    assert f"2 DICOM series in one folder; pick one with --series-uid: {first} (number 2, 'arterial', 6 slice(s)); {second}" in line
+    assert f"2 DICOM series in one folder; pick one with --series-uid or series selection rules: {first} (number 2, 'arterial', 6 slice(s)); {second}" in line
     assert main([*argv, "--series-uid", second]) == 0
     written = nib.load(str(tmp_path / "out" / "P-01_20240102_5_venous.nii.gz"))
     assert written.shape == (40, 36, 4)

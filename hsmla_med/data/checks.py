@@ -8,15 +8,19 @@ names the file instead of surfacing later as a NaN loss or an index error in one
 
 from __future__ import annotations
 
+import copy
 import logging
+import os
 import warnings
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 
 import torch
+from monai.data import MetaTensor
 from monai.transforms import LoadImaged, MapTransform
 
 from hsmla_med.errors import DataError
-from hsmla_med.io.dicom import DicomSeriesReader
+from hsmla_med.io.dicom import DicomSeriesReader, series_in
+from hsmla_med.io.dicom_seg import is_seg_file, read_seg
 
 __all__ = ["CheckCased", "LoadCased", "source_file"]
 
@@ -30,9 +34,14 @@ def source_file(tensor) -> str:
 class LoadCased(LoadImaged):
     """``LoadImaged`` whose failures (truncated or foreign files) name the file that failed, and
     which also reads a DICOM series (a series folder, or the list of a series' files:
-    :class:`~hsmla_med.io.dicom.DicomSeriesReader`, tried before MONAI's readers)."""
+    :class:`~hsmla_med.io.dicom.DicomSeriesReader`, tried before MONAI's readers) and, for a
+    key after the first, a DICOM SEG: the label map of a case whose image (the first key) is
+    the series the SEG references, read onto that series' grid
+    (:func:`~hsmla_med.io.dicom_seg.read_seg`; ``label_names``, the dataset's, give its segments
+    their values). MONAI has no SEG reader (MONAI #8468), and a SEG alone has no voxel grid.
+    """
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, keys, *args, label_names: Sequence[str] | None = None, **kwargs) -> None:
         # MONAI instantiates every reader it can import; with pydicom installed that includes
         # NvImgCodecPydicomReader, which logs and warns on every machine without nvImageCodec
         # (a GPU JPEG decoder that none of our files need): silenced while it is built
@@ -41,19 +50,37 @@ class LoadCased(LoadImaged):
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="NvImgCodecPydicomReader")
-                super().__init__(*args, **kwargs)
+                # missing keys: refused below, where a SEG key is told apart
+                super().__init__(keys, *args, allow_missing_keys=True, **kwargs)
         finally:
             plugin_log.disabled = disabled
         self.register(DicomSeriesReader())
+        self.label_names = list(label_names) if label_names is not None else None
 
     def __call__(self, data, reader=None):
+        files = ", ".join(str(data[k]) for k in self.keys if k in data)
+        missing = [str(k) for k in self.keys if k not in data]
+        if missing:
+            raise DataError(f"{files or '?'}: the case has no {' and '.join(missing)}")
+        segs = {k: data[k] for k in self.keys[1:] if isinstance(data[k], (str, os.PathLike)) and is_seg_file(data[k])}
         try:
-            return super().__call__(data, reader)
+            loaded = super().__call__({k: v for k, v in data.items() if k not in segs}, reader)
         except DataError:
             raise  # already names the file (the DICOM checks)
         except Exception as err:
-            files = ", ".join(str(data[k]) for k in self.keys if k in data)
             raise DataError(f"{files}: cannot read image data ({type(err).__name__}: {err})") from None
+        for key, path in segs.items():
+            loaded[key] = self._seg(path, loaded[self.keys[0]])
+        return loaded
+
+    def _seg(self, path, image: MetaTensor) -> MetaTensor:
+        """The SEG at ``path`` as a channel-first label volume with the meta data of ``image``,
+        the series it was read onto."""
+        (series,) = series_in(source_file(image))  # the image's own series, in slice order
+        labels = read_seg(path, series.files, self.label_names)
+        meta = copy.deepcopy(image.meta)
+        meta["filename_or_obj"] = str(path)
+        return MetaTensor(torch.as_tensor(labels[None]), meta=meta)  # meta: the image's affine among the rest
 
 
 class CheckCased(MapTransform):

@@ -27,7 +27,7 @@ from monai.data import load_decathlon_datalist
 
 from hsmla_med.errors import DataError
 
-__all__ = ["Datalist", "load_datalist", "find_dataset_json", "read_json", "read_header", "check_affine", "case_name", "check_pair"]
+__all__ = ["Datalist", "load_datalist", "find_dataset_json", "read_json", "read_header", "image_series", "check_affine", "case_name", "check_pair"]
 
 _JSON_NAMES = ("dataset.json", "dataset_0.json")
 _NIFTI = re.compile(r"\.nii(\.gz)?$")
@@ -132,7 +132,7 @@ def _checked(entry: dict, original, path: Path, key: str, fields: tuple[str, ...
             value, resolved = value[0], resolved[0]
         if not isinstance(value, str) or not value:
             raise DataError(f"{path}: {field_name} entries must be file paths (strings), got {value!r}")
-        if not Path(resolved).is_file():
+        if not Path(resolved).is_file() and not (field_name == "image" and Path(resolved).is_dir()):  # a folder: a DICOM series
             raise DataError(f"{resolved}: {field_name} file listed in {path.name} not found")
         case[field_name] = resolved
     return case
@@ -153,8 +153,15 @@ def _pair_folders(data_dir: Path, path: Path) -> list[dict]:
 
 
 def read_header(path: str | Path) -> tuple[tuple[int, ...], np.ndarray]:
-    """Shape and affine of a NIfTI file from its header; :class:`DataError` if unreadable or if
-    the affine cannot place voxels (:func:`check_affine`)."""
+    """Shape and affine of a NIfTI file from its header, or of a folder holding one DICOM series
+    from the series' headers (:func:`~hsmla_med.io.dicom.series_geometry`); :class:`DataError`
+    if unreadable or if the affine cannot place voxels (:func:`check_affine`)."""
+    if Path(path).is_dir():
+        from hsmla_med.io.dicom import series_geometry
+
+        shape, affine = series_geometry(image_series(path))
+        check_affine(affine, path)
+        return shape, affine
     try:
         img = nib.load(str(path))
         shape, affine = tuple(int(s) for s in img.shape), np.asarray(img.affine, dtype=np.float64)
@@ -164,6 +171,16 @@ def read_header(path: str | Path) -> tuple[tuple[int, ...], np.ndarray]:
         raise DataError(f"{path}: cannot read as NIfTI ({err})") from None
     check_affine(affine, path)
     return shape, affine
+
+
+def image_series(folder: str | Path):
+    """The one DICOM image series of a case's image folder (:class:`~hsmla_med.io.dicom.DicomSeries`)."""
+    from hsmla_med.io.dicom import series_in
+
+    series = series_in(folder)
+    if len(series) != 1:
+        raise DataError(f"{folder}: a case's image folder holds one DICOM series, this one {len(series)}: " + "; ".join(s.line() for s in series))
+    return series[0]
 
 
 def check_affine(affine: np.ndarray, path: str | Path) -> None:
@@ -181,7 +198,16 @@ def check_affine(affine: np.ndarray, path: str | Path) -> None:
 
 
 def check_pair(case: dict, atol: float = 1e-3) -> None:
-    """Image and label must cover the same voxels: same spatial shape and affine."""
+    """Image and label must cover the same voxels: same spatial shape and affine; a DICOM SEG
+    label must reference the case's image series (it is read onto that series' grid)."""
+    from hsmla_med.io.dicom_seg import is_seg_file, referenced_series_uid
+
+    if is_seg_file(case["label"]):
+        uid = referenced_series_uid(case["label"])
+        if not Path(case["image"]).is_dir() or (image_uid := image_series(case["image"]).uid) != uid:
+            image = f"series {image_uid}" if Path(case["image"]).is_dir() else "no DICOM series"
+            raise DataError(f"{case['label']}: a DICOM SEG label of series {uid}, but its image {case['image']} is {image}")
+        return
     image_shape, image_affine = read_header(case["image"])
     label_shape, label_affine = read_header(case["label"])
     if image_shape[:3] != label_shape[:3]:

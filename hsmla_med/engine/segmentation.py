@@ -121,7 +121,7 @@ class SegmentationModule(GatedModule):
                 write_probabilities(self.validation_output / f"{name}.npz", probabilities)
             prediction_file = str(write_labels(self.validation_output / f"{name}.nii.gz", labels, source))
         classes = range(1, len(self.label_names))
-        case = score_prediction(label_file, labels, classes, self._nsd_tolerance(), prediction_file)
+        case = score_prediction(label_file, labels, classes, self._nsd_tolerance(), prediction_file, source, self.label_names)
         scores = {field: [case["metrics"][c][metric] for c in classes] for field, metric in _FIELDS.items()}
         return {"key": key, **scores, "case": case}
 

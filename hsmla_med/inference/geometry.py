@@ -157,19 +157,31 @@ _GEOMETRY_FIELDS = ("quatern_b", "quatern_c", "quatern_d", "qoffset_x", "qoffset
                     "srow_x", "srow_y", "srow_z", "qform_code", "sform_code", "xyzt_units")
 
 
-def write_labels(path: Path, labels: np.ndarray, reference: Path) -> Path:
-    """Write a uint8 label volume in the reference image's geometry, atomically: its qform and
-    sform matrices and codes are copied field by field, so a form whose code is 0 (unknown) stays
-    undeclared and a code 2 (aligned) stays 2, and every reader picks the same affine for both
-    files (nibabel: sform if its code is set, else qform, else the voxel sizes alone)."""
-    ref = nib.load(str(reference)).header
-    img = nib.Nifti1Image(labels, None)  # no affine: the header's fields below are kept on save
-    header = img.header
-    for name in _GEOMETRY_FIELDS:
-        header[name] = ref[name]
-    pixdim = header["pixdim"].copy()
-    pixdim[:4] = ref["pixdim"][:4]  # qfac and voxel sizes; the time step of a 4D input is not ours
-    header["pixdim"] = pixdim
+def write_labels(path: Path, labels: np.ndarray, reference: Path | np.ndarray) -> Path:
+    """Write a uint8 label volume in the reference image's geometry, atomically. ``reference``:
+    a NIfTI file, whose qform and sform matrices and codes are copied field by field, so a form
+    whose code is 0 (unknown) stays undeclared and a code 2 (aligned) stays 2, and every reader
+    picks the same affine for both files (nibabel: sform if its code is set, else qform, else
+    the voxel sizes alone); or a DICOM series (its folder) or its RAS affine, which has no NIfTI
+    header to copy: the affine becomes qform and sform, code 1 (scanner)."""
+    if isinstance(reference, np.ndarray) or Path(reference).is_dir():
+        if not isinstance(reference, np.ndarray):
+            from hsmla_med.data.datalist import image_series
+            from hsmla_med.io.dicom import series_geometry
+
+            reference = series_geometry(image_series(reference))[1]
+        img = nib.Nifti1Image(labels, reference)
+        img.set_qform(reference, code=1)
+        img.set_sform(reference, code=1)
+    else:
+        ref = nib.load(str(reference)).header
+        img = nib.Nifti1Image(labels, None)  # no affine: the header's fields below are kept on save
+        header = img.header
+        for name in _GEOMETRY_FIELDS:
+            header[name] = ref[name]
+        pixdim = header["pixdim"].copy()
+        pixdim[:4] = ref["pixdim"][:4]  # qfac and voxel sizes; the time step of a 4D input is not ours
+        header["pixdim"] = pixdim
     with atomic_path(path) as tmp:
         nib.save(img, str(tmp))
     return path

@@ -29,7 +29,8 @@ from pydicom.errors import InvalidDicomError
 
 from hsmla_med.errors import DataError
 
-__all__ = ["DicomSeries", "DicomSeriesReader", "find_series", "select_series", "series_in", "read_series", "is_dicom_file"]
+__all__ = ["DicomSeries", "DicomSeriesReader", "SeriesRules", "find_series", "select_series", "series_in", "read_series", "series_geometry",
+           "is_dicom_file"]
 
 log = logging.getLogger(__name__)
 
@@ -215,37 +216,129 @@ def _check_positions(positions: np.ndarray, normal: np.ndarray, files: list[Path
                         f"{step:.3f} mm elsewhere")
 
 
-def select_series(series: list[DicomSeries], folder: str | Path, series_uid: str | None = None) -> list[DicomSeries]:
-    """The cases of a DICOM input: the series with ``series_uid`` if given, else every series,
-    each in its own folder; files of several series in one folder are refused with one line
-    listing them (pick one with ``--series-uid``)."""
+class SeriesRules:
+    """Rules that pick the series to read by their attributes, as MONAI Deploy's
+    ``DICOMSeriesSelectorOperator`` does (its rules file is accepted as it is):
+    ``{"selections": [{"name": ..., "conditions": {keyword: value, ...}}, ...]}``, or the list
+    of selections alone. A series matches a selection when every condition holds on its first
+    file's header: a string is a regular expression searched in the attribute's value
+    (``"(?i)ct"``; a multi-valued attribute as DICOM writes it, ``ORIGINAL\\PRIMARY\\AXIAL``),
+    a list names values the attribute must all hold (``ImageType: [ORIGINAL, PRIMARY]``,
+    case-insensitively), a number equals the attribute's value. Earlier selections are
+    preferred: in each folder, the series of the first selection that matches any there.
+
+    Args:
+        rules: the parsed YAML / JSON.
+        where: the option or config key the rules came from, for errors.
+        error: the exception type of malformed rules (:class:`DataError`; a config's
+            :class:`~hsmla_med.errors.ConfigError`).
+    """
+
+    def __init__(self, rules, where: str, error: type[Exception] = DataError) -> None:
+        self.where, self.error, self.selections = where, error, []
+        selections = rules.get("selections") if isinstance(rules, dict) else rules
+        if not isinstance(selections, list) or not selections:
+            raise error(f"{where}: series selection rules are a non-empty list of selections (or {{selections: [...]}}), got {rules!r}")
+        for i, selection in enumerate(selections):
+            conditions = selection.get("conditions") if isinstance(selection, dict) else None
+            if not isinstance(conditions, dict) or not conditions:
+                raise error(f"{where}: selection {i + 1} needs 'conditions', a mapping of DICOM keywords to values, got {selection!r}")
+            for keyword, value in conditions.items():
+                self._check(keyword, value, i)
+            self.selections.append((str(selection.get("name", f"selection {i + 1}")), conditions))
+
+    def _check(self, keyword, value, i: int) -> None:
+        from pydicom.datadict import tag_for_keyword
+
+        if not isinstance(keyword, str) or tag_for_keyword(keyword) is None:
+            raise self.error(f"{self.where}: selection {i + 1}: {keyword!r} is not a DICOM attribute keyword (e.g. Modality, SeriesDescription)")
+        if isinstance(value, str):
+            try:
+                re.compile(value)
+            except re.error as err:
+                raise self.error(f"{self.where}: selection {i + 1}: {keyword}: {value!r} is not a regular expression ({err})") from None
+        elif not isinstance(value, (list, int, float)) or isinstance(value, bool):
+            raise self.error(f"{self.where}: selection {i + 1}: {keyword}: a condition is a regular expression, a list of values or a number, got {value!r}")
+
+    @staticmethod
+    def _holds(ds, keyword: str, value) -> bool:
+        if keyword not in ds or ds[keyword].value is None:
+            return False
+        attribute = ds[keyword].value
+        values = [str(v) for v in attribute] if isinstance(attribute, (list, pydicom.multival.MultiValue)) else [str(attribute)]
+        if isinstance(value, str):
+            return re.search(value, "\\".join(values)) is not None
+        if isinstance(value, list):
+            held = {v.strip().upper() for v in values}
+            return all(str(v).strip().upper() in held for v in value)
+        try:
+            return len(values) == 1 and abs(float(values[0]) - float(value)) <= 1e-6 * max(1.0, abs(float(value)))
+        except ValueError:
+            return False
+
+    def rank(self, series: DicomSeries) -> int | None:
+        """The index of the first selection ``series`` matches, ``None`` for none."""
+        ds = _header(series.files[0])
+        return next((i for i, (_, conditions) in enumerate(self.selections)
+                     if all(self._holds(ds, k, v) for k, v in conditions.items())), None)
+
+    def apply(self, series: list[DicomSeries], folder: str | Path) -> list[DicomSeries]:
+        """The series each folder's best selection matches; the others are skipped with a
+        logged note, and none matching at all is a :class:`DataError` listing the series."""
+        ranks = {s.uid: self.rank(s) for s in series}
+        best: dict[Path, int] = {}
+        for s in series:
+            if ranks[s.uid] is not None:
+                best[s.folder] = min(best.get(s.folder, ranks[s.uid]), ranks[s.uid])
+        picked = [s for s in series if ranks[s.uid] is not None and ranks[s.uid] == best[s.folder]]
+        if not picked:
+            raise DataError(f"{folder}: no DICOM series matches the series selection rules of {self.where}; the series are: "
+                            + "; ".join(s.line() for s in series))
+        if len(picked) < len(series):
+            log.info("%s: %s picked %d of %d series: %s", folder, self.where, len(picked), len(series),
+                     "; ".join(f"{s.uid} ({self.selections[ranks[s.uid]][0]})" for s in picked))
+        return picked
+
+
+def select_series(series: list[DicomSeries], folder: str | Path, series_uid: str | None = None,
+                  rules: SeriesRules | None = None) -> list[DicomSeries]:
+    """The cases of a DICOM input: the series with ``series_uid`` if given, else those
+    ``rules`` pick (:class:`SeriesRules`; default every series), each in its own folder; files
+    of several series in one folder are refused with one line listing them (pick one with
+    ``--series-uid`` or selection rules)."""
     if series_uid is not None:
         picked = [s for s in series if s.uid == series_uid]
         if not picked:
             raise DataError(f"{folder}: no series with --series-uid {series_uid}; the series are: " + "; ".join(s.line() for s in series))
         return picked
+    if rules is not None:
+        series = rules.apply(series, folder)
     by_folder: dict[Path, list[DicomSeries]] = {}
     for s in series:
         by_folder.setdefault(s.folder, []).append(s)
     for where, together in by_folder.items():
         if len(together) > 1:
-            raise DataError(f"{where}: {len(together)} DICOM series in one folder; pick one with --series-uid: " + "; ".join(s.line() for s in together))
+            how = f"the rules of {rules.where} match {len(together)}" if rules is not None else f"{len(together)} DICOM series in one folder"
+            raise DataError(f"{where}: {how}; pick one with --series-uid or series selection rules: " + "; ".join(s.line() for s in together))
     return series
 
 
-def series_in(folder: str | Path, series_uid: str | None = None) -> list[DicomSeries]:
+def series_in(folder: str | Path, series_uid: str | None = None, rules: SeriesRules | None = None) -> list[DicomSeries]:
     """:func:`select_series` of :func:`find_series`; a folder without any image series is a
     :class:`DataError`."""
     series = find_series(folder)
     if not series:
         raise DataError(f"{folder}: no DICOM image series in the folder")
-    return select_series(series, folder, series_uid)
+    return select_series(series, folder, series_uid, rules)
 
 
 def _sitk_volume(files: Sequence[Path]) -> tuple[np.ndarray, np.ndarray]:
     """The voxels ``(x, y, z)`` and RAS affine of SimpleITK's reading of ``files`` in this order."""
     import SimpleITK as sitk
 
+    # ITK warns on stderr of steps that differ by more than its own small tolerance; the steps
+    # were checked already (_check_positions), and a warning per case is noise in a run's log
+    sitk.ProcessObject.SetGlobalWarningDisplay(False)
     reader = sitk.ImageSeriesReader()
     reader.SetFileNames([str(f) for f in files])
     # float32 (what the pipeline computes in): else the first slice's pixel type holds every
@@ -268,26 +361,38 @@ def _ras_affine(linear_lps: np.ndarray, origin_lps: np.ndarray) -> np.ndarray:
     return (np.diag([-1.0, -1.0, 1.0, 1.0]) @ affine).astype(np.float32).astype(np.float64)
 
 
-def _pydicom_volume(files: Sequence[Path]) -> tuple[np.ndarray, np.ndarray]:
-    """The same volume as :func:`_sitk_volume` decoded by pydicom's pixel handlers (pylibjpeg
-    plugins: compressed syntaxes GDCM lacks), the grid from the headers as GDCM builds it:
-    origin at the first slice, the step between the first two slices (SpacingBetweenSlices or
-    1 mm for one slice)."""
-    from pydicom.pixels import apply_rescale
-
-    slices = [pydicom.dcmread(f) for f in files]
-    first = slices[0]
-    volume = np.stack([apply_rescale(ds.pixel_array, ds) for ds in slices], axis=-1)  # unchanged without a rescale
+def _grid(first, last, count: int) -> np.ndarray:
+    """The RAS affine of a series of ``count`` slices from the headers of its first and last,
+    as ITK builds SimpleITK's grid: origin at the first slice, the mean step from the first to
+    the last (SpacingBetweenSlices, else 1 mm, for a single slice)."""
     row_col = np.array(first.ImageOrientationPatient, dtype=np.float64)
     normal = np.cross(row_col[:3], row_col[3:])
     origin = np.array(first.ImagePositionPatient, dtype=np.float64)
-    if len(slices) > 1:
-        step = float((np.array(slices[1].ImagePositionPatient, dtype=np.float64) - origin) @ normal)
+    if count > 1:
+        step = float((np.array(last.ImagePositionPatient, dtype=np.float64) - origin) @ normal) / (count - 1)
     else:
         step = float(first.get("SpacingBetweenSlices", 1.0) or 1.0)
     row_spacing, col_spacing = (float(v) for v in first.PixelSpacing)  # DICOM: between rows, then between columns
     linear = np.stack([row_col[:3] * col_spacing, row_col[3:] * row_spacing, normal * step], axis=1)
-    return volume.transpose(1, 0, 2), _ras_affine(linear, origin)
+    return _ras_affine(linear, origin)
+
+
+def series_geometry(series: DicomSeries | Sequence[str | Path]) -> tuple[tuple[int, int, int], np.ndarray]:
+    """The shape ``(x, y, z)`` and RAS affine :func:`read_series` gives a series (or its files
+    in slice order), from the headers of its first and last files: no voxel is read."""
+    files = list(series.files if isinstance(series, DicomSeries) else [Path(f) for f in series])
+    first, last = (pydicom.dcmread(f, stop_before_pixels=True) for f in (files[0], files[-1]))
+    return (int(first.Columns), int(first.Rows), len(files)), _grid(first, last, len(files))
+
+
+def _pydicom_volume(files: Sequence[Path]) -> tuple[np.ndarray, np.ndarray]:
+    """The same volume as :func:`_sitk_volume` decoded by pydicom's pixel handlers (pylibjpeg
+    plugins: compressed syntaxes GDCM lacks), on the grid of :func:`_grid`."""
+    from pydicom.pixels import apply_rescale
+
+    slices = [pydicom.dcmread(f) for f in files]
+    volume = np.stack([apply_rescale(ds.pixel_array, ds) for ds in slices], axis=-1)  # unchanged without a rescale
+    return volume.transpose(1, 0, 2), _grid(slices[0], slices[-1], len(slices))
 
 
 def _decoder_hint(transfer_syntax) -> str:

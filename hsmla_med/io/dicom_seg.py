@@ -33,7 +33,7 @@ import numpy as np
 from hsmla_med.errors import DataError
 from hsmla_med.io.atomic import atomic_path
 
-__all__ = ["ALGORITHM_NAME", "SEG_SUFFIX", "segment_codes", "write_seg", "read_seg", "referenced_series_uid"]
+__all__ = ["ALGORITHM_NAME", "SEG_SUFFIX", "segment_codes", "write_seg", "read_seg", "referenced_series_uid", "is_seg_file"]
 
 ALGORITHM_NAME = "hsmla-med"
 SEG_SUFFIX = ".seg.dcm"  # infer's output name: <case>.seg.dcm beside <case>.nii.gz
@@ -199,6 +199,13 @@ def _read(path: str | Path):
         return hd.seg.segread(str(path))
     except Exception as err:  # pydicom / highdicom raise several types for other objects
         raise DataError(f"{path}: cannot read as a DICOM SEG ({err})") from None
+
+
+def is_seg_file(path: str | Path) -> bool:
+    """Whether ``path`` is a DICOM file holding a Segmentation (Modality SEG)."""
+    from hsmla_med.io.dicom import is_dicom_file
+
+    return Path(path).is_file() and is_dicom_file(path) and str(_header(path).get("Modality", "")) == "SEG"
 
 
 def referenced_series_uid(path: str | Path) -> str:
