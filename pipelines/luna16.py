@@ -1,4 +1,5 @@
-"""LUNA16: lung nodule detection in chest CT (MetaImage scans, nodules in world millimetres).
+"""LUNA16: lung nodule detection in chest CT (MetaImage scans or their LIDC-IDRI DICOM series,
+nodules in world millimetres).
 
 What is specific to the benchmark lives here: the dataset (LUNA16 as distributed, ``subsetK/*.mhd``
 folders with ``annotations.csv`` and ``annotations_excluded.csv`` in ``CSVFILES/`` or
@@ -46,6 +47,7 @@ from hsmla_med.engine.datamodule import CaseDataModule
 from hsmla_med.engine.detection import DetectionModule, scan_candidates
 from hsmla_med.errors import ConfigError, DataError
 from hsmla_med.io import atomic_path, write_json
+from hsmla_med.io.dicom import DicomSeries, find_series, is_dicom_file, select_series
 from hsmla_med.metrics.detection import FP_RATES, MAX_MARKS, froc_band, froc_curve, nodule_froc, submission_froc, submission_matches
 from hsmla_med.pipelines.task import InferenceOptions, Task, input_files, predict_cases, synthetic_root
 
@@ -192,13 +194,48 @@ def held_out(cases: Datalist) -> list[list[str]]:
     return [[c["image"] for c in cases.validation]]
 
 
+def _scan_inputs(folder: Path, series_uid: str | None = None) -> list[Path | DicomSeries]:
+    """The MetaImage scans under an input folder (any depth), else its DICOM image series (one
+    scan per series: :func:`~hsmla_med.io.dicom.select_series`, several series in one folder
+    need ``series_uid``)."""
+    if any(folder.rglob("*.mhd")):
+        return list(find_scans(folder).values())
+    series = find_series(folder)
+    if not series:
+        raise DataError(f"{folder}: no MetaImage scans (*.mhd) and no DICOM image series in the input folder")
+    return select_series(series, folder, series_uid)
+
+
+def _series_of(file: Path) -> DicomSeries:
+    """The series of a DICOM file given alone (found in its folder)."""
+    found = next((s for s in find_series(file.parent) if file.resolve() in {f.resolve() for f in s.files}), None)
+    if found is None:
+        raise DataError(f"{file}: not a slice of a DICOM image series (an image with a position and orientation in the patient)")
+    return found
+
+
+def _case(source: Path | DicomSeries, folder: Path, inference: dict) -> dict:
+    """The ``infer`` item of a MetaImage scan (named by its file, LUNA16's seriesuid) or a DICOM
+    series (a DICOM file given alone: its series), named by its SeriesInstanceUID, the seriesuid
+    of LUNA16's CSVs, and loaded from its files in slice order."""
+    if isinstance(source, Path) and is_dicom_file(source):
+        source = _series_of(source)
+    name, image = (source.uid, [str(f) for f in source.files]) if isinstance(source, DicomSeries) else (source.stem, str(source))
+    return {"name": name, "image": image, "output": folder / f"{name}.csv", "inference": inference}
+
+
 def infer(
     module: DetectionModule, inputs: str | Path | Iterable[str | Path], output: str | Path, options: InferenceOptions = InferenceOptions()
 ) -> list[Path]:
-    """Detect nodules in MetaImage scans (a ``.mhd``, a folder searched recursively, or a list of
-    either) and write ``output/submission.csv`` in LUNA16's format
-    (``seriesuid,coordX,coordY,coordZ,probability``, world millimetres), at most
+    """Detect nodules in scans and write ``output/submission.csv`` in LUNA16's format
+    (``seriesuid,coordX,coordY,coordZ,probability``, LPS world millimetres), at most
     ``inference.max_candidates`` rows per scan, most probable first.
+
+    The inputs (a path or a list): MetaImage scans (a ``.mhd``, a folder searched recursively),
+    or DICOM series, as LIDC-IDRI distributes LUNA16's scans (a series folder, a folder of series
+    folders, a single DICOM file for its series; a folder holding files of several series needs
+    ``options.series_uid``, :func:`_scan_inputs`). A series' seriesuid is its
+    SeriesInstanceUID, so that the submission is scored against LUNA16's annotations.
 
     Runs in Lightning's predict loop (:func:`predict_cases`: scans split over processes and
     shards). Each scan's candidates go to ``output/candidates/<seriesuid>.csv`` as soon as it is
@@ -210,10 +247,7 @@ def infer(
     cfg = module.config
     inference = options.apply(cfg["inference"])
     folder = Path(output) / CANDIDATES
-    items = [
-        {"name": f.stem, "image": str(f), "output": folder / f"{f.stem}.csv", "inference": inference}
-        for f in input_files(inputs, lambda root: list(find_scans(root).values()))
-    ]
+    items = [_case(source, folder, inference) for source in input_files(inputs, lambda root: _scan_inputs(root, options.series_uid))]
 
     def write(case: dict) -> list[Path]:
         found = scan_candidates(case["probs"][1].numpy(), case["image"].affine, inference, voxel_to_lps)
@@ -375,12 +409,13 @@ class NoduleModule(DetectionModule):
 
 
 class LUNA16(Task):
-    """LUNA16 nodule detection: MetaImage scans, the submission CSV."""
+    """LUNA16 nodule detection: MetaImage scans or DICOM series, the submission CSV."""
 
     name = "luna16"
     module_class = NoduleModule
     in_channels = 1
-    inputs = "MetaImage scans (.mhd), a folder searched recursively"
+    inputs = ("MetaImage scans (.mhd), a folder searched recursively, or DICOM series (a series folder, a folder of series folders, "
+              "a DICOM file for its series; seriesuid: the SeriesInstanceUID)")
     outputs = "OUTPUT/submission.csv (seriesuid,coordX,coordY,coordZ,probability)"
 
     def score_lines(self, summary: dict, output: Path) -> list[str]:

@@ -10,6 +10,10 @@ where their size is unknown) and ``seriesuids.csv`` (the evaluated scans, one pe
 header). The coordinates are ITK physical points: millimetres in the scanner's LPS frame, mapped from a voxel
 index ``(i, j, k)`` (x, y, z order) by ``origin + direction @ (spacing * index)``.
 
+LUNA16's scans are LIDC-IDRI's CT series, distributed as DICOM, and its file names are their
+SeriesInstanceUIDs: a DICOM series is read as the same scan (:class:`LoadScand`), its
+ImagePositionPatient / ImageOrientationPatient being the same LPS millimetres.
+
 MONAI's ITK reader turns the same geometry into a RAS affine (x and y negated); the nodule masks
 and the detections are computed in that frame, and converted back to LPS for the CSVs.
 """
@@ -30,6 +34,7 @@ from monai.data import MetaTensor
 from monai.transforms import MapTransform
 
 from hsmla_med.errors import DataError
+from hsmla_med.io.dicom import read_series
 from hsmla_med.metrics.detection import affine_points
 
 __all__ = [
@@ -248,11 +253,37 @@ def voxel_to_lps(index: np.ndarray, affine) -> np.ndarray:
     return lps_to_ras(affine_points(index, affine))  # the sign flip is its own inverse
 
 
+def _read_mhd(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The voxels ``(x, y, z)`` (float32) and RAS affine of a MetaImage scan (SimpleITK)."""
+    _check_mhd(path)
+    try:
+        image = sitk.ReadImage(str(path))
+    except RuntimeError as err:
+        raise DataError(f"{path}: cannot read MetaImage ({str(err).strip().splitlines()[-1]})") from None
+    voxels = sitk.GetArrayViewFromImage(image).astype(np.float32).transpose(2, 1, 0)  # (z, y, x) -> (x, y, z)
+    geometry = Geometry(image.GetOrigin(), image.GetSpacing(), image.GetDirection(), image.GetSize())
+    affine = np.eye(4)
+    affine[:3, :3] = geometry.direction * geometry.spacing  # column i: axis i's step in LPS mm
+    affine[:3, 3] = geometry.origin
+    return voxels, np.diag([*LPS_TO_RAS, 1.0]) @ affine
+
+
+def _read_scan(source: str | Path | list) -> tuple[np.ndarray, np.ndarray, str]:
+    """The voxels ``(x, y, z)`` (float32), RAS affine and name of a scan: a MetaImage file, or
+    the files of a DICOM series in slice order (a list, as ``infer`` gives a series:
+    :func:`~hsmla_med.io.dicom.read_series`, on SimpleITK's grid as for a MetaImage, the same
+    LPS geometry turned into RAS; named by its folder)."""
+    if isinstance(source, (list, tuple)):
+        voxels, affine = read_series([Path(f) for f in source])
+        return np.asarray(voxels, dtype=np.float32), affine, str(Path(source[0]).parent)
+    return (*_read_mhd(Path(source)), str(source))
+
+
 class LoadScand(MapTransform):
-    """Read a MetaImage scan (SimpleITK) into a channel-first float32 MONAI MetaTensor
-    ``(1, X, Y, Z)`` whose affine maps voxels to RAS millimetres, as MONAI's readers do. A
-    missing ``.raw``, an unreadable file or NaN/Inf voxels raise a :class:`DataError` naming the
-    file."""
+    """Read a scan (a MetaImage file, or a DICOM series as the list of its files in slice
+    order) into a channel-first float32 MONAI MetaTensor ``(1, X, Y, Z)`` whose affine maps
+    voxels to RAS millimetres, as MONAI's readers do. A missing ``.raw``, an unreadable file or
+    NaN/Inf voxels raise a :class:`DataError` naming the file."""
 
     def __init__(self, keys: Hashable = "image") -> None:
         super().__init__([keys])
@@ -260,22 +291,11 @@ class LoadScand(MapTransform):
     def __call__(self, data: Mapping) -> dict:
         data = dict(data)
         for key in self.keys:
-            path = Path(data[key])
-            _check_mhd(path)
-            try:
-                image = sitk.ReadImage(str(path))
-            except RuntimeError as err:
-                raise DataError(f"{path}: cannot read MetaImage ({str(err).strip().splitlines()[-1]})") from None
-            voxels = sitk.GetArrayViewFromImage(image).astype(np.float32).transpose(2, 1, 0)  # (z, y, x) -> (x, y, z)
+            voxels, affine, name = _read_scan(data[key])
             finite = np.isfinite(voxels)
             if not finite.all():
-                raise DataError(f"{path}: {int((~finite).sum())} voxel(s) are NaN or Inf")
-            geometry = Geometry(image.GetOrigin(), image.GetSpacing(), image.GetDirection(), image.GetSize())
-            affine = np.eye(4)
-            affine[:3, :3] = geometry.direction * geometry.spacing  # column i: axis i's step in LPS mm
-            affine[:3, 3] = geometry.origin
-            affine = np.diag([*LPS_TO_RAS, 1.0]) @ affine
-            meta = {"filename_or_obj": str(path), "affine": torch.as_tensor(affine), "original_affine": affine.copy(),
+                raise DataError(f"{name}: {int((~finite).sum())} voxel(s) are NaN or Inf")
+            meta = {"filename_or_obj": name, "affine": torch.as_tensor(affine), "original_affine": affine.copy(),
                     "spatial_shape": np.asarray(voxels.shape)}
             data[key] = MetaTensor(torch.from_numpy(np.ascontiguousarray(voxels))[None], meta=meta)
         return data
