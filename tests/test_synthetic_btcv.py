@@ -1,5 +1,6 @@
 """Synthetic BTCV-format data: layout, headers (codes 0 and 2, an oblique case), air below the
-CT window, organs, orientation, determinism and the cache; train, infer and evaluate on it."""
+CT window, organs, orientation, the organs on the patient's true sides (RAS in NIfTI, LPS in a
+DICOM series), determinism and the cache; train, infer and evaluate on it."""
 
 import itertools
 import json
@@ -130,11 +131,82 @@ def test_orientations_differ_but_anatomy_stays_put_in_world(dataset):
         img, label = _load(root, case["label"])
         codes.add("".join(nib.aff2axcodes(img.affine)))
         c = {k: _world_centroid(img, label, k) for k in (1, 2, 3, 6, 7, 8, 9, 12, 13)}
-        # RAS+ world: the patient's right is -x, posterior -y, the head +z.
-        assert c[6][0] < c[1][0] and c[2][0] < c[3][0] and c[12][0] < c[13][0] and c[9][0] < c[8][0]
+        # RAS+ world: the patient's right is +x, posterior -y, the head +z.
+        assert c[6][0] > c[1][0] and c[2][0] > c[3][0] and c[12][0] > c[13][0] and c[9][0] > c[8][0]
         assert c[2][1] < c[7][1] and c[3][1] < c[7][1]  # kidneys behind the stomach
         assert c[6][2] > c[2][2]  # liver above the right kidney
     assert "RAS" in codes and codes - {"RAS"}, codes
+
+
+def _body_centre(root, image_rel):
+    """World (RAS) centre of the patient's body: the centroid of its voxels (above -500 HU: fat,
+    muscle, organs, bone), the midline that "right" and "left" are measured from (the field's
+    world origin is arbitrary, like a scanner table's)."""
+    img, image = _load(root, image_rel)
+    return nib.affines.apply_affine(img.affine, np.argwhere(image > -500).mean(0))
+
+
+def _header_codes(img):
+    return int(img.header["qform_code"]), int(img.header["sform_code"])
+
+
+def test_liver_on_the_patients_right_and_spleen_on_the_left_in_ras(dataset):
+    # NIfTI's world is RAS+: +x points to the patient's RIGHT. The liver lies on the patient's
+    # right (x above the body's midline), the spleen on the left, in every labelled file: stored
+    # in RAS or not, oblique, or with the qform or sform code unset (0), read with the affine
+    # MONAI's loader gives (the one nibabel picks from the codes).
+    from monai.transforms import LoadImage
+
+    root, meta = dataset
+    load = LoadImage(image_only=True)
+    seen = []
+    for case in _labelled(meta):
+        img = nib.load(str(root / case["label"]))
+        label = load(str(root / case["label"]))
+        affine = np.asarray(label.affine, dtype=np.float64)
+        np.testing.assert_allclose(affine, img.affine, atol=1e-5)  # the same matrix for both readers
+        midline = _body_centre(root, case["image"])[0]
+        liver, spleen = (nib.affines.apply_affine(affine, np.argwhere(label.numpy() == k).mean(0))[0] for k in (6, 1))
+        assert liver - midline > 10 and midline - spleen > 10, (case["label"], liver, midline, spleen)
+        seen.append((_header_codes(img), "".join(nib.aff2axcodes(img.affine)), case["label"]))
+    # the files checked include an unset qform and an unset sform, a non-RAS voxel order and the
+    # oblique case
+    assert any(q == 0 for (q, _), _, _ in seen) and any(s == 0 for (_, s), _, _ in seen), seen
+    assert any(axes != "RAS" for _, axes, _ in seen) and any(name.endswith("label0002.nii.gz") for _, _, name in seen), seen
+
+
+def test_liver_on_the_patients_right_in_a_dicom_series_lps(dataset, tmp_path):
+    # DICOM's patient coordinates are LPS+: +x points to the patient's LEFT, so the liver lies at
+    # x below the midline. Each labelled case's label map is written as a CT series the way the
+    # generator writes its DICOM case (write_ct_series, from the NIfTI affine), and the liver is
+    # placed twice: by the DICOM rule from the headers alone (pixel (r, c) at ImagePositionPatient
+    # + r * PixelSpacing[0] * column direction + c * PixelSpacing[1] * row direction), and by
+    # read_series' RAS affine (x above the midline there).
+    import pydicom
+
+    from hsmla_med.data.synthetic.dicom_series import write_ct_series
+    from hsmla_med.io.dicom import read_series
+
+    root, meta = dataset
+    ras_to_lps = np.array([-1.0, -1.0, 1.0])
+    for index, case in enumerate(_labelled(meta)):
+        img, label = _load(root, case["label"])
+        files = write_ct_series(tmp_path / str(index), label.astype(np.int16), img.affine, np.random.default_rng(index), f"P{index}")
+        midline = _body_centre(root, case["image"])
+        points = {6: [], 1: []}
+        for ds in map(pydicom.dcmread, files):
+            row, col = np.array(ds.ImageOrientationPatient[:3], float), np.array(ds.ImageOrientationPatient[3:], float)
+            for k, found in points.items():
+                r, c = np.nonzero(ds.pixel_array == k)
+                found.append(np.asarray(ds.ImagePositionPatient, float) + np.outer(r * float(ds.PixelSpacing[0]), col)
+                             + np.outer(c * float(ds.PixelSpacing[1]), row))
+        liver, spleen = (np.concatenate(points[k]).mean(0)[0] for k in (6, 1))
+        lps_midline = (ras_to_lps * midline)[0]
+        assert liver < lps_midline - 10 and spleen > lps_midline + 10, (case["label"], liver, lps_midline, spleen)
+
+        volume, affine = read_series(files)
+        liver, spleen = (nib.affines.apply_affine(affine, np.argwhere(volume == k).mean(0))[0] for k in (6, 1))
+        assert liver > midline[0] + 10 and spleen < midline[0] - 10, (case["label"], liver, midline[0], spleen)
 
 
 def test_monai_loads_and_reorients_a_non_ras_case(dataset):
@@ -150,7 +222,7 @@ def test_monai_loads_and_reorients_a_non_ras_case(dataset):
     assert nib.aff2axcodes(np.asarray(out["image"].affine)) == ("R", "A", "S")
     label = out["label"][0].numpy()
     x = {k: np.argwhere(label == k)[:, 0].mean() for k in (1, 6)}
-    assert x[6] < x[1]  # in the RAS array the liver has the smaller x index
+    assert x[6] > x[1]  # in the RAS array the liver (patient's right, +x) has the larger x index
 
 
 def test_same_seed_same_bytes_other_seed_differs(dataset, tmp_path):

@@ -96,7 +96,9 @@ _HEADER_CODES = ((1, 1), (0, 2), (1, 0), (2, 1))
 _OBLIQUE_CASE = 2  # this case's voxel axes are rotated against the world's (gantry tilt, oblique plan)
 _OBLIQUE_DEGREES = (12.0, 6.0)  # about z (feet-head) and about x (tilt)
 _JSON_NAME = "dataset_0.json"  # MONAI's BTCV datalist
-_GENERATOR_VERSION = 3  # 2: dataset_0.json, header codes 0 and 2, an oblique case; 3: the first test case also as a DICOM series
+# 2: dataset_0.json, header codes 0 and 2, an oblique case; 3: the first test case also as a DICOM
+# series; 4: the anatomy mirrored to the patient's true sides (liver right, RAS x > 0), see _ANATOMY
+_GENERATOR_VERSION = 4
 
 
 class _Ellipsoid(NamedTuple):
@@ -112,27 +114,31 @@ class _Tube(NamedTuple):
     radii: tuple[float, float]  # at the first and last point
 
 
-# Anatomy of a nominal patient in RAS+ millimetres (x: towards the patient's left, y: anterior,
-# z: head), body centred at x = y = 0, field of view z in -75..75 mm, body semi-axes 85 x 65 mm.
+# Anatomy of a nominal patient in RAS+ millimetres, NIfTI's world (x: towards the patient's RIGHT,
+# y: anterior, z: head; DICOM's LPS negates x and y), body centred at x = y = 0, field of view z in
+# -75..75 mm, body semi-axes 85 x 65 mm. :func:`_phantom` paints on a voxel grid along +x, +y, +z
+# and :func:`_case`'s affine maps it so (flips and rotations keep the world position), so the
+# liver (x > 0) lies on the patient's right. (Up to version 3 x and the yaws had the opposite
+# sign, LAS: every case was the mirror image of a patient.)
 # Listed in painting order: later structures overwrite earlier ones where they overlap, so small
 # ones come late and stay visible (and each case is checked to keep enough voxels of each).
 _BODY_SEMI_AXES = (85.0, 65.0)
 _FOV_Z = 150.0
 _ANATOMY: tuple[_Ellipsoid | _Tube, ...] = (
-    _Ellipsoid(6, (-32.0, 6.0, 26.0), (40.0, 34.0, 46.0), 15.0),  # liver: right, upper
-    _Ellipsoid(1, (48.0, -12.0, 28.0), (15.0, 27.0, 32.0), -35.0),  # spleen: left, posterior
+    _Ellipsoid(6, (32.0, 6.0, 26.0), (40.0, 34.0, 46.0), -15.0),  # liver: right, upper
+    _Ellipsoid(1, (-48.0, -12.0, 28.0), (15.0, 27.0, 32.0), 35.0),  # spleen: left, posterior
     # Esophagus before the stomach, which covers its lower end as the cardia would.
-    _Tube(5, ((16.0, 16.0, 44.0), (12.0, 14.0, 66.0), (8.0, 10.0, 92.0)), (9.0, 9.0)),  # esophagus
-    _Ellipsoid(7, (26.0, 22.0, 28.0), (26.0, 19.0, 28.0), 30.0),  # stomach: left, anterior
-    _Ellipsoid(2, (-42.0, -22.0, -16.0), (15.0, 18.0, 34.0), -20.0),  # right kidney
-    _Ellipsoid(3, (42.0, -22.0, -8.0), (15.0, 18.0, 34.0), 20.0),  # left kidney
-    _Tube(11, ((-16.0, 14.0, -10.0), (6.0, 16.0, -2.0), (40.0, 0.0, 14.0)), (14.0, 10.0)),  # pancreas
-    _Ellipsoid(4, (-34.0, 30.0, -2.0), (13.0, 14.0, 20.0), 10.0),  # gallbladder: under the liver
-    _Tube(8, ((5.0, -6.0, -90.0), (3.0, -6.0, 0.0), (6.0, -4.0, 90.0)), (10.0, 11.0)),  # aorta
-    _Tube(9, ((-20.0, -3.0, -90.0), (-22.0, -2.0, 0.0), (-20.0, 0.0, 70.0)), (11.0, 11.0)),  # IVC
-    _Tube(10, ((-24.0, 8.0, 14.0), (2.0, 2.0, -8.0), (40.0, -10.0, 20.0)), (8.0, 8.0)),  # portal/splenic vein
-    _Ellipsoid(12, (-30.0, -22.0, 26.0), (12.0, 10.0, 18.0), 20.0),  # right adrenal gland
-    _Ellipsoid(13, (28.0, -22.0, 28.0), (12.0, 10.0, 18.0), -20.0),  # left adrenal gland
+    _Tube(5, ((-16.0, 16.0, 44.0), (-12.0, 14.0, 66.0), (-8.0, 10.0, 92.0)), (9.0, 9.0)),  # esophagus
+    _Ellipsoid(7, (-26.0, 22.0, 28.0), (26.0, 19.0, 28.0), -30.0),  # stomach: left, anterior
+    _Ellipsoid(2, (42.0, -22.0, -16.0), (15.0, 18.0, 34.0), 20.0),  # right kidney
+    _Ellipsoid(3, (-42.0, -22.0, -8.0), (15.0, 18.0, 34.0), -20.0),  # left kidney
+    _Tube(11, ((16.0, 14.0, -10.0), (-6.0, 16.0, -2.0), (-40.0, 0.0, 14.0)), (14.0, 10.0)),  # pancreas
+    _Ellipsoid(4, (34.0, 30.0, -2.0), (13.0, 14.0, 20.0), -10.0),  # gallbladder: under the liver
+    _Tube(8, ((-5.0, -6.0, -90.0), (-3.0, -6.0, 0.0), (-6.0, -4.0, 90.0)), (10.0, 11.0)),  # aorta
+    _Tube(9, ((20.0, -3.0, -90.0), (22.0, -2.0, 0.0), (20.0, 0.0, 70.0)), (11.0, 11.0)),  # IVC
+    _Tube(10, ((24.0, 8.0, 14.0), (-2.0, 2.0, -8.0), (-40.0, -10.0, 20.0)), (8.0, 8.0)),  # portal/splenic vein
+    _Ellipsoid(12, (30.0, -22.0, 26.0), (12.0, 10.0, 18.0), -20.0),  # right adrenal gland
+    _Ellipsoid(13, (-28.0, -22.0, 28.0), (12.0, 10.0, 18.0), 20.0),  # left adrenal gland
 )
 
 
