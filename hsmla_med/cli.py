@@ -116,9 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="folder for the predictions")
     p.add_argument("--series-uid", metavar="UID", help="btcv, luna16: the DICOM series (SeriesInstanceUID) to read in an --input folder "
                    "that holds files of several series (refused without it, listing them)")
-    p.add_argument("--series-rules", metavar="F", help="btcv: a YAML or JSON file of rules that pick the DICOM series to segment by their "
+    p.add_argument("--series-rules", metavar="F", help="btcv, luna16: a YAML or JSON file of rules that pick the DICOM series to read by their "
                    "attributes, in MONAI Deploy's format ({selections: [{name, conditions: {Modality: '(?i)CT', SeriesDescription: "
-                   "REGEX, ImageType: [ORIGINAL, PRIMARY]}}]}); default: the checkpoint's inference.series_selection")
+                   "REGEX, ImageType: [ORIGINAL, PRIMARY]}}]}); default (btcv): the checkpoint's inference.series_selection")
     p.add_argument("--tta", action="store_true", help="mirroring test-time augmentation")
     overlaps = ", ".join(f"{n} {c['inference']['overlap']}" for n in TASKS if "overlap" in (c := task_config(n))["inference"])
     p.add_argument("--overlap", type=float, help=f"sliding-window overlap in [0, 1) (default: the checkpoint's; as trained by default: {overlaps})")

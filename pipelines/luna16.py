@@ -45,9 +45,9 @@ from hsmla_med.data.volume_crops import crop_and_augment, roi_size, spatial_dims
 from hsmla_med.engine.base import hparams
 from hsmla_med.engine.datamodule import CaseDataModule
 from hsmla_med.engine.detection import DetectionModule, scan_candidates
-from hsmla_med.errors import ConfigError, DataError
+from hsmla_med.errors import ConfigError, DataError, InputError
 from hsmla_med.io import atomic_path, write_json
-from hsmla_med.io.dicom import DicomSeries, find_series, is_dicom_file, select_series
+from hsmla_med.io.dicom import DicomSeries, SeriesRules, find_series, is_dicom_file, select_series
 from hsmla_med.metrics.detection import FP_RATES, MAX_MARKS, froc_band, froc_curve, nodule_froc, submission_froc, submission_matches
 from hsmla_med.pipelines.task import InferenceOptions, Task, input_files, predict_cases, synthetic_root
 
@@ -194,16 +194,16 @@ def held_out(cases: Datalist) -> list[list[str]]:
     return [[c["image"] for c in cases.validation]]
 
 
-def _scan_inputs(folder: Path, series_uid: str | None = None) -> list[Path | DicomSeries]:
+def _scan_inputs(folder: Path, series_uid: str | None = None, rules: SeriesRules | None = None) -> list[Path | DicomSeries]:
     """The MetaImage scans under an input folder (any depth), else its DICOM image series (one
     scan per series: :func:`~hsmla_med.io.dicom.select_series`, several series in one folder
-    need ``series_uid``)."""
+    need ``series_uid`` or selection ``rules``)."""
     if any(folder.rglob("*.mhd")):
         return list(find_scans(folder).values())
     series = find_series(folder)
     if not series:
         raise DataError(f"{folder}: no MetaImage scans (*.mhd) and no DICOM image series in the input folder")
-    return select_series(series, folder, series_uid)
+    return select_series(series, folder, series_uid, rules)
 
 
 def _series_of(file: Path) -> DicomSeries:
@@ -234,7 +234,7 @@ def infer(
     The inputs (a path or a list): MetaImage scans (a ``.mhd``, a folder searched recursively),
     or DICOM series, as LIDC-IDRI distributes LUNA16's scans (a series folder, a folder of series
     folders, a single DICOM file for its series; a folder holding files of several series needs
-    ``options.series_uid``, :func:`_scan_inputs`). A series' seriesuid is its
+    ``options.series_uid`` or ``options.series_rules``, :func:`_scan_inputs`). A series' seriesuid is its
     SeriesInstanceUID, so that the submission is scored against LUNA16's annotations.
 
     Runs in Lightning's predict loop (:func:`predict_cases`: scans split over processes and
@@ -247,7 +247,8 @@ def infer(
     cfg = module.config
     inference = options.apply(cfg["inference"])
     folder = Path(output) / CANDIDATES
-    items = [_case(source, folder, inference) for source in input_files(inputs, lambda root: _scan_inputs(root, options.series_uid))]
+    rules = SeriesRules(options.series_rules, "--series-rules", InputError) if options.series_rules is not None else None
+    items = [_case(source, folder, inference) for source in input_files(inputs, lambda root: _scan_inputs(root, options.series_uid, rules))]
 
     def write(case: dict) -> list[Path]:
         found = scan_candidates(case["probs"][1].numpy(), case["image"].affine, inference, voxel_to_lps)

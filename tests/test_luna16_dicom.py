@@ -146,8 +146,9 @@ def test_infer_on_a_series_finds_the_metaimage_candidates_named_by_its_uid(scan,
     np.testing.assert_allclose(rows, from_mhd[1], rtol=0, atol=2e-3)  # the CSV's 3 decimals; the series' affine is float32
 
 
-def test_a_folder_of_two_series_is_refused_unless_series_uid_picks_one(checkpoint, tmp_path, capsys):
-    """One line naming both series (exit status 2); ``--series-uid`` reads the one it names."""
+def test_a_folder_of_two_series_is_refused_unless_series_uid_or_rules_pick_one(checkpoint, tmp_path, capsys):
+    """One line naming both series (exit status 2); ``--series-uid`` reads the one it names,
+    ``--series-rules`` the one its conditions match."""
     folder = tmp_path / "two"
     small = _scan((24, 24, 6))
     affine = _ras_affine()
@@ -161,6 +162,11 @@ def test_a_folder_of_two_series_is_refused_unless_series_uid_picks_one(checkpoin
     assert not (tmp_path / "pred" / "candidates").exists()
     assert main([*argv, "--series-uid", uids[1]]) == 0
     assert [p.stem for p in (tmp_path / "pred" / "candidates").glob("*.csv")] == [uids[1]]
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("selections: [{name: first, conditions: {SeriesNumber: 1}}]\n")
+    argv[-1] = str(tmp_path / "by-rules")
+    assert main([*argv, "--series-rules", str(rules)]) == 0
+    assert [p.stem for p in (tmp_path / "by-rules" / "candidates").glob("*.csv")] == [uids[0]]
 
 
 def test_a_series_submission_is_scored_against_annotations_of_its_uid(scan, tmp_path):
