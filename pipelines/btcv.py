@@ -31,7 +31,7 @@ from hsmla_med.inference.geometry import UNCROPPED_BACKGROUND, write_labels, wri
 from hsmla_med.metrics.summary import write_reports
 from hsmla_med.inference.postprocessing import apply_postprocessing
 from hsmla_med.io import is_temporary
-from hsmla_med.io.dicom import DicomSeries, SeriesRules, find_series, is_dicom_file, select_series
+from hsmla_med.io.dicom import DicomSeries, SeriesRules, find_series, is_dicom_file, select_series, series_of
 from hsmla_med.io.dicom_seg import SEG_SUFFIX, is_seg_file, write_seg
 from hsmla_med.pipelines.task import InferenceOptions, Task, input_files, predict_cases, synthetic_root
 
@@ -187,7 +187,7 @@ def _case(source: Path | DicomSeries, output: Path, inference: dict) -> dict:
     series). A series is loaded from its sorted files (``image``; kept as ``dicom_files`` for
     writers that reference the source instances) and named by :attr:`DicomSeries.name`."""
     if isinstance(source, Path) and is_dicom_file(source):
-        source = next(s for s in find_series(source.parent) if source in s.files)
+        source = series_of(source)
     if isinstance(source, DicomSeries):
         files = [str(f) for f in source.files]
         return {"name": source.name, "image": files, "dicom_files": files, "source": str(source.folder),

@@ -47,7 +47,7 @@ from hsmla_med.engine.datamodule import CaseDataModule
 from hsmla_med.engine.detection import DetectionModule, scan_candidates
 from hsmla_med.errors import ConfigError, DataError, InputError
 from hsmla_med.io import atomic_path, write_json
-from hsmla_med.io.dicom import DicomSeries, SeriesRules, find_series, is_dicom_file, select_series
+from hsmla_med.io.dicom import DicomSeries, SeriesRules, find_series, is_dicom_file, select_series, series_of
 from hsmla_med.metrics.detection import FP_RATES, MAX_MARKS, froc_band, froc_curve, nodule_froc, submission_froc, submission_matches
 from hsmla_med.pipelines.task import InferenceOptions, Task, input_files, predict_cases, synthetic_root
 
@@ -206,20 +206,12 @@ def _scan_inputs(folder: Path, series_uid: str | None = None, rules: SeriesRules
     return select_series(series, folder, series_uid, rules)
 
 
-def _series_of(file: Path) -> DicomSeries:
-    """The series of a DICOM file given alone (found in its folder)."""
-    found = next((s for s in find_series(file.parent) if file.resolve() in {f.resolve() for f in s.files}), None)
-    if found is None:
-        raise DataError(f"{file}: not a slice of a DICOM image series (an image with a position and orientation in the patient)")
-    return found
-
-
 def _case(source: Path | DicomSeries, folder: Path, inference: dict) -> dict:
     """The ``infer`` item of a MetaImage scan (named by its file, LUNA16's seriesuid) or a DICOM
     series (a DICOM file given alone: its series), named by its SeriesInstanceUID, the seriesuid
     of LUNA16's CSVs, and loaded from its files in slice order."""
     if isinstance(source, Path) and is_dicom_file(source):
-        source = _series_of(source)
+        source = series_of(source)
     name, image = (source.uid, [str(f) for f in source.files]) if isinstance(source, DicomSeries) else (source.stem, str(source))
     return {"name": name, "image": image, "output": folder / f"{name}.csv", "inference": inference}
 

@@ -183,3 +183,14 @@ def test_cli_infer_picks_the_series_of_the_rules_file(tmp_path, capsys, tiny_btc
     assert written == ["P_20240101_3_Abdomen-VENOUS-2.5mm.nii.gz"]
     volume, affine = read_series(next(s for s in find_series(tmp_path / "study") if s.uid == uids["Abdomen VENOUS 2.5mm"]))
     assert nib.load(str(tmp_path / "out" / written[0])).shape == volume.shape
+
+
+def test_cli_infer_on_a_lone_non_image_dicom_file_is_one_line(tmp_path, capsys, tiny_btcv_checkpoint):
+    """A report (SR) given as --input is no slice of any series: one line, not a StopIteration traceback."""
+    files = write_ct_series(tmp_path / "study", np.zeros((8, 6, 3), np.int16), np.eye(4), np.random.default_rng(0), "P")
+    ds = pydicom.dcmread(files[0])
+    ds.Modality = "SR"
+    ds.save_as(tmp_path / "study" / "report.dcm")
+    line = cli_error(capsys, ["infer", "--task", "btcv", "--checkpoint", tiny_btcv_checkpoint, "--input", str(tmp_path / "study" / "report.dcm"),
+                              "--output", str(tmp_path / "out")])
+    assert "report.dcm: not a slice of a DICOM image series" in line

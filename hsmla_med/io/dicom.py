@@ -29,7 +29,7 @@ from pydicom.errors import InvalidDicomError
 
 from hsmla_med.errors import DataError
 
-__all__ = ["DicomSeries", "DicomSeriesReader", "SeriesRules", "find_series", "select_series", "series_in", "read_series", "series_geometry",
+__all__ = ["DicomSeries", "DicomSeriesReader", "SeriesRules", "find_series", "series_of", "select_series", "series_in", "read_series", "series_geometry",
            "is_dicom_file"]
 
 log = logging.getLogger(__name__)
@@ -121,6 +121,16 @@ def find_series(folder: str | Path) -> list[DicomSeries]:
     series.sort(key=lambda s: (str(s.folder), _number(s.number), s.uid))
     _name_uniquely(series)
     return series
+
+
+def series_of(file: str | Path) -> DicomSeries:
+    """The series of a DICOM file given alone (found among the series of its folder); a
+    :class:`DataError` for a file that is no slice of an image series (a SEG, a report)."""
+    file = Path(file)
+    found = next((s for s in find_series(file.parent) if file.resolve() in {f.resolve() for f in s.files}), None)
+    if found is None:
+        raise DataError(f"{file}: not a slice of a DICOM image series (an image with a position and orientation in the patient)")
+    return found
 
 
 def _number(value: str) -> float:
