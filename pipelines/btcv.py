@@ -16,7 +16,7 @@ from monai.bundle import ConfigParser
 from monai.transforms import Compose
 
 from hsmla_med.data.checks import CheckCased, LoadCased
-from hsmla_med.data.datalist import Datalist, case_name, load_datalist, read_header, read_json
+from hsmla_med.data.datalist import _NIFTI, Datalist, case_name, channel_groups, channels_grid, load_datalist, read_header, read_json
 from hsmla_med.data.splits import fold_datalist
 from hsmla_med.data.synthetic.btcv import generate_btcv
 from hsmla_med.data.volume_crops import crop_and_augment, roi_size, spatial_dims
@@ -120,24 +120,26 @@ def preprocessing_items(data: dict, keys: Sequence[str] = ("image",)) -> tuple[l
 
 
 def preprocessing(data: dict, in_channels: int, num_classes: int, keys: Sequence[str] = ("image", "label"),
-                  label_names: Sequence[str] | None = None) -> list:
+                  label_names: Sequence[str] | None = None, label_values: Sequence[int] | None = None) -> list:
     """Load, check, then :func:`preprocessing_items` instantiated by MONAI's ``ConfigParser``
     (the parser the bundle runs under). ``label_names`` (the dataset's) value the segments of
-    DICOM SEG labels (:class:`~hsmla_med.data.checks.LoadCased`)."""
+    DICOM SEG labels (:class:`~hsmla_med.data.checks.LoadCased`); ``label_values``: those a
+    label may hold where they are not ``0..num_classes - 1`` (ignore label, regions)."""
     imports, items = preprocessing_items(data, keys)
     parser = ConfigParser({"imports": imports, "preprocessing": items})
     parser.get_parsed_content("imports")  # the modules the items' expressions name
     return [
         LoadCased(list(keys), ensure_channel_first=True, image_only=True, label_names=label_names),
-        CheckCased(in_channels, num_classes),
+        CheckCased(in_channels, num_classes, label_values=label_values),
         *parser.get_parsed_content("preprocessing"),
     ]
 
 
-def transforms(config: dict, in_channels: int, num_classes: int, label_names: Sequence[str] | None = None) -> tuple[Compose, Compose]:
+def transforms(config: dict, in_channels: int, num_classes: int, label_names: Sequence[str] | None = None,
+               label_values: Sequence[int] | None = None) -> tuple[Compose, Compose]:
     """Training and validation transforms: :func:`preprocessing`, then for training
     :func:`crop_and_augment`."""
-    pre = preprocessing(config["data"], in_channels, num_classes, label_names=label_names)
+    pre = preprocessing(config["data"], in_channels, num_classes, label_names=label_names, label_values=label_values)
     return Compose(pre + crop_and_augment(config)), Compose(pre)
 
 
@@ -148,8 +150,10 @@ def module_config(config: dict, model: dict, label_names: Sequence[str], in_chan
     return hparams(config, model, label_names, spatial_dims(config), in_channels, inference, data)
 
 
-def datamodule(config: dict, cases: Datalist, in_channels: int = 1) -> CaseDataModule:
-    train, val = transforms(config, in_channels, cases.num_classes, cases.label_names)
+def datamodule(config: dict, cases: Datalist, in_channels: int | None = None) -> CaseDataModule:
+    """The cases' data, with the dataset's input channels unless ``in_channels`` is given."""
+    train, val = transforms(config, cases.channels if in_channels is None else in_channels, cases.num_classes, cases.label_names,
+                            cases.label_values())
     data = config["data"]
     return CaseDataModule(cases.training, cases.validation, train, val, data["batch_size"], data["num_workers"], data["cache_rate"])
 
@@ -158,7 +162,8 @@ def held_out(cases: Datalist) -> list[str]:
     """The volumes ``demo`` segments after training: validation and test images, and the
     synthetic dataset's DICOM series (``test_dicom``: a test case again, as a PACS exports it)."""
     dicom = read_json(cases.source).get("test_dicom", []) if cases.synthetic and cases.source else []
-    return [c["image"] for c in cases.validation + cases.test] + [str(cases.source.parent / d) for d in dicom]
+    images = [c["image"] for c in cases.validation + cases.test]  # (several channels: a list of files, infer groups them again)
+    return [f for image in images for f in (image if isinstance(image, list) else [image])] + [str(cases.source.parent / d) for d in dicom]
 
 
 def _volume_inputs(folder: Path, series_uid: str | None = None, rules: SeriesRules | None = None) -> list[Path | DicomSeries]:
@@ -186,6 +191,11 @@ def _case(source: Path | DicomSeries, output: Path, inference: dict) -> dict:
     """The ``infer`` item of a NIfTI file or a DICOM series (a DICOM file given alone: its
     series). A series is loaded from its sorted files (``image``; kept as ``dicom_files`` for
     writers that reference the source instances) and named by :attr:`DicomSeries.name`."""
+    if isinstance(source, list):  # a case's channel files (CASE_0000.nii.gz, ...): one grid
+        channels_grid(source)
+        name = case_name(source)
+        return {"name": name, "image": [str(f) for f in source], "source": str(source[0]), "output": output / f"{name}.nii.gz",
+                "inference": inference}
     if isinstance(source, Path) and is_dicom_file(source):
         source = series_of(source)
     if isinstance(source, DicomSeries):
@@ -194,6 +204,16 @@ def _case(source: Path | DicomSeries, output: Path, inference: dict) -> dict:
                 "output": output / f"{source.name}.nii.gz", "inference": inference}
     read_header(source)  # an unreadable header or an affine that places no voxel: one line, before any work
     return {"name": case_name(source), "image": str(source), "source": str(source), "output": output / f"{case_name(source)}.nii.gz", "inference": inference}
+
+
+def _channel_cases(sources: list, channels: int) -> list:
+    """The inputs of a model of several input channels: NIfTI files grouped into cases
+    (:func:`~hsmla_med.data.datalist.channel_groups`), a case of one file (4D) as that file."""
+    series = next((s for s in sources if not (isinstance(s, Path) and _NIFTI.search(s.name))), None)
+    if series is not None:
+        raise DataError(f"{getattr(series, 'folder', series)}: the model takes {channels} input channels, one NIfTI file each "
+                        "(CASE_0000.nii.gz, CASE_0001.nii.gz, ...); a DICOM series is one channel")
+    return [group if len(group) > 1 else group[0] for group in channel_groups(sources, channels)]
 
 
 def _seg_outputs(items: list[dict], output: Path) -> None:
@@ -230,7 +250,10 @@ def infer(
     pre = Compose(preprocessing(cfg["data"], cfg["in_channels"], len(module.label_names), keys=("image",)))
     output = Path(output)
     rules = _series_rules(options, inference)
-    items = [_case(f, output, inference) for f in input_files(inputs, lambda folder: _volume_inputs(folder, options.series_uid, rules))]
+    sources = input_files(inputs, lambda folder: _volume_inputs(folder, options.series_uid, rules))
+    if cfg["in_channels"] > 1:
+        sources = _channel_cases(sources, cfg["in_channels"])
+    items = [_case(f, output, inference) for f in sources]
     seg = "dicom-seg" in options.output_formats
     if seg:
         _seg_outputs(items, output)
@@ -306,6 +329,11 @@ class BTCV(Task):
     inputs = "NIfTI volumes (.nii, .nii.gz) or DICOM series (a series folder, or a folder of series folders)"
     outputs = "OUTPUT/<case>.nii.gz label maps with each input's shape and affine (a DICOM series: also or instead <case>.seg.dcm, --output-format)"
     postprocesses = True
+
+    def dataset_config(self, cases: Datalist) -> dict:
+        """The dataset's input channels and label kinds (ignore label, regions:
+        :meth:`~hsmla_med.data.datalist.Datalist.label_config`)."""
+        return {"in_channels": cases.channels, **cases.label_config()}
 
     def evaluation_outputs(self, module: SegmentationModule, output: Path, options: dict) -> None:
         """``evaluate --checkpoint`` writes each validation case's label map in its original

@@ -339,7 +339,12 @@ class Task(ABC):
     def build_module(self, config: dict, model: dict, cases: Datalist) -> GatedModule:
         """The module of a new run; its checkpoints keep the fold it trains on (``split``:
         :func:`~hsmla_med.data.splits.fold_cases`' record, with the case IDs of both sides)."""
-        return self.module_class({**self.module_config(config, model, cases.label_names), "split": cases.split})
+        return self.module_class({**self.module_config(config, model, cases.label_names), **self.dataset_config(cases), "split": cases.split})
+
+    def dataset_config(self, cases: Datalist) -> dict:
+        """What a new module's config takes from the dataset beyond its label names (a task
+        whose datasets vary in input channels or label kinds); by default nothing."""
+        return {}
 
     def evaluation_config(self, config: dict, module: GatedModule) -> dict:
         """``config`` with the data preparation of ``module``'s training (a checkpoint is

@@ -91,12 +91,16 @@ class CheckCased(MapTransform):
             spatial dims (a volume; a 2D image is refused).
         num_classes: label values must be integers in ``0..num_classes - 1``.
         image_key, label_key: dictionary keys; a missing label (inference) is not checked.
+        label_values: the values a label may hold instead (a dataset with an ignore label or
+            regions: :meth:`~hsmla_med.data.datalist.Datalist.label_values`).
     """
 
-    def __init__(self, in_channels: int, num_classes: int, image_key: Hashable = "image", label_key: Hashable = "label") -> None:
+    def __init__(self, in_channels: int, num_classes: int, image_key: Hashable = "image", label_key: Hashable = "label",
+                 label_values: Sequence[int] | None = None) -> None:
         super().__init__([image_key], allow_missing_keys=True)
         self.in_channels, self.num_classes = in_channels, num_classes
         self.image_key, self.label_key = image_key, label_key
+        self.label_values = sorted(label_values) if label_values is not None else list(range(num_classes))
 
     def __call__(self, data: Mapping) -> dict:
         image = data[self.image_key]
@@ -112,10 +116,9 @@ class CheckCased(MapTransform):
             if label.shape[0] != 1:
                 raise DataError(f"{source_file(label)}: a label map has one channel, got {label.shape[0]}")
             values = torch.unique(label)
-            bad = values[(values < 0) | (values >= self.num_classes) | (values != values.round())]
+            bad = values[~torch.isin(values, torch.tensor(self.label_values, dtype=values.dtype, device=values.device))]
             if bad.numel():
                 shown = ", ".join(f"{v:g}" for v in bad[:8].tolist())
-                raise DataError(
-                    f"{source_file(label)}: label value(s) {shown} outside the dataset's labels 0..{self.num_classes - 1}"
-                )
+                allowed = f"0..{self.num_classes - 1}" if self.label_values == list(range(self.num_classes)) else str(self.label_values)
+                raise DataError(f"{source_file(label)}: label value(s) {shown} outside the dataset's labels {allowed}")
         return dict(data)

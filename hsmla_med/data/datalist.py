@@ -8,6 +8,14 @@ Three layouts describe the same thing, a list of image/label pairs and the label
 - nnU-Net v2 (``labels`` ``{"background": 0, ...}``, no lists: ``imagesTr/CASE_0000.nii.gz``
   pairs with ``labelsTr/CASE.nii.gz``).
 
+Several input channels: ``channel_names`` (nnU-Net v2, ``{"0": "T1", "1": "T2"}``) or
+``modality`` (MSD) give their number; a case's image is then the list of its channel files
+(``CASE_0000.nii.gz``, ``CASE_0001.nii.gz``, ... in the folders; a list per entry in the JSON's
+lists; or one 4D file), which MONAI's ``LoadImaged`` stacks channel first. nnU-Net v2's label
+kinds are read too (:func:`label_spec`): an ``ignore`` label (the highest value: voxels that
+count in neither loss nor metrics) and region labels (``"tumour_core": [2, 3]`` with
+``regions_class_order``).
+
 :func:`load_datalist` reads either into one :class:`Datalist` (the lists through MONAI's
 ``load_decathlon_datalist``), checks that every file exists, that each affine places voxels
 (finite, no zero spacing) and that each image and label agree in shape and affine (headers only,
@@ -27,7 +35,8 @@ from monai.data import load_decathlon_datalist
 
 from hsmla_med.errors import DataError
 
-__all__ = ["Datalist", "load_datalist", "find_dataset_json", "read_json", "read_header", "image_series", "check_affine", "case_name", "check_pair"]
+__all__ = ["Datalist", "load_datalist", "label_spec", "channel_groups", "find_dataset_json", "read_json", "read_header", "channels_grid", "image_series", "check_affine",
+           "case_name", "check_pair"]
 
 _JSON_NAMES = ("dataset.json", "dataset_0.json")
 _NIFTI = re.compile(r"\.nii(\.gz)?$")
@@ -36,7 +45,13 @@ _CHANNEL_SUFFIX = re.compile(r"_\d{4}$")  # nnU-Net's modality index, CASE_0000
 
 @dataclass
 class Datalist:
-    """Cases of a dataset: dicts ``{"image": path, "label": path}`` (``test``: no label)."""
+    """Cases of a dataset: dicts ``{"image": path, "label": path}`` (``test``: no label); with
+    several ``channels`` the image is the list of a case's channel files (or one 4D file).
+
+    ``label_names``: the classes the network predicts, background first (with ``regions``: the
+    background and the regions); ``ignore_label``: the label value whose voxels count in
+    neither loss nor metrics, or ``None``; ``regions``: each region's label values, in the order
+    of ``label_names[1:]``, and ``regions_class_order`` the value each one writes (nnU-Net v2)."""
 
     label_names: list[str]
     training: list[dict] = field(default_factory=list)
@@ -45,14 +60,30 @@ class Datalist:
     source: Path | None = None
     synthetic: bool = False
     split: dict | None = None  # the fold these lists are (hsmla_med.data.splits.fold_cases' record)
+    channels: int = 1
+    ignore_label: int | None = None
+    regions: list[list[int]] | None = None
+    regions_class_order: list[int] | None = None
 
     @property
     def num_classes(self) -> int:
         return len(self.label_names)
 
+    def label_values(self) -> list[int]:
+        """Every value a label map of the dataset may hold (the ignore label's included)."""
+        values = sorted({0, *(v for r in self.regions for v in r)}) if self.regions else list(range(self.num_classes))
+        return values + ([self.ignore_label] if self.ignore_label is not None else [])
 
-def case_name(path: str | Path) -> str:
-    """``img0001`` for ``img0001.nii.gz``; nnU-Net's channel suffix is dropped (``case_0000``)."""
+    def label_config(self) -> dict:
+        """What a module's config keeps of the labels beyond their names (its loss, its label
+        maps and its scores depend on them)."""
+        return {"ignore_label": self.ignore_label, "regions": self.regions, "regions_class_order": self.regions_class_order}
+
+
+def case_name(path: str | Path | list) -> str:
+    """``img0001`` for ``img0001.nii.gz``; nnU-Net's channel suffix is dropped (``case_0000``);
+    a list of channel files is named by its first."""
+    path = path[0] if isinstance(path, (list, tuple)) else path
     return _CHANNEL_SUFFIX.sub("", _NIFTI.sub("", Path(path).name))
 
 
@@ -81,27 +112,81 @@ def read_json(path: Path) -> dict:
     return data
 
 
-def _label_names(labels, path: Path) -> list[str]:
-    """Names indexed by label value from MSD ``{"1": "spleen"}`` or nnU-Net ``{"spleen": 1}``."""
+IGNORE = "ignore"  # nnU-Net v2's name of the ignore label
+
+
+def _label_value(value, path: Path) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) and not (isinstance(value, str) and value.strip().isdigit()):
+        raise DataError(f"{path}: 'labels' values must be integers (label values) or names, got {value!r}")
+    return int(value)
+
+
+def label_spec(meta: dict, path: Path) -> tuple[list[str], int | None, list[list[int]] | None, list[int] | None]:
+    """The classes of a dataset JSON: ``(names, ignore_label, regions, regions_class_order)``.
+
+    ``labels`` is MSD's ``{"1": "spleen"}`` or nnU-Net v2's ``{"spleen": 1}``, values
+    ``0..N-1`` without gaps (``names`` by value). nnU-Net v2 also has an ``"ignore"`` label,
+    the highest value (left out of ``names``), and regions: labels whose value is a list
+    (``"tumour_core": [2, 3]``), with ``regions_class_order`` (one label value per foreground
+    region, the value its voxels get in a label map); then ``names`` is the background and the
+    regions in the JSON's order, and ``regions`` their label values."""
+    labels = meta.get("labels")
     if not isinstance(labels, dict) or not labels:
         raise DataError(f"{path}: 'labels' must be a non-empty mapping of label values and names")
-    try:
-        if all(str(k).strip().isdigit() for k in labels):
-            by_value = {int(k): str(v) for k, v in labels.items()}
-        else:  # nnU-Net v2; region-based entries (lists of values) are not plain labels
-            by_value = {int(v): str(k) for k, v in labels.items()}
-    except (TypeError, ValueError):
-        raise DataError(f"{path}: 'labels' values must be integers (label values) or names") from None
-    if sorted(by_value) != list(range(len(by_value))):
-        raise DataError(f"{path}: label values must be 0..{len(by_value) - 1} without gaps, got {sorted(by_value)}")
-    return [by_value[i] for i in range(len(by_value))]
+    if all(str(k).strip().isdigit() for k in labels):  # MSD: value -> name
+        by_name = {str(v): _label_value(k, path) for k, v in labels.items()}
+    else:  # nnU-Net v2: name -> value, or -> list of values (a region)
+        by_name = {str(k): [_label_value(x, path) for x in v] if isinstance(v, list) else _label_value(v, path) for k, v in labels.items()}
+    ignore = by_name.pop(IGNORE, None)
+    if isinstance(ignore, list):
+        raise DataError(f"{path}: the '{IGNORE}' label is one label value, got {ignore!r}")
+    if any(isinstance(v, list) for v in by_name.values()):
+        names, regions, order = _regions(by_name, meta.get("regions_class_order"), path)
+    else:
+        by_value = {v: k for k, v in by_name.items()}
+        if len(by_value) != len(by_name) or sorted(by_value) != list(range(len(by_value))):
+            raise DataError(f"{path}: label values must be 0..{len(by_name) - 1} without gaps or repeats, got {sorted(by_name.values())}")
+        names, regions, order = [by_value[i] for i in range(len(by_value))], None, None
+    highest = max(v for r in (regions or [[len(names) - 1]]) for v in r)
+    if ignore is not None and ignore <= highest:
+        raise DataError(f"{path}: the '{IGNORE}' label must have the highest label value (above {highest}), got {ignore}")
+    return names, ignore, regions, order
+
+
+def _regions(by_name: dict, order, path: Path) -> tuple[list[str], list[list[int]], list[int]]:
+    """Names, label values and ``regions_class_order`` of a region-based ``labels``."""
+    if by_name.get("background") != 0:
+        raise DataError(f"{path}: region-based labels need \"background\": 0")
+    regions = {k: v if isinstance(v, list) else [v] for k, v in by_name.items() if k != "background"}
+    if not isinstance(order, list) or len(order) != len(regions) or not all(isinstance(v, int) and not isinstance(v, bool) for v in order):
+        raise DataError(f"{path}: region-based labels need 'regions_class_order', one label value per region ({len(regions)}), got {order!r}")
+    for name, values in regions.items():
+        if not values or min(values) < 1:
+            raise DataError(f"{path}: region {name!r} must list label values above 0, got {values}")
+    return ["background", *regions], list(regions.values()), list(order)
+
+
+def _label_names(labels, path: Path) -> list[str]:
+    """The class names of a ``labels`` mapping (:func:`label_spec`)."""
+    return label_spec({"labels": labels}, path)[0]
+
+
+def _channels(meta: dict, path: Path) -> int:
+    """Input channels: the entries of nnU-Net v2's ``channel_names`` or MSD's ``modality``
+    (``{"0": "T1", "1": "T2"}``); 1 without either."""
+    names = meta.get("channel_names", meta.get("modality"))
+    if names is None:
+        return 1
+    if not isinstance(names, dict) or sorted(str(k) for k in names) != sorted(str(i) for i in range(len(names))) or not names:
+        raise DataError(f"{path}: 'channel_names' / 'modality' must map channel indices 0..C-1 to names, got {names!r}")
+    return len(names)
 
 
 def _entry_error(path: Path, key: str, fields: tuple[str, ...], entry) -> DataError:
     return DataError(f"{path}: each '{key}' entry needs {' and '.join(fields)}, got {entry!r}")
 
 
-def _listed(data_dir: Path, path: Path, meta: dict, key: str, fields: tuple[str, ...]) -> list[dict]:
+def _listed(data_dir: Path, path: Path, meta: dict, key: str, fields: tuple[str, ...], channels: int = 1) -> list[dict]:
     """The cases of the JSON's ``key`` list (``training``, ``validation``, ``test``), paths
     resolved against ``data_dir`` by MONAI's ``load_decathlon_datalist`` (what MONAI's BTCV
     tutorial reads ``dataset_0.json`` with), then checked here: MONAI passes entries of the
@@ -115,38 +200,62 @@ def _listed(data_dir: Path, path: Path, meta: dict, key: str, fields: tuple[str,
         resolved = load_decathlon_datalist(path, is_segmentation=True, data_list_key=key, base_dir=data_dir)
     except TypeError:  # an entry that is not a mapping (MONAI's test lists may be plain paths)
         raise _entry_error(path, key, fields, next(e for e in entries if not isinstance(e, dict))) from None
-    return [_checked(entry, original, path, key, fields) for entry, original in zip(resolved, entries)]
+    return [_checked(entry, original, path, key, fields, channels) for entry, original in zip(resolved, entries)]
 
 
-def _checked(entry: dict, original, path: Path, key: str, fields: tuple[str, ...]) -> dict:
-    """One resolved entry as ``{field: existing file}``; ``original`` is the entry as written."""
+def _checked(entry: dict, original, path: Path, key: str, fields: tuple[str, ...], channels: int = 1) -> dict:
+    """One resolved entry as ``{field: existing file}`` (an image of several channels: the list
+    of its files, one per channel, or one file that holds them all); ``original`` is the entry
+    as written."""
     written = original if isinstance(original, dict) else {"image": original}  # a test list's plain path
     if any(k not in written for k in fields):
         raise _entry_error(path, key, fields, original)
     case = {}
     for field_name in fields:
         value, resolved = written[field_name], entry[field_name]
-        if isinstance(value, list):  # MSD allows one file per modality; this project reads one
-            if len(value) != 1:
-                raise DataError(f"{path}: multi-file {field_name} entries are not supported: {value!r}")
-            value, resolved = value[0], resolved[0]
-        if not isinstance(value, str) or not value:
-            raise DataError(f"{path}: {field_name} entries must be file paths (strings), got {value!r}")
-        if not Path(resolved).is_file() and not (field_name == "image" and Path(resolved).is_dir()):  # a folder: a DICOM series
-            raise DataError(f"{resolved}: {field_name} file listed in {path.name} not found")
+        if isinstance(value, list):  # MSD: one file per modality
+            allowed = {1, channels} if field_name == "image" else {1}
+            if len(value) not in allowed:
+                raise DataError(f"{path}: a {field_name} entry lists {len(value)} files, the dataset has {channels} channel(s) "
+                                f"('channel_names' / 'modality'): {value!r}")
+            if len(value) == 1:
+                value, resolved = value[0], resolved[0]
+        for one, file in zip(*((value, resolved) if isinstance(value, list) else ([value], [resolved]))):
+            if not isinstance(one, str) or not one:
+                raise DataError(f"{path}: {field_name} entries must be file paths (strings), got {one!r}")
+            if not Path(file).is_file() and not (field_name == "image" and Path(file).is_dir()):  # a folder: a DICOM series
+                raise DataError(f"{file}: {field_name} file listed in {path.name} not found")
         case[field_name] = resolved
     return case
 
 
-def _pair_folders(data_dir: Path, path: Path) -> list[dict]:
-    """nnU-Net v2: ``imagesTr/CASE_0000.nii.gz`` with ``labelsTr/CASE.nii.gz``."""
-    images = sorted(p for p in (data_dir / "imagesTr").glob("*") if _NIFTI.search(p.name))
+def channel_groups(files, channels: int) -> list[list[Path]]:
+    """NIfTI files grouped into cases by :func:`case_name`, each case's files in channel order
+    (nnU-Net's ``CASE_0000``, ``CASE_0001``, ...); :class:`DataError` naming a case that does not
+    have exactly ``channels`` files with the suffixes ``_0000`` to ``_{channels - 1:04d}``. A
+    file without a channel suffix is a case alone (MSD's 4D file of every channel)."""
+    groups: dict[str, list[Path]] = {}
+    for file in sorted(Path(f) for f in files):
+        groups.setdefault(case_name(file), []).append(file)
+    for name, group in groups.items():
+        suffixes = [_NIFTI.sub("", f.name)[len(name):] for f in group]
+        expected = [f"_{i:04d}" for i in range(channels)]
+        if channels > 1 and suffixes not in (expected, [""]):
+            raise DataError(f"{group[0].parent / name}: the case has channel files {', '.join(f.name for f in group)}; the dataset has "
+                            f"{channels} channels, one file each: {name}{expected[0]} to {name}{expected[-1]} (.nii.gz)")
+    return list(groups.values())
+
+
+def _pair_folders(data_dir: Path, path: Path, channels: int = 1) -> list[dict]:
+    """nnU-Net v2: ``imagesTr/CASE_0000.nii.gz`` (and ``CASE_0001.nii.gz``, ... with several
+    channels) with ``labelsTr/CASE.nii.gz``."""
+    images = [p for p in (data_dir / "imagesTr").glob("*") if _NIFTI.search(p.name)]
     cases = []
-    for image in images:
-        label = data_dir / "labelsTr" / (case_name(image) + _NIFTI.search(image.name).group(0))
+    for group in channel_groups(images, channels) if channels > 1 else [[p] for p in sorted(images)]:
+        label = data_dir / "labelsTr" / (case_name(group[0]) + _NIFTI.search(group[0].name).group(0))
         if not label.is_file():
-            raise DataError(f"{image}: no label file {label} for this image")
-        cases.append({"image": str(image), "label": str(label)})
+            raise DataError(f"{group[0]}: no label file {label} for this image")
+        cases.append({"image": [str(p) for p in group] if len(group) > 1 else str(group[0]), "label": str(label)})
     if not cases:
         raise DataError(f"{path}: no 'training' list and no NIfTI images in {data_dir / 'imagesTr'}")
     return cases
@@ -197,6 +306,25 @@ def check_affine(affine: np.ndarray, path: str | Path) -> None:
         raise DataError(f"{path}: the header's affine (qform/sform) is singular: its voxel axes are not independent")
 
 
+def _one_line(affine: np.ndarray) -> str:
+    return np.array2string(np.asarray(affine), precision=3, separator=",").replace("\n", "")
+
+
+def channels_grid(image: str | Path | list, atol: float = 1e-3) -> tuple[tuple[int, ...], np.ndarray]:
+    """Shape and affine of a case's image (:func:`read_header`); a list of channel files must
+    share them, else a :class:`DataError` naming the first file that differs from the first."""
+    first, *others = image if isinstance(image, list) else [image]
+    shape, affine = read_header(first)
+    for other in others:
+        other_shape, other_affine = read_header(other)
+        if other_shape != shape:
+            raise DataError(f"{other}: channel file of shape {other_shape}, the case's first channel {Path(first).name} has {shape}")
+        if not np.allclose(other_affine, affine, atol=atol):
+            raise DataError(f"{other}: channel file affine {_one_line(other_affine)} differs from the case's first channel "
+                            f"{Path(first).name}'s {_one_line(affine)}")
+    return shape, affine
+
+
 def check_pair(case: dict, atol: float = 1e-3) -> None:
     """Image and label must cover the same voxels: same spatial shape and affine; a DICOM SEG
     label must reference the case's image series (it is read onto that series' grid)."""
@@ -204,17 +332,19 @@ def check_pair(case: dict, atol: float = 1e-3) -> None:
 
     if is_seg_file(case["label"]):
         uid = referenced_series_uid(case["label"])
-        if not Path(case["image"]).is_dir() or (image_uid := image_series(case["image"]).uid) != uid:
-            image = f"series {image_uid}" if Path(case["image"]).is_dir() else "no DICOM series"
+        series = not isinstance(case["image"], list) and Path(case["image"]).is_dir()  # (a list: channel files)
+        if not series or (image_uid := image_series(case["image"]).uid) != uid:
+            image = f"series {image_uid}" if series else "no DICOM series"
             raise DataError(f"{case['label']}: a DICOM SEG label of series {uid}, but its image {case['image']} is {image}")
         return
-    image_shape, image_affine = read_header(case["image"])
+    image = case["image"][0] if isinstance(case["image"], list) else case["image"]
+    image_shape, image_affine = channels_grid(case["image"], atol)
     label_shape, label_affine = read_header(case["label"])
     if image_shape[:3] != label_shape[:3]:
-        raise DataError(f"{case['label']}: label shape {label_shape} does not match image shape {image_shape} ({case['image']})")
+        raise DataError(f"{case['label']}: label shape {label_shape} does not match image shape {image_shape} ({image})")
     if not np.allclose(image_affine, label_affine, atol=atol):
         raise DataError(
-            f"{case['label']}: label affine does not match the image's ({case['image']}):\n"
+            f"{case['label']}: label affine does not match the image's ({image}):\n"
             f"{np.array2string(label_affine, precision=3)}\nvs\n{np.array2string(image_affine, precision=3)}"
         )
 
@@ -234,15 +364,17 @@ def load_datalist(data_dir: str | Path, dataset_json: str | None = None) -> Data
     meta = read_json(path)
     if "labels" not in meta:
         raise DataError(f"{path}: missing 'labels' (label value → name)")
-    names = _label_names(meta["labels"], path)
+    names, ignore, regions, order = label_spec(meta, path)
+    channels = _channels(meta, path)
     pair = ("image", "label")
-    training = _listed(data_dir, path, meta, "training", pair) if "training" in meta else _pair_folders(data_dir, path)
-    validation = _listed(data_dir, path, meta, "validation", pair)
-    test = _listed(data_dir, path, meta, "test", ("image",))
+    training = _listed(data_dir, path, meta, "training", pair, channels) if "training" in meta else _pair_folders(data_dir, path, channels)
+    validation = _listed(data_dir, path, meta, "validation", pair, channels)
+    test = _listed(data_dir, path, meta, "test", ("image",), channels)
     if not training:
         raise DataError(f"{path}: the dataset lists no training cases")
     if len(training) + len(validation) < 2:
         raise DataError(f"{path}: need at least two cases to hold one out for validation")
     for case in training + validation:
         check_pair(case)
-    return Datalist(names, training, validation, test, path, bool(meta.get("synthetic", False)))
+    return Datalist(names, training, validation, test, path, bool(meta.get("synthetic", False)),
+                    channels=channels, ignore_label=ignore, regions=regions, regions_class_order=order)
