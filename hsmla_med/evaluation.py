@@ -15,6 +15,10 @@ A reference or a prediction may also be a DICOM SEG (``X.seg.dcm`` or ``X.dcm``,
 references (:func:`~hsmla_med.io.dicom_seg.read_seg`), which is looked for by its Series
 Instance UID under one folder, ``--dicom`` (default: the labels folder, any depth), and its
 segments take the label values of their names in the dataset JSON's ``labels`` (required then).
+
+nnU-Net v2's label kinds in the dataset JSON are scored as nnU-Net scores them: voxels under the
+reference's ``ignore`` label are not counted, and region labels (``"tumour_core": [2, 3]``) are
+scored as regions, each the voxels holding any of its values.
 """
 
 from __future__ import annotations
@@ -22,14 +26,15 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import nibabel as nib
 import numpy as np
 
 # (private helpers of the dataset JSON reader, reused so both read `labels` and file names alike)
-from hsmla_med.data.datalist import _NIFTI, _label_names, case_name, read_header, read_json
+from hsmla_med.data.datalist import _NIFTI, case_name, label_spec, read_header, read_json
 from hsmla_med.errors import DataError, InputError
 from hsmla_med.io import is_temporary
 from hsmla_med.metrics.summary import absent_class, case_metrics, summarize_cases, write_reports
@@ -154,13 +159,15 @@ def check_nsd_tolerance(value, name: str, error: type[Exception] = InputError) -
     return float(value)
 
 
-def score_prediction(reference: Path, prediction: np.ndarray, classes: Sequence[int], nsd_tolerance: float,
-                     prediction_file: str, image: Path | None = None, label_names: Sequence[str] | None = None) -> dict:
+def score_prediction(reference: Path, prediction: np.ndarray, classes: Sequence[int] | Mapping[int, Sequence[int]], nsd_tolerance: float,
+                     prediction_file: str, image: Path | None = None, label_names: Sequence[str] | None = None,
+                     ignore_label: int | None = None) -> dict:
     """One case of ``summary.json``: ``prediction``, a label map on the voxel grid of the label
     file ``reference`` (validation brings it there: :func:`~hsmla_med.inference.geometry.labels_in_input_geometry`),
     scored against that file at the voxel spacing of its own affine, for each of ``classes``. A
     DICOM SEG ``reference`` is read onto the grid of ``image``, the series folder it references,
-    its segments valued by ``label_names`` (the dataset's)."""
+    its segments valued by ``label_names`` (the dataset's). ``classes`` and ``ignore_label`` as
+    :func:`~hsmla_med.metrics.summary.case_metrics` takes them (regions, the voxels not counted)."""
     from hsmla_med.io.dicom_seg import is_seg_file
 
     if is_seg_file(reference):
@@ -177,26 +184,42 @@ def score_prediction(reference: Path, prediction: np.ndarray, classes: Sequence[
         raise DataError(f"{reference}: shape {truth.shape} differs from the prediction's {prediction.shape} in its grid")
     spacing = nib.affines.voxel_sizes(affine).tolist()
     return {"reference_file": str(reference), "prediction_file": prediction_file,
-            "metrics": case_metrics(truth, prediction, classes, spacing, nsd_tolerance)}
+            "metrics": case_metrics(truth, prediction, classes, spacing, nsd_tolerance, ignore_label)}
 
 
-def _foreground(path: Path, data: np.ndarray, names: dict[int, str] | None, dataset_json) -> set[int]:
-    """The non-zero label values of a label map; :class:`DataError` for a value ``names`` lacks."""
+def _foreground(path: Path, data: np.ndarray, allowed: set[int] | None, dataset_json) -> set[int]:
+    """The non-zero label values of a label map; :class:`DataError` for a value not ``allowed``."""
     values = set(np.unique(data).tolist()) - {0}
-    if names is not None and (unknown := sorted(values - set(names))):
+    if allowed is not None and (unknown := sorted(values - allowed)):
         raise DataError(f"{path}: label values {unknown} are not in the labels of {dataset_json}")
     return values
 
 
-def _dataset_labels(dataset_json: Path) -> tuple[dict[int, str], dict[str, str]]:
-    """Foreground class -> name, and the image-name aliases, from a dataset JSON."""
+@dataclass(frozen=True)
+class _DatasetLabels:
+    """What a dataset JSON says of the scores: ``names`` (key -> name) of the scored classes,
+    ``scored`` (their label values: :func:`~hsmla_med.metrics.summary.case_metrics`' ``labels``,
+    a mapping for regions), the non-zero values a label map may hold, the ignore label."""
+
+    names: dict[int, str]
+    scored: list[int] | dict[int, list[int]]
+    allowed: set[int]
+    ignore: int | None
+
+
+def _dataset_labels(dataset_json: Path) -> tuple[_DatasetLabels, dict[str, str]]:
+    """The scored classes (nnU-Net v2's ignore label and regions too: :func:`~hsmla_med.data.datalist.label_spec`),
+    and the image-name aliases, from a dataset JSON."""
     if not dataset_json.is_file():
         raise InputError(f"--dataset-json {dataset_json}: file not found")
     meta = read_json(dataset_json)
     if "labels" not in meta:
         raise DataError(f"{dataset_json}: missing 'labels' (label value -> name)")
-    names = _label_names(meta["labels"], dataset_json)
-    return {i: name for i, name in enumerate(names) if i > 0}, _image_names(meta)
+    names, ignore, regions, _ = label_spec(meta, dataset_json)
+    keyed = {i: name for i, name in enumerate(names) if i > 0}
+    scored = dict(zip(keyed, regions, strict=True)) if regions else list(keyed)
+    allowed = {v for r in regions for v in r} if regions else set(keyed)
+    return _DatasetLabels(keyed, scored, allowed | ({ignore} if ignore is not None else set()), ignore), _image_names(meta)
 
 
 def _seg_series(pairs: list[tuple[Path, Path]], folder: Path) -> dict[Path, list[Path]]:
@@ -258,7 +281,8 @@ def evaluate_folder(predictions: str | Path, labels: str | Path, dataset_json: s
     """
     predictions, labels = Path(predictions), Path(labels)
     check_nsd_tolerance(nsd_tolerance, "--nsd-tolerance")
-    names, aliases = _dataset_labels(Path(dataset_json)) if dataset_json is not None else (None, {})
+    spec, aliases = _dataset_labels(Path(dataset_json)) if dataset_json is not None else (None, {})
+    names = spec.names if spec is not None else None
     pairs = pair_files(predictions, labels, aliases, seg=True)
     seg = next((path for pair in pairs for path in pair if _SEG.search(path.name)), None)
     if seg is not None and names is None:
@@ -268,11 +292,12 @@ def evaluate_folder(predictions: str | Path, labels: str | Path, dataset_json: s
     cases, sizes = [], []
     for (reference, prediction), spacing in zip(pairs, spacings, strict=True):
         ref, pred = _read_label_map(reference, sources, names), _read_label_map(prediction, sources, names)
-        found = _foreground(reference, ref, names, dataset_json) | _foreground(prediction, pred, names, dataset_json)
-        classes = list(names) if names is not None else sorted(found)
+        allowed = spec.allowed if spec is not None else None
+        found = _foreground(reference, ref, allowed, dataset_json) | _foreground(prediction, pred, allowed, dataset_json)
         log.info("scoring %s against %s", prediction.name, reference.name)
         cases.append({"reference_file": str(reference), "prediction_file": str(prediction),
-                      "metrics": case_metrics(ref, pred, classes, spacing.tolist(), nsd_tolerance)})
+                      "metrics": case_metrics(ref, pred, spec.scored if spec is not None else sorted(found), spacing.tolist(), nsd_tolerance,
+                                              spec.ignore if spec is not None else None)})
         sizes.append(ref.size)
     classes = list(names) if names is not None else sorted({k for c in cases for k in c["metrics"]})
     if not classes:

@@ -90,3 +90,86 @@ def test_two_channels_train_and_infer(tmp_path, capsys):
     line = cli_error(capsys, ["infer", "--task", "btcv", "--checkpoint", str(run / "last.ckpt"), "--input", str(data / "imagesTr"),
                               "--output", str(tmp_path / "pred2")])
     assert "case2_0001.nii.gz: channel file of shape (40, 36, 5)" in line
+
+
+# --- the ignore label ------------------------------------------------------------------------
+
+def test_ignore_label_is_read_and_must_be_highest(tmp_path):
+    cases = load_datalist(nnunet_dataset(tmp_path / "data", channels=1, labels={"background": 0, "disc": 1, "bar": 2, "ignore": 3}))
+    assert (cases.label_names, cases.ignore_label, cases.label_values()) == (["background", "disc", "bar"], 3, [0, 1, 2, 3])
+    with pytest.raises(DataError, match="the 'ignore' label must have the highest label value"):
+        load_datalist(nnunet_dataset(tmp_path / "bad", channels=1, labels={"background": 0, "disc": 1, "ignore": 2, "bar": 3}))
+
+
+def test_loss_with_ignore_equals_monai_loss_on_the_other_voxels():
+    """The masked DiceCE equals MONAI's DiceCELoss on the unmasked voxels alone, and the masked
+    voxels get no gradient."""
+    from monai.losses import DiceCELoss
+
+    from hsmla_med.engine.segmentation import masked_dice_ce
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 3, 6, 5, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    label = torch.randint(0, 3, (1, 1, 6, 5, 4), generator=g)
+    label[:, :, :2] = 3  # the ignore label on two planes
+    loss = masked_dice_ce(logits, label, ignore_label=3)
+    loss.backward()
+    valid = label[0, 0] != 3
+    subset = logits.detach()[:, :, valid]  # (1, 3, voxels): the same loss over the counted voxels only
+    reference = DiceCELoss(to_onehot_y=True, softmax=True)(subset, label[:, :, valid])
+    assert float(loss.detach()) == pytest.approx(float(reference), rel=1e-12)
+    assert torch.all(logits.grad[0][:, ~valid] == 0) and torch.any(logits.grad[0][:, valid] != 0)
+
+
+def test_metrics_leave_ignored_voxels_out():
+    """Dice and the counts by hand: a prediction under the ignore label is neither FP nor TN."""
+    from hsmla_med.metrics.summary import case_metrics
+
+    reference = np.zeros((6, 6, 3), np.int64)
+    reference[1:3, 1:3] = 1  # 12 voxels of class 1
+    reference[4:, :, :] = 9  # ignored: 36 voxels
+    prediction = np.zeros_like(reference)
+    prediction[1:3, 1:2] = 1  # 6 true positives
+    prediction[4:, :, :] = 1  # 36 voxels predicted under the ignore label: not counted
+    prediction[0, 0] = 1  # 3 false positives
+    m = case_metrics(reference, prediction, [1], [1.0, 1.0, 1.0], 1.0, ignore_label=9)[1]
+    assert (m["TP"], m["FP"], m["FN"], m["TN"]) == (6, 3, 6, 108 - 36 - 15)
+    assert m["Dice"] == pytest.approx(2 * 6 / (2 * 6 + 3 + 6))
+    unmasked = case_metrics(reference, prediction, [1], [1.0, 1.0, 1.0], 1.0)[1]
+    assert unmasked["FP"] == 39  # without the ignore label they would count
+
+
+def test_ignore_label_trains_and_evaluates(tmp_path):
+    """A dataset with an ignore label trains 2 steps (the network predicts 3 classes, not 4), and
+    evaluate --predictions leaves the ignored voxels out, as by hand."""
+    from hsmla_med.cli import main
+    from hsmla_med.evaluation import evaluate_folder
+    from hsmla_med.pipelines import get_task
+
+    labels = {"background": 0, "disc": 1, "bar": 2, "ignore": 3}
+    data = nnunet_dataset(tmp_path / "data", channels=1, labels=labels)
+    for k in range(3):  # an ignored rim in every label map
+        path = data / "labelsTr" / f"case{k}.nii.gz"
+        label = np.asanyarray(nib.load(str(path)).dataobj).copy()
+        label[:4] = 3
+        write_nifti(path, label, AFFINE)
+    run = tmp_path / "run"
+    assert main(["train", "--task", "btcv", "--data-dir", str(data), "--config", str(tiny_yaml(tmp_path / "tiny.yaml")),
+                 "--max-steps", "2", "--output", str(run)]) == 0
+    module, _ = get_task("btcv").load(run / "last.ckpt")
+    assert module.config["ignore_label"] == 3 and module(torch.zeros(1, 1, 32, 32)).shape[1] == 3
+
+    predictions = tmp_path / "predictions"
+    truth = np.asanyarray(nib.load(str(data / "labelsTr" / "case0.nii.gz")).dataobj)
+    guess = np.where(truth == 3, 1, truth).astype(np.uint8)  # right everywhere, "disc" under the ignore label
+    write_nifti(predictions / "case0.nii.gz", guess, AFFINE)
+    summary = evaluate_folder(predictions, _only(data, tmp_path, "case0"), data / "dataset.json")
+    assert summary["mean"]["1"]["Dice"] == 1.0 and summary["metric_per_case"][0]["metrics"]["1"]["FP"] == 0
+
+
+def _only(data: Path, tmp_path: Path, name: str) -> Path:
+    """A labels folder with one case's label map."""
+    folder = tmp_path / "labels"
+    folder.mkdir()
+    (folder / f"{name}.nii.gz").write_bytes((data / "labelsTr" / f"{name}.nii.gz").read_bytes())
+    return folder

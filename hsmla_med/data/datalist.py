@@ -140,6 +140,9 @@ def label_spec(meta: dict, path: Path) -> tuple[list[str], int | None, list[list
     ignore = by_name.pop(IGNORE, None)
     if isinstance(ignore, list):
         raise DataError(f"{path}: the '{IGNORE}' label is one label value, got {ignore!r}")
+    highest = max((x for v in by_name.values() for x in (v if isinstance(v, list) else [v])), default=0)
+    if ignore is not None and ignore <= highest:
+        raise DataError(f"{path}: the '{IGNORE}' label must have the highest label value (above {highest}), got {ignore}")
     if any(isinstance(v, list) for v in by_name.values()):
         names, regions, order = _regions(by_name, meta.get("regions_class_order"), path)
     else:
@@ -147,9 +150,6 @@ def label_spec(meta: dict, path: Path) -> tuple[list[str], int | None, list[list
         if len(by_value) != len(by_name) or sorted(by_value) != list(range(len(by_value))):
             raise DataError(f"{path}: label values must be 0..{len(by_name) - 1} without gaps or repeats, got {sorted(by_name.values())}")
         names, regions, order = [by_value[i] for i in range(len(by_value))], None, None
-    highest = max(v for r in (regions or [[len(names) - 1]]) for v in r)
-    if ignore is not None and ignore <= highest:
-        raise DataError(f"{path}: the '{IGNORE}' label must have the highest label value (above {highest}), got {ignore}")
     return names, ignore, regions, order
 
 
@@ -164,11 +164,6 @@ def _regions(by_name: dict, order, path: Path) -> tuple[list[str], list[list[int
         if not values or min(values) < 1:
             raise DataError(f"{path}: region {name!r} must list label values above 0, got {values}")
     return ["background", *regions], list(regions.values()), list(order)
-
-
-def _label_names(labels, path: Path) -> list[str]:
-    """The class names of a ``labels`` mapping (:func:`label_spec`)."""
-    return label_spec({"labels": labels}, path)[0]
 
 
 def _channels(meta: dict, path: Path) -> int:

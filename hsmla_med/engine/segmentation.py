@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from monai.data import decollate_batch
-from monai.losses import DiceCELoss
+from monai.losses import DiceCELoss, DiceLoss
 from monai.transforms import Compose
 from torch import nn
 
@@ -23,7 +23,29 @@ from hsmla_med.inference.sliding import accumulation_device, predict_volume
 from hsmla_med.metrics import frame_reference_scores, frame_scores, summarize, summarize_frames
 from hsmla_med.metrics.summary import summarize_cases
 
-__all__ = ["SegmentationModule", "FrameSegmentationModule"]
+__all__ = ["SegmentationModule", "FrameSegmentationModule", "masked_dice_ce"]
+
+
+def masked_dice_ce(logits: torch.Tensor, label: torch.Tensor, ignore_label: int) -> torch.Tensor:
+    """MONAI's ``DiceCELoss(to_onehot_y=True, softmax=True)`` of ``logits`` ``(B, C, *spatial)``
+    against the label map ``label`` ``(B, 1, *spatial)`` over the voxels whose label is not
+    ``ignore_label`` alone (nnU-Net v2's ignore label; MONAI's losses have no ignore index and
+    its ``MaskedDiceLoss`` masks the logits before the softmax, which leaves masked voxels a
+    uniform 1/C in the Dice sums): the masked voxels' probabilities and targets are zeroed after
+    the softmax, so they add nothing to the Dice sums, and the cross-entropy is the mean over the
+    other voxels. Equals ``DiceCELoss`` on the unmasked voxels alone for one item."""
+    valid = label != ignore_label
+    target = torch.where(valid, label, 0).long()
+    mask = valid.to(logits.dtype)
+    probs = torch.softmax(logits, 1) * mask
+    onehot = F.one_hot(target[:, 0], logits.shape[1]).movedim(-1, 1).to(logits.dtype) * mask
+    dice = _DICE(probs, onehot)
+    if not bool(valid.any()):  # a crop of ignored voxels only: no cross-entropy term (0 / 0)
+        return dice
+    return dice + F.cross_entropy(logits, label[:, 0].long(), ignore_index=ignore_label)
+
+
+_DICE = DiceLoss()  # DiceCELoss's Dice term (same smoothing, per item and class, then the mean), on probabilities
 
 
 class SegmentationModule(GatedModule):
@@ -55,11 +77,15 @@ class SegmentationModule(GatedModule):
     def __init__(self, config: dict, network: nn.Module | None = None) -> None:
         super().__init__(config, network, "segmentation")
         self.loss = DiceCELoss(to_onehot_y=True, softmax=True)
+        self.ignore_label = config.get("ignore_label")  # nnU-Net v2's: voxels out of loss and metrics (older checkpoints: none)
         self.validation_output: Path | None = None  # where validation writes its label maps (save_validation)
         self.validation_probabilities = False
 
     def task_loss(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
-        return self.loss(logits, plain(batch["label"]))
+        label = plain(batch["label"])
+        if self.ignore_label is not None:
+            return masked_dice_ce(logits, label, self.ignore_label)
+        return self.loss(logits, label)
 
     def predict_probabilities(self, image: torch.Tensor, inference: dict | None = None) -> torch.Tensor:
         """Class probabilities of whole volumes ``(B, C, H, W, D)`` by sliding windows, with the
@@ -121,7 +147,8 @@ class SegmentationModule(GatedModule):
                 write_probabilities(self.validation_output / f"{name}.npz", probabilities)
             prediction_file = str(write_labels(self.validation_output / f"{name}.nii.gz", labels, source))
         classes = range(1, len(self.label_names))
-        case = score_prediction(label_file, labels, classes, self._nsd_tolerance(), prediction_file, source, self.label_names)
+        case = score_prediction(label_file, labels, classes, self._nsd_tolerance(), prediction_file, source, self.label_names,
+                                self.ignore_label)
         scores = {field: [case["metrics"][c][metric] for c in classes] for field, metric in _FIELDS.items()}
         return {"key": key, **scores, "case": case}
 

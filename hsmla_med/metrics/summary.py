@@ -33,7 +33,7 @@ from __future__ import annotations
 import csv
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -56,21 +56,28 @@ def absent_class(n_voxels: int) -> dict:
             "TP": 0, "FP": 0, "FN": 0, "TN": int(n_voxels), "n_pred": 0, "n_ref": 0}
 
 
-def class_metrics(reference: np.ndarray, prediction: np.ndarray, spacing: Sequence[float], nsd_tolerance: float) -> dict:
+def class_metrics(reference: np.ndarray, prediction: np.ndarray, spacing: Sequence[float], nsd_tolerance: float,
+                  valid: np.ndarray | None = None) -> dict:
     """Metrics of one class of one case from its boolean masks (same shape, 2D or 3D).
 
     Args:
         reference, prediction: boolean masks of the class.
         spacing: voxel size in mm along each array axis.
         nsd_tolerance: NSD tolerance in mm.
+        valid: the voxels that count (nnU-Net's ``~ignore_mask``: those not under the
+            reference's ignore label); the prediction elsewhere is left out of every metric,
+            the distances included. ``None``: all.
     """
+    if valid is not None:
+        prediction = prediction & valid  # the reference is never the class under its ignore label
     # nnU-Net's compute_tp_fp_fn_tn, counted without its temporary masks
     tp = int(np.count_nonzero(reference & prediction))
     n_ref, n_pred = int(np.count_nonzero(reference)), int(np.count_nonzero(prediction))
     fp, fn = n_pred - tp, n_ref - tp
+    counted = reference.size if valid is None else int(np.count_nonzero(valid))
     if tp + fp + fn == 0:
-        return absent_class(reference.size)
-    counts = {"TP": tp, "FP": fp, "FN": fn, "TN": reference.size - tp - fp - fn, "n_pred": n_pred, "n_ref": n_ref}
+        return absent_class(counted)
+    counts = {"TP": tp, "FP": fp, "FN": fn, "TN": counted - tp - fp - fn, "n_pred": n_pred, "n_ref": n_ref}
     if n_ref and n_pred:  # (with one mask empty, HD95 is the diagonal of the whole image)
         reference, prediction = _around_both(reference, prediction)
     ref_t = torch.from_numpy(np.ascontiguousarray(reference, dtype=np.uint8))[None, None]
@@ -105,12 +112,18 @@ def _nsd(reference: torch.Tensor, prediction: torch.Tensor, spacing: Sequence[fl
     return float(nsd[0, 0])
 
 
-def case_metrics(reference: np.ndarray, prediction: np.ndarray, labels: Sequence[int], spacing: Sequence[float],
-                 nsd_tolerance: float) -> dict[int, dict]:
-    """:func:`class_metrics` of every class in ``labels`` for two integer label maps."""
+def case_metrics(reference: np.ndarray, prediction: np.ndarray, labels: Sequence[int] | Mapping[int, Sequence[int]], spacing: Sequence[float],
+                 nsd_tolerance: float, ignore_label: int | None = None) -> dict[int, dict]:
+    """:func:`class_metrics` of every class in ``labels`` for two integer label maps; a mapping
+    ``{key: label values}`` scores regions (nnU-Net v2's region labels: the voxels holding any
+    of the values) under their keys. Voxels whose reference is ``ignore_label`` are not counted
+    (nnU-Net's evaluation)."""
     if reference.shape != prediction.shape:
         raise ValueError(f"reference {reference.shape} and prediction {prediction.shape} differ in shape")
-    return {int(c): class_metrics(reference == c, prediction == c, spacing, nsd_tolerance) for c in labels}
+    valid = None if ignore_label is None else reference != ignore_label
+    regions = labels.items() if isinstance(labels, Mapping) else ((c, [c]) for c in labels)
+    return {int(key): class_metrics(np.isin(reference, values), np.isin(prediction, values), spacing, nsd_tolerance, valid)
+            for key, values in regions}
 
 
 def _nanmean(values: np.ndarray, axis: int) -> np.ndarray:
