@@ -228,7 +228,7 @@ def _train(config: dict, resume: bool = False) -> dict:
 
     from hsmla_med.config import model_config
     from hsmla_med.engine.run import fit
-    from hsmla_med.io import write_yaml
+    from hsmla_med.io import write_json, write_yaml
 
     task = get_task(config["task"])
     output = _writable_folder(config["output"], "--output")
@@ -239,6 +239,11 @@ def _train(config: dict, resume: bool = False) -> dict:
     module = task.build_module(config, model_config(config["model"]), cases)
     if _first_process():
         write_yaml(output / "config.yaml", config)
+        if cases.plan is not None:  # what the data decided, before the first step
+            from hsmla_med.data.plans import PLANS_FILE, plan_lines
+
+            write_json(output / PLANS_FILE, cases.plan)
+            log.info("\n".join(plan_lines(cases.plan, cases.plan["kept"], config, f"{cases.plan['fingerprint']}; {output / PLANS_FILE}")))
     summary = fit(module, task.datamodule(config, cases), output, config["trainer"], resume=resume)
     _print_summary(task, summary, output)
     return summary

@@ -211,6 +211,21 @@ def _crop(value, key):
         raise ConfigError(f"{key} must be null or [top, left, height, width] in whole pixels (offsets >= 0, sizes >= 1), got {value!r}")
 
 
+def _auto_or(check):
+    """``auto`` (a value planned from the data: hsmla_med.data.plans) or what ``check`` accepts."""
+    def checked(value, key):
+        if value != "auto":
+            check(value, key)
+    return checked
+
+
+def _positive_list(length: int):
+    def check(value, key):
+        if not (isinstance(value, list) and len(value) == length and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in value)):
+            raise ConfigError(f"{key} must be auto or a list of {length} positive numbers, got {value!r}")
+    return check
+
+
 def _series_selection(value, key):
     if value is not None:
         from hsmla_med.io.dicom import SeriesRules  # pydicom: imported only for a config that has rules
@@ -230,7 +245,7 @@ def _string(value, key):
 
 _CHECKS = {
     "task": _string,
-    "mode": _choice("2d", "3d"),
+    "mode": _choice("2d", "3d", "auto"),
     "seed": _number(0, integer=True),
     "fold": _number(0, integer=True),
     "output": _string,
@@ -257,7 +272,10 @@ _CHECKS = {
     "trainer.precision": _choice("auto", "32-true", "32", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true"),
     "data.folds": _number(2, integer=True),
     "data.splits_file": _optional_string,
-    "data.batch_size": _number(1, integer=True),
+    "data.batch_size": _auto_or(_number(1, integer=True)),
+    "data.spacing": _auto_or(_positive_list(3)),
+    "data.roi_size_2d": _auto_or(_positive_list(2)),
+    "data.roi_size_3d": _auto_or(_positive_list(3)),
     "data.num_workers": _number(0, integer=True),
     "data.cache_rate": _number(0, 1),
     "data.samples_per_case": _number(1, integer=True),
@@ -268,7 +286,8 @@ _CHECKS = {
     "data.mpp": _number(0, low_open=True, nullable=True),
     "data.crop": _crop,
 }
-_TYPED_BY_CHECK = {"data.crop", "data.splits_file", "inference.series_selection"}  # keys whose check above is their whole type check (their default's type is not)
+_TYPED_BY_CHECK = {"data.crop", "data.splits_file", "inference.series_selection", "data.batch_size", "data.spacing", "data.roi_size_2d",
+                   "data.roi_size_3d"}  # keys whose check above is their whole type check (their default's type is not)
 
 
 def _same_type(value, default, key: str) -> None:

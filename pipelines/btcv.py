@@ -9,6 +9,7 @@ the generic engine's (:mod:`hsmla_med.engine`).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from monai.transforms import Compose
 
 from hsmla_med.data.checks import CheckCased, LoadCased
 from hsmla_med.data.datalist import _NIFTI, Datalist, case_name, channel_groups, channels_grid, load_datalist, read_header, read_json
+from hsmla_med.data.plans import plan_dataset
 from hsmla_med.data.splits import fold_datalist
 from hsmla_med.data.synthetic.btcv import generate_btcv
 from hsmla_med.data.volume_crops import crop_and_augment, roi_size, spatial_dims
@@ -52,16 +54,24 @@ def datalist(config: dict) -> Datalist:
         root = synthetic_root(data, "btcv", "BTCV-format volumes", "phantoms, not patients", lambda root: generate_btcv(
             root, synth["num_train"], synth["num_validation"], synth["num_test"], tuple(synth["shape"]), synth["seed"]))
         cases = load_datalist(root, "dataset_0.json")  # MONAI's BTCV datalist name
-    return fold_datalist(config, cases)  # fold config["fold"] of splits_final.json
+    fold = fold_datalist(config, cases)  # fold config["fold"] of splits_final.json
+    plan = plan_dataset(config, cases, len(fold.training))  # the config's auto values, from the whole dataset
+    if plan is not None:
+        check_config(config)  # the planned values, as a user's would be
+    return replace(fold, plan=plan)
 
 
 def check_config(config: dict) -> None:
     """Refuse preprocessing and window values that cannot train (a reversed CT window, windows
     too small: :func:`preprocessing_items`, :func:`~hsmla_med.data.volume_crops.roi_size`) with
     a :class:`ConfigError` naming the option, before any data is read or generated; likewise an
-    ``inference.nsd_tolerance`` that is no distance."""
-    preprocessing_items(config["data"])
-    roi_size(config)
+    ``inference.nsd_tolerance`` that is no distance. Values left ``auto`` are planned from the
+    data (:func:`~hsmla_med.data.plans.plan_dataset`) and checked then."""
+    data = config["data"]
+    if data["spacing"] != "auto" and data["intensity"]["kind"] != "auto":
+        preprocessing_items(data)
+    if config["mode"] != "auto" and data["roi_size_2d" if spatial_dims(config) == 2 else "roi_size_3d"] != "auto":
+        roi_size(config)
     check_nsd_tolerance(config["inference"].get("nsd_tolerance", DEFAULT_NSD_TOLERANCE), "inference.nsd_tolerance", ConfigError)
 
 
@@ -81,6 +91,14 @@ def _intensity_items(data: dict, keys: list[str]) -> tuple[dict, dict]:
         # a_min < HU is exactly "windowed > 0": the CT crop is the one it always was
         crop["select_fn"] = f"$functools.partial(operator.lt, {float(a_min)!r})"
         return crop, {"_target_": "ScaleIntensityRanged", "keys": "image", "a_min": float(a_min), "a_max": float(a_max), "b_min": 0.0, "b_max": 1.0, "clip": True}
+    if kind == "ct_zscore":  # nnU-Net's CTNormalization: clip, then z-score with the dataset's foreground statistics
+        a_min, a_max, mean, std = (spec.get(k) for k in ("a_min", "a_max", "mean", "std"))
+        if not (all(isinstance(v, (int, float)) for v in (a_min, a_max, mean, std)) and a_min < a_max and std > 0):
+            raise ConfigError(f"data.intensity kind ct_zscore needs a_min < a_max (HU) and mean, std > 0, got {a_min!r}, {a_max!r}, {mean!r}, {std!r}")
+        crop["select_fn"] = f"$functools.partial(operator.lt, {float(a_min)!r})"
+        # one linear map with clipping: clip to [a_min, a_max], then (x - mean) / std
+        return crop, {"_target_": "ScaleIntensityRanged", "keys": "image", "a_min": float(a_min), "a_max": float(a_max),
+                      "b_min": (float(a_min) - mean) / std, "b_max": (float(a_max) - mean) / std, "clip": True}
     if kind == "zscore":
         crop["select_fn"] = "$functools.partial(operator.ne, 0)"
         return crop, {"_target_": "NormalizeIntensityd", "keys": "image", "nonzero": True, "channel_wise": True}
@@ -93,7 +111,7 @@ def _intensity_items(data: dict, keys: list[str]) -> tuple[dict, dict]:
         if not 0 <= lower < upper <= 100:
             raise ConfigError(f"data.intensity.lower and upper must be percentiles with 0 <= lower < upper <= 100, got {lower!r} and {upper!r}")
         return crop, {"_target_": "hsmla_med.data.intensity.ForegroundPercentiled", "keys": "image", "lower": lower, "upper": upper}
-    raise ConfigError(f"data.intensity.kind must be one of ct_window, zscore, zscore_foreground, percentile, got {kind!r}")
+    raise ConfigError(f"data.intensity.kind must be one of ct_window, ct_zscore, zscore, zscore_foreground, percentile (or auto), got {kind!r}")
 
 
 def preprocessing_items(data: dict, keys: Sequence[str] = ("image",)) -> tuple[list[str], list[dict]]:
@@ -263,7 +281,7 @@ def infer(
         source = Path(case["source"])
         # a series' grid is the one its reader gave (MONAI keeps it as original_affine / spatial_shape)
         shape = tuple(int(n) for n in case["image"].meta["spatial_shape"]) if "dicom_files" in case else read_header(source)[0]
-        labels, probabilities = labels_in_input_geometry(case, pre, options.save_probabilities)
+        labels, probabilities = labels_in_input_geometry(case, pre, options.save_probabilities, cfg.get("regions_class_order"))
         labels = apply_postprocessing(labels, options.postprocessing)  # the probabilities stay as predicted
         if labels.shape != tuple(shape[:3]):
             raise RuntimeError(f"{source}: inverted prediction has shape {labels.shape}, expected {shape[:3]}")
@@ -285,12 +303,14 @@ def infer(
     return predict_cases(module, items, pre, write, options)
 
 
-def labels_in_input_geometry(case: dict, transform: Compose, probabilities: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+def labels_in_input_geometry(case: dict, transform: Compose, probabilities: bool = False,
+                             regions_class_order: list[int] | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """The argmax of ``case["probs"]`` (classes on the grid of ``case["image"]``, the output of
     ``transform``) in the input's grid, and with ``probabilities`` every class's probability
     there (:func:`hsmla_med.inference.geometry.labels_in_input_geometry`: one class at a time,
-    background 1 outside the foreground crop)."""
-    return geometry.labels_in_input_geometry(case["probs"], case["image"], transform, probabilities)
+    background 1 outside the foreground crop); a region-based model's label map is built from
+    its regions in ``regions_class_order`` instead, as nnU-Net builds it."""
+    return geometry.labels_in_input_geometry(case["probs"], case["image"], transform, probabilities, regions_class_order)
 
 
 def crossval_score(folds: list[tuple[Datalist, Path]], output: Path, config: dict) -> dict:

@@ -338,8 +338,11 @@ class Task(ABC):
 
     def build_module(self, config: dict, model: dict, cases: Datalist) -> GatedModule:
         """The module of a new run; its checkpoints keep the fold it trains on (``split``:
-        :func:`~hsmla_med.data.splits.fold_cases`' record, with the case IDs of both sides)."""
-        return self.module_class({**self.module_config(config, model, cases.label_names), **self.dataset_config(cases), "split": cases.split})
+        :func:`~hsmla_med.data.splits.fold_cases`' record, with the case IDs of both sides) and
+        the plan of the dataset (``plan``: :func:`~hsmla_med.data.plans.plan_dataset`, ``None``
+        for a task or config without one)."""
+        return self.module_class({**self.module_config(config, model, cases.label_names), **self.dataset_config(cases), "split": cases.split,
+                                  "plan": cases.plan})
 
     def dataset_config(self, cases: Datalist) -> dict:
         """What a new module's config takes from the dataset beyond its label names (a task

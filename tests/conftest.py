@@ -58,10 +58,12 @@ def make_dataset(root: Path, cases: int = 4, shape=(40, 36, 6), affines=None, se
 
 
 TINY = {
+    "mode": "2d",  # the tests' setting, not planned (hsmla_med.data.plans)
     "data": {
         "spacing": [1.5, 1.5, 2.0],
         "roi_size_2d": [32, 32],
         "roi_size_3d": [32, 32, 16],
+        "intensity": {"kind": "ct_window"},  # the phantom's HU, as the tests were written for (not planned)
         "samples_per_case": 2,
         "batch_size": 2,
         "num_workers": 0,

@@ -43,8 +43,8 @@ def _yaml(tmp_path, text: str):
 
 TRAIN_CASES = [  # extra train arguments (a {yaml} placeholder: a --config with that text) -> expected words
     (["--config", "{yaml}trainer: {check_val_every_n_epoch: forty}"], "trainer.check_val_every_n_epoch must be a number"),
-    (["--config", "{yaml}data: {spacing: abc}"], "data.spacing must be a list"),
-    (["--config", "{yaml}data: {spacing: [1, 0, 1]}"], "data.spacing must hold positive numbers"),
+    (["--config", "{yaml}data: {spacing: abc}"], "data.spacing must be auto or a list of 3 positive numbers"),
+    (["--config", "{yaml}data: {spacing: [1, 0, 1]}"], "data.spacing must be auto or a list of 3 positive numbers, got [1, 0, 1]"),
     (["--config", "{yaml}optim: {lr: -1}"], "optim.lr must be > 0"),
     (["--config", "{yaml}data: {folds: 1}"], "data.folds must be >= 2"),
     (["--max-steps", "-5"], "trainer.max_steps must be >= 1"),

@@ -34,7 +34,7 @@ def _image(tmp_path, affine, shape=(31, 26, 9)) -> str:
 @pytest.mark.parametrize("affine", [np.diag([-1.0, -1.2, 3.0, 1.0]), OBLIQUE], ids=["lps-anisotropic", "oblique"])
 def test_invert_equals_invertd_through_the_task_preprocessing(tmp_path, affine):
     """Reorientation, resampling (axis by axis here) and the un-crop; fresh random maps."""
-    pre = Compose(btcv.preprocessing({**task_config("btcv")["data"], "spacing": [1.5, 0.7, 2.0]}, 1, 2, keys=("image",)))
+    pre = Compose(btcv.preprocessing({**task_config("btcv")["data"], "spacing": [1.5, 0.7, 2.0], "intensity": {"kind": "ct_window", "a_min": -175.0, "a_max": 250.0}}, 1, 2, keys=("image",)))
     case = pre({"image": _image(tmp_path, affine)})
     pred = torch.rand(2, *case["image"].shape[1:])
     ours = geometry.invert(pred, case["image"], pre)

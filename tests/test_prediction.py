@@ -80,7 +80,7 @@ def test_labels_one_class_at_a_time_equal_the_argmax_of_every_class(tmp_path):
     inverted). The resampling differs by float rounding, so labels may differ only where the
     two best classes are within that rounding of each other."""
     data = make_dataset(tmp_path / "data", cases=1, shape=(30, 27, 7), affines=[np.diag([-1.0, -1.2, 3.0, 1.0])])
-    pre = Compose(btcv.preprocessing({**task_config("btcv")["data"], "spacing": [1.5, 1.5, 2.0]}, 1, 3, keys=("image",)))
+    pre = Compose(btcv.preprocessing({**task_config("btcv")["data"], "spacing": [1.5, 1.5, 2.0], "intensity": {"kind": "ct_window", "a_min": -175.0, "a_max": 250.0}}, 1, 3, keys=("image",)))
     invert = Invertd("pred", transform=pre, orig_keys="image", nearest_interp=False, to_tensor=True)
     case = pre({"image": str(data / "imagesTr" / "img0000.nii.gz")})
     probs = torch.softmax(torch.randn(3, *case["image"].shape[1:]) * 3, 0)

@@ -42,6 +42,10 @@ from hsmla_med.bench.common import status_kib
 SHAPE, SPACING, CLASSES = (512, 512, 300), (0.8, 0.8, 2.5), 14
 LABEL_NAMES = [f"class{i}" for i in range(CLASSES)]
 MODES = ("all-classes", "per-class")
+# the btcv preprocessing of a CT without a dataset to plan from: the values the task's config
+# held before plans (hsmla_med.data.plans), the ones the earlier tables measured
+CT_CONFIG = {"mode": "2d", "data": {"spacing": [1.5, 1.5, 2.0], "intensity": {"kind": "ct_window", "a_min": -175.0, "a_max": 250.0},
+                                    "roi_size_2d": [256, 256], "batch_size": 2}}
 SERIES_MODE = "series-seg"  # per-class on the volume as a DICOM series, labels written as DICOM SEG
 
 
@@ -87,12 +91,17 @@ def _measure(volume: str, out: str, mode: str) -> dict:
     from hsmla_med.pipelines.task import InferenceOptions
 
     torch.manual_seed(0)
-    config = merge_config(task_config("btcv"), {})
+    config = merge_config(task_config("btcv"), CT_CONFIG)
     module = SegmentationModule(btcv.module_config(config, model_config("b0"), LABEL_NAMES)).eval()
     if mode == "all-classes":
         btcv.labels_in_input_geometry = _all_classes
-        spacing = btcv.Spacingd
-        btcv.Spacingd = lambda *args, dtype=None, **kwargs: spacing(*args, **kwargs)  # MONAI's default float64
+        items = btcv.preprocessing_items
+
+        def float64_spacing(data, keys=("image",)):  # Spacingd without its dtype: MONAI's default float64
+            imports, steps = items(data, keys)
+            return imports, [{k: v for k, v in step.items() if not (step["_target_"] == "Spacingd" and k == "dtype")} for step in steps]
+
+        btcv.preprocessing_items = float64_spacing
     Path(out).mkdir(parents=True, exist_ok=True)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # peak (VmHWM) := current resident set
@@ -170,7 +179,7 @@ def _checkpoint(path: Path) -> Path:
     from hsmla_med.pipelines import btcv
 
     torch.manual_seed(0)
-    config = merge_config(task_config("btcv"), {})
+    config = merge_config(task_config("btcv"), CT_CONFIG)
     module = SegmentationModule(btcv.module_config(config, model_config("b0"), list(BTCV_LABELS.values())))
     torch.save({"hyper_parameters": module.config, "state_dict": module.state_dict(), "epoch": 0, "global_step": 0}, path)
     return path

@@ -131,15 +131,19 @@ def _writable(folder: Path) -> bool:
     return folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)
 
 
-def _location(config: dict, dataset_dir: Path) -> Path:
-    """``data.splits_file``, else beside the dataset, else (read-only dataset) in the run folder."""
-    chosen = config["data"].get("splits_file")
-    if chosen:
-        return Path(chosen).expanduser()
-    beside = dataset_dir / SPLITS_FILE
+def beside_dataset(config: dict, dataset_dir: Path, name: str) -> Path:
+    """Where a file made from a dataset is kept: beside the dataset, else (a read-only
+    dataset) in the run folder, as nnU-Net keeps its files per dataset."""
+    beside = dataset_dir / name
     if beside.is_file() or _writable(dataset_dir):
         return beside
-    return Path(config["output"]) / SPLITS_FILE
+    return Path(config["output"]) / name
+
+
+def _location(config: dict, dataset_dir: Path) -> Path:
+    """``data.splits_file``, else :func:`beside_dataset`."""
+    chosen = config["data"].get("splits_file")
+    return Path(chosen).expanduser() if chosen else beside_dataset(config, dataset_dir, SPLITS_FILE)
 
 
 def fold_cases(
