@@ -12,7 +12,7 @@ instantiate too, after loading; then the sliding window
 (:func:`hsmla_med.inference.sliding.predict_volume`: ``SliceInferer`` for a 2D network, Gaussian
 blending), softmax, ``Invertd`` of every class's probability and the argmax (what
 :func:`hsmla_med.pipelines.btcv.labels_in_input_geometry` computes), saved as uint8 NIfTI in the
-input's geometry. With ``ct_window`` or ``zscore`` intensities it needs MONAI alone; the Otsu
+input's geometry. With ``ct_zscore``, ``ct_window`` or ``zscore`` intensities it needs MONAI alone; the Otsu
 kinds (``zscore_foreground``, ``percentile``) have no MONAI equivalent and name ``hsmla_med``'s
 transforms. EndoVis: the part of the frame that ``infer`` segments, by the function ``infer``
 calls (:func:`hsmla_med.pipelines.endovis.inference_box`, so the bundle needs ``hsmla_med``),
