@@ -60,6 +60,7 @@ class Datalist:
     source: Path | None = None
     synthetic: bool = False
     split: dict | None = None  # the fold these lists are (hsmla_med.data.splits.fold_cases' record)
+    plan: dict | None = None  # the plan its config's auto values took (hsmla_med.data.plans.plan_dataset)
     channels: int = 1
     ignore_label: int | None = None
     regions: list[list[int]] | None = None
