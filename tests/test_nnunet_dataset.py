@@ -101,26 +101,6 @@ def test_ignore_label_is_read_and_must_be_highest(tmp_path):
         load_datalist(nnunet_dataset(tmp_path / "bad", channels=1, labels={"background": 0, "disc": 1, "ignore": 2, "bar": 3}))
 
 
-def test_loss_with_ignore_equals_monai_loss_on_the_other_voxels():
-    """The masked DiceCE equals MONAI's DiceCELoss on the unmasked voxels alone, and the masked
-    voxels get no gradient."""
-    from monai.losses import DiceCELoss
-
-    from hsmla_med.engine.segmentation import masked_dice_ce
-
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(1, 3, 6, 5, 4, generator=g, dtype=torch.float64, requires_grad=True)
-    label = torch.randint(0, 3, (1, 1, 6, 5, 4), generator=g)
-    label[:, :, :2] = 3  # the ignore label on two planes
-    loss = masked_dice_ce(logits, label, ignore_label=3)
-    loss.backward()
-    valid = label[0, 0] != 3
-    subset = logits.detach()[:, :, valid]  # (1, 3, voxels): the same loss over the counted voxels only
-    reference = DiceCELoss(to_onehot_y=True, softmax=True)(subset, label[:, :, valid])
-    assert float(loss.detach()) == pytest.approx(float(reference), rel=1e-12)
-    assert torch.all(logits.grad[0][:, ~valid] == 0) and torch.any(logits.grad[0][:, valid] != 0)
-
-
 def test_metrics_leave_ignored_voxels_out():
     """Dice and the counts by hand: a prediction under the ignore label is neither FP nor TN."""
     from hsmla_med.metrics.summary import case_metrics
@@ -173,3 +153,102 @@ def _only(data: Path, tmp_path: Path, name: str) -> Path:
     folder.mkdir()
     (folder / f"{name}.nii.gz").write_bytes((data / "labelsTr" / f"{name}.nii.gz").read_bytes())
     return folder
+
+
+# --- region labels ----------------------------------------------------------------------------
+
+REGIONS = {"background": 0, "whole": [1, 2, 3], "core": [2, 3], "enhancing": 3}
+
+
+def test_regions_are_read(tmp_path):
+    data = nnunet_dataset(tmp_path / "data", channels=1, labels={"background": 0, "object": [1, 2], "disc": 1}, regions_class_order=[2, 1])
+    cases = load_datalist(data)
+    assert (cases.label_names, cases.regions, cases.regions_class_order) == (["background", "object", "disc"], [[1, 2], [1]], [2, 1])
+    assert cases.label_values() == [0, 1, 2]
+    (data / "dataset.json").write_text(json.dumps({"labels": REGIONS, "channel_names": {"0": "MR"}}))
+    with pytest.raises(DataError, match="region-based labels need 'regions_class_order', one label value per region"):
+        load_datalist(data)
+
+
+def test_region_masks_by_hand():
+    from hsmla_med.engine.segmentation import region_masks
+
+    label = torch.tensor([0, 1, 2, 3, 1]).reshape(1, 1, 5)
+    masks = region_masks(label, [[1, 2, 3], [2, 3], [3]])
+    assert masks[0].tolist() == [[1, 0, 0, 0, 0], [0, 1, 1, 1, 1], [0, 0, 1, 1, 0], [0, 0, 0, 1, 0]]
+
+
+def test_label_map_from_regions_by_hand():
+    """nnU-Net's rule: each region above 0.5 writes its regions_class_order value, later over earlier."""
+    from monai.data import MetaTensor
+    from monai.transforms import Compose, EnsureTyped
+
+    from hsmla_med.inference.geometry import labels_in_input_geometry
+
+    identity = Compose([EnsureTyped("image")])  # nothing to invert: the probabilities' own grid
+    # voxels: nothing / whole only / whole + core / all three / core without whole
+    probs = torch.tensor([[0.9, 0.1, 0.1, 0.1, 0.1],  # the background output: not a region
+                          [0.2, 0.7, 0.8, 0.9, 0.3],
+                          [0.1, 0.4, 0.6, 0.9, 0.7],
+                          [0.1, 0.2, 0.3, 0.8, 0.1]]).reshape(4, 5, 1, 1)
+    labels, _ = labels_in_input_geometry(probs, MetaTensor(torch.zeros(1, 5, 1, 1)), identity, regions_class_order=[1, 2, 3])
+    assert labels[:, 0, 0].tolist() == [0, 1, 2, 3, 2]
+    labels, _ = labels_in_input_geometry(probs, MetaTensor(torch.zeros(1, 5, 1, 1)), identity)
+    assert labels[:, 0, 0].tolist() == [0, 1, 1, 1, 2]  # without regions: the argmax
+
+
+@pytest.mark.parametrize("sigmoid", [False, True], ids=["softmax", "regions"])
+def test_masked_loss_equals_monai_loss_on_the_valid_voxels(sigmoid):
+    """Softmax over one-hot targets and sigmoid over region masks alike: MONAI's losses on the
+    valid voxels alone (float64), no gradient into the others."""
+    import torch.nn.functional as F
+    from monai.losses import DiceCELoss, DiceLoss
+
+    from hsmla_med.engine.segmentation import masked_dice_ce, region_masks
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(1, 4, 6, 5, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    label = torch.randint(0, 4, (1, 1, 6, 5, 4), generator=g)
+    valid = torch.rand(1, 1, 6, 5, 4, generator=g) > 0.3
+    target = region_masks(label, [[1, 2, 3], [2, 3], [3]]) if sigmoid else torch.nn.functional.one_hot(label[:, 0], 4).movedim(-1, 1)
+    target = target.double()
+    loss = masked_dice_ce(logits, target, valid, sigmoid=sigmoid)
+    loss.backward()
+    keep = valid[0, 0]
+    x, y = logits.detach()[:, :, keep], target[:, :, keep]
+    # regions: Dice + BCE per output (MONAI's DiceCELoss would take a softmax CE of several channels)
+    reference = DiceLoss(sigmoid=True)(x, y) + F.binary_cross_entropy_with_logits(x, y) if sigmoid else DiceCELoss(softmax=True)(x, y)
+    assert float(loss.detach()) == pytest.approx(float(reference), rel=1e-12)
+    assert torch.all(logits.grad[0][:, ~keep] == 0) and torch.any(logits.grad[0][:, keep] != 0)
+
+
+def test_regions_train_infer_and_score(tmp_path):
+    """A region-based dataset trains 2 steps with one sigmoid output per region (and the
+    background's), infer writes label values of regions_class_order, validation scores regions."""
+    from hsmla_med.cli import main
+    from hsmla_med.pipelines import get_task
+
+    data = nnunet_dataset(tmp_path / "data", channels=1, labels={"background": 0, "object": [1, 2], "disc": 1}, regions_class_order=[2, 1])
+    run = tmp_path / "run"
+    assert main(["train", "--task", "btcv", "--data-dir", str(data), "--config", str(tiny_yaml(tmp_path / "tiny.yaml")),
+                 "--max-steps", "2", "--output", str(run)]) == 0
+    module, _ = get_task("btcv").load(run / "last.ckpt")
+    assert module.config["regions"] == [[1, 2], [1]] and module(torch.zeros(1, 1, 32, 32)).shape[1] == 3
+    out = tmp_path / "pred"
+    assert main(["infer", "--task", "btcv", "--checkpoint", str(run / "last.ckpt"), "--input", str(data / "imagesTr"),
+                 "--output", str(out), "--save-probabilities"]) == 0
+    labels = np.asanyarray(nib.load(str(out / "case0.nii.gz")).dataobj)
+    probs = np.load(out / "case0.npz")["probabilities"].astype(np.float32)
+    expected = np.where(probs[2] > 0.5, 1, np.where(probs[1] > 0.5, 2, 0))  # disc (written last) over object
+    assert np.array_equal(labels, expected)
+    # validation and evaluate --predictions score regions: object = labels 1 or 2, by hand
+    assert set(json.loads((run / "metrics.json").read_text())["dice_per_class"]) == {"object", "disc"}
+    from hsmla_med.evaluation import evaluate_folder
+
+    (out / "case1.nii.gz").unlink(), (out / "case2.nii.gz").unlink()
+    summary = evaluate_folder(out, _only(data, tmp_path, "case0"), data / "dataset.json", output=tmp_path / "scores")
+    truth = np.asanyarray(nib.load(str(data / "labelsTr" / "case0.nii.gz")).dataobj)
+    for key, values in (("1", [1, 2]), ("2", [1])):
+        a, b = np.isin(truth, values), np.isin(labels, values)
+        dice = 2 * (a & b).sum() / (a.sum() + b.sum()) if a.sum() + b.sum() else None
+        assert summary["metric_per_case"][0]["metrics"][key]["Dice"] == pytest.approx(dice)

@@ -5,6 +5,7 @@ whole frames with Dice and IoU."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -23,26 +24,41 @@ from hsmla_med.inference.sliding import accumulation_device, predict_volume
 from hsmla_med.metrics import frame_reference_scores, frame_scores, summarize, summarize_frames
 from hsmla_med.metrics.summary import summarize_cases
 
-__all__ = ["SegmentationModule", "FrameSegmentationModule", "masked_dice_ce"]
+__all__ = ["SegmentationModule", "FrameSegmentationModule", "masked_dice_ce", "region_masks"]
 
 
-def masked_dice_ce(logits: torch.Tensor, label: torch.Tensor, ignore_label: int) -> torch.Tensor:
-    """MONAI's ``DiceCELoss(to_onehot_y=True, softmax=True)`` of ``logits`` ``(B, C, *spatial)``
-    against the label map ``label`` ``(B, 1, *spatial)`` over the voxels whose label is not
-    ``ignore_label`` alone (nnU-Net v2's ignore label; MONAI's losses have no ignore index and
-    its ``MaskedDiceLoss`` masks the logits before the softmax, which leaves masked voxels a
-    uniform 1/C in the Dice sums): the masked voxels' probabilities and targets are zeroed after
-    the softmax, so they add nothing to the Dice sums, and the cross-entropy is the mean over the
-    other voxels. Equals ``DiceCELoss`` on the unmasked voxels alone for one item."""
-    valid = label != ignore_label
-    target = torch.where(valid, label, 0).long()
+def region_masks(label: torch.Tensor, regions: Sequence[Sequence[int]]) -> torch.Tensor:
+    """The targets of a region-based network (nnU-Net v2's region labels) from a label map
+    ``(B, 1, *spatial)``: float ``(B, 1 + regions, *spatial)``, channel 0 the background (label
+    0; this project's networks keep a first output for it, trained as one more region and not
+    used for the label map), channel ``i`` the voxels whose label is any of ``regions[i - 1]``."""
+    masks = [label == 0] + [torch.isin(label, torch.as_tensor(list(values), device=label.device)) for values in regions]
+    return torch.cat(masks, 1).float()
+
+
+def masked_dice_ce(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, sigmoid: bool = False) -> torch.Tensor:
+    """Dice + cross-entropy of ``logits`` ``(B, C, *spatial)`` against ``target`` ``(B, C,
+    *spatial)`` over the voxels where ``valid`` ``(B, 1, *spatial)`` holds alone (nnU-Net v2's
+    ignore label): MONAI's ``DiceCELoss(softmax=True)`` on a one-hot ``target``; with
+    ``sigmoid``, on region masks, MONAI's ``DiceLoss(sigmoid=True)`` plus the binary
+    cross-entropy of each output (nnU-Net's Dice + BCE of regions: MONAI's ``DiceCELoss`` takes a
+    softmax cross-entropy whenever there is more than one channel, which overlapping regions do
+    not fit). MONAI's losses have no ignore index, and its ``MaskedDiceLoss`` masks the logits
+    before the activation, which leaves masked voxels a probability in the Dice sums; here the
+    probabilities and targets are zeroed after it, so masked voxels add nothing to the Dice sums,
+    and the cross-entropy is the mean over the valid voxels. For one item, equals those losses
+    on the valid voxels alone."""
     mask = valid.to(logits.dtype)
-    probs = torch.softmax(logits, 1) * mask
-    onehot = F.one_hot(target[:, 0], logits.shape[1]).movedim(-1, 1).to(logits.dtype) * mask
-    dice = _DICE(probs, onehot)
+    probs = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, 1)
+    dice = _DICE(probs * mask, target * mask)
     if not bool(valid.any()):  # a crop of ignored voxels only: no cross-entropy term (0 / 0)
         return dice
-    return dice + F.cross_entropy(logits, label[:, 0].long(), ignore_index=ignore_label)
+    if sigmoid:
+        ce = F.binary_cross_entropy_with_logits(logits, target, reduction="none").sum(1, keepdim=True)
+    else:
+        ce = -(target * torch.log_softmax(logits, 1)).sum(1, keepdim=True)
+    per_voxel = logits.shape[1] if sigmoid else 1  # BCE: the mean over channels too, as MONAI's
+    return dice + (ce * mask).sum() / (mask.sum() * per_voxel)
 
 
 _DICE = DiceLoss()  # DiceCELoss's Dice term (same smoothing, per item and class, then the mean), on probabilities
@@ -76,16 +92,23 @@ class SegmentationModule(GatedModule):
 
     def __init__(self, config: dict, network: nn.Module | None = None) -> None:
         super().__init__(config, network, "segmentation")
+        # nnU-Net v2's label kinds (older checkpoints: neither): the ignore label's voxels count
+        # in neither loss nor metrics; regions get one sigmoid output each
+        self.ignore_label = config.get("ignore_label")
+        self.regions, self.regions_class_order = config.get("regions"), config.get("regions_class_order")
         self.loss = DiceCELoss(to_onehot_y=True, softmax=True)
-        self.ignore_label = config.get("ignore_label")  # nnU-Net v2's: voxels out of loss and metrics (older checkpoints: none)
         self.validation_output: Path | None = None  # where validation writes its label maps (save_validation)
         self.validation_probabilities = False
 
     def task_loss(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
         label = plain(batch["label"])
-        if self.ignore_label is not None:
-            return masked_dice_ce(logits, label, self.ignore_label)
-        return self.loss(logits, label)
+        if self.ignore_label is None and not self.regions:
+            return self.loss(logits, label)
+        valid = label != self.ignore_label if self.ignore_label is not None else torch.ones_like(label, dtype=torch.bool)
+        if self.regions:
+            return masked_dice_ce(logits, region_masks(label, self.regions), valid, sigmoid=True)
+        onehot = F.one_hot(torch.where(valid, label, 0)[:, 0].long(), logits.shape[1]).movedim(-1, 1).to(logits.dtype)
+        return masked_dice_ce(logits, onehot, valid)
 
     def predict_probabilities(self, image: torch.Tensor, inference: dict | None = None) -> torch.Tensor:
         """Class probabilities of whole volumes ``(B, C, H, W, D)`` by sliding windows, with the
@@ -102,6 +125,7 @@ class SegmentationModule(GatedModule):
             tta=inference["tta"],
             slab=inference["slab"],
             device=accumulation_device(image, len(self.label_names)),
+            sigmoid=bool(self.regions),
         )
 
     def predict_step(self, batch: dict, batch_idx: int = 0) -> dict:
@@ -138,7 +162,7 @@ class SegmentationModule(GatedModule):
     def _case_record(self, key, probs: torch.Tensor, image, label_file: Path, transform: Compose) -> dict:
         """A volume's record: its prediction in the image file's grid (written when asked)
         scored against ``label_file``."""
-        labels, probabilities = labels_in_input_geometry(probs, image, transform, self.validation_probabilities)
+        labels, probabilities = labels_in_input_geometry(probs, image, transform, self.validation_probabilities, self.regions_class_order)
         source = Path(source_file(image))
         prediction_file = str(source)  # the image predicted from, unless the label map is written
         if self.validation_output is not None:
@@ -147,7 +171,8 @@ class SegmentationModule(GatedModule):
                 write_probabilities(self.validation_output / f"{name}.npz", probabilities)
             prediction_file = str(write_labels(self.validation_output / f"{name}.nii.gz", labels, source))
         classes = range(1, len(self.label_names))
-        case = score_prediction(label_file, labels, classes, self._nsd_tolerance(), prediction_file, source, self.label_names,
+        scored = dict(zip(classes, self.regions, strict=True)) if self.regions else classes  # regions: scored as regions
+        case = score_prediction(label_file, labels, scored, self._nsd_tolerance(), prediction_file, source, self.label_names,
                                 self.ignore_label)
         scores = {field: [case["metrics"][c][metric] for c in classes] for field, metric in _FIELDS.items()}
         return {"key": key, **scores, "case": case}

@@ -124,8 +124,8 @@ def invert(pred: torch.Tensor, image: MetaTensor, transform: Compose, key: Hasha
     return out.as_tensor() if isinstance(out, MetaTensor) else torch.as_tensor(out)
 
 
-def labels_in_input_geometry(probs: torch.Tensor, image: MetaTensor, transform: Compose,
-                             probabilities: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+def labels_in_input_geometry(probs: torch.Tensor, image: MetaTensor, transform: Compose, probabilities: bool = False,
+                             regions_class_order: list[int] | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """The argmax of ``probs`` (``(classes, *spatial)`` on the grid of ``image``, the output of
     ``transform``) in the grid ``transform`` started from, mapping one class at a time back
     through :func:`invert`: two float maps of the input's size at a time instead of one per class
@@ -135,6 +135,10 @@ def labels_in_input_geometry(probs: torch.Tensor, image: MetaTensor, transform: 
 
     Outside a foreground crop the background's probability is :data:`UNCROPPED_BACKGROUND` (1)
     and every other class's 0, as nnU-Net writes them (MONAI's inverse of the crop pads with 0).
+
+    ``regions_class_order`` (a region-based network: ``probs`` are the background's and each
+    region's sigmoid): the label map is nnU-Net's instead, each region's voxels above 0.5 set
+    to its value in ``regions_class_order``, later regions over earlier ones.
     """
     best = labels = stack = None
     for c, p in enumerate(probs):
@@ -143,7 +147,11 @@ def labels_in_input_geometry(probs: torch.Tensor, image: MetaTensor, transform: 
             if stack is None:
                 stack = np.empty((len(probs), *p.shape), np.float16)
             stack[c] = p.numpy()
-        if best is None:
+        if regions_class_order is not None:
+            labels = torch.zeros(p.shape, dtype=torch.uint8) if labels is None else labels
+            if c > 0:  # (channel 0: the background's output, not a region)
+                labels[p > 0.5] = regions_class_order[c - 1]
+        elif best is None:
             best, labels = p.clone(), torch.zeros(p.shape, dtype=torch.uint8)  # p may share the probabilities' memory
         else:
             labels[p > best] = c

@@ -36,8 +36,10 @@ def predict_volume(
     tta: bool = False,
     slab: int = 8,
     device: torch.device | str | None = None,
+    sigmoid: bool = False,
 ) -> torch.Tensor:
-    """Class probabilities ``(B, classes, H, W, D)`` for volumes ``(B, C, H, W, D)``.
+    """Class probabilities ``(B, classes, H, W, D)`` for volumes ``(B, C, H, W, D)`` (with
+    ``sigmoid``: each output's own probability, a region-based network's).
 
     Args:
         network: a network from :mod:`hsmla_med.nn` (or any MONAI-style network) in eval mode.
@@ -76,7 +78,8 @@ def predict_volume(
     probs = None
     for flip in flips:
         x = torch.flip(image, flip) if flip else image
-        p = _softmax_(inferer(x, network).float())
+        logits = inferer(x, network).float()
+        p = logits.sigmoid_() if sigmoid else _softmax_(logits)
         p = torch.flip(p, flip) if flip else p
         probs = p if probs is None else probs.add_(p)
     return probs.div_(len(flips)) if len(flips) > 1 else probs
