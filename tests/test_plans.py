@@ -183,3 +183,14 @@ def test_train_prints_the_plan_and_stores_it_in_plans_json_and_the_checkpoint(tm
     stored = checkpoint["hyper_parameters"]
     assert stored["plan"]["values"] == plan["values"]
     assert stored["data"]["spacing"] == plan["values"]["data.spacing"] and stored["data"]["intensity"]["kind"] == "ct_zscore"
+
+
+def test_the_learning_benchmarks_planned_arm_leaves_every_planned_value_to_the_plan():
+    from hsmla_med.bench.learning import NETWORKS, PLANNED_ARMS, overlay
+    from hsmla_med.data.plans import PLANNED, _get, _is_auto
+
+    for name in PLANNED_ARMS:
+        config = validate_config(merge_config(task_config("btcv"), overlay(NETWORKS[name], 96, 8, planned=True)))
+        assert all(_is_auto(_get(config, key)) for key in PLANNED)
+    hand = merge_config(task_config("btcv"), overlay(NETWORKS["hsmla-b0-unet"], 96, 8))
+    assert not any(_is_auto(_get(hand, key)) for key in ("data.spacing", "data.intensity", "mode", "data.roi_size_2d", "data.batch_size"))

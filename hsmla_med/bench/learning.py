@@ -70,7 +70,11 @@ NETWORKS = {
     "hsmla-b0-unet-s8": {**_UNET, "attention_strides": [8, 16, 32]},
     "hsmla-b0-unet-s8-routing-off": {**_UNET, "attention_strides": [8, 16, 32], "attention": {"routing": "off"}},
     "hsmla-b0-unet-s8-routing-all": {**_UNET, "attention_strides": [8, 16, 32], "attention": {"routing": "all"}},
+    "hsmla-b0-unet-planned": _UNET,
 }
+# trained with no data settings at all: spacing, intensity, crops and batch planned from the data
+# (hsmla_med.data.plans), against the hand-set ones of overlay(); the crops per case stay the default
+PLANNED_ARMS = {"hsmla-b0-unet-planned"}
 # run with every seed (the arms without a routing suffix are the "gate" arms: gate is the default)
 ROUTING_ABLATION = (
     "hsmla-b0-unet", "hsmla-b0-unet-routing-off", "hsmla-b0-unet-routing-all",
@@ -84,14 +88,16 @@ CLASSES = [name for key, name in sorted(LABELS.items()) if key != "0"]
 SPLITS = {"": "validation", "perturbed_": "perturbed"}  # column prefix -> dataset.json list
 
 
-def overlay(model: dict, roi: int, crops: int) -> dict:
+def overlay(model: dict, roi: int, crops: int, planned: bool = False) -> dict:
     """The train config shared by all networks but for ``model``: 2D axial slices at 1 mm,
-    ``crops`` random ``roi`` x ``roi`` crops per step, validation only once at the end."""
+    ``crops`` random ``roi`` x ``roi`` crops per step, validation only once at the end. With
+    ``planned``, no data settings: what the plan of the data gives (``plans.json`` of the run)."""
+    data = {"num_workers": 0} if planned else {"spacing": [1.0, 1.0, 1.0], "intensity": {"kind": INTENSITY}, "roi_size_2d": [roi, roi],
+                                               "samples_per_case": crops, "batch_size": 1, "num_workers": 0}
     return {
-        "mode": "2d",
+        **({} if planned else {"mode": "2d"}),
         "model": model,
-        "data": {"spacing": [1.0, 1.0, 1.0], "intensity": {"kind": INTENSITY}, "roi_size_2d": [roi, roi],
-                 "samples_per_case": crops, "batch_size": 1, "num_workers": 0},
+        "data": data,
         "trainer": {"check_val_every_n_epoch": 1_000_000, "progress_bar": False},
         "inference": {"target_alpha": 0.3},
     }
@@ -169,7 +175,7 @@ class Setup:
     def settings(self, name: str) -> dict:
         """What a run's result depends on besides its seed: a saved result with other settings
         is not reused."""
-        return {"overlay": overlay(NETWORKS[name], self.roi, self.crops), "steps": self.steps, "slices": self.meta["slices"]}
+        return {"overlay": overlay(NETWORKS[name], self.roi, self.crops, name in PLANNED_ARMS), "steps": self.steps, "slices": self.meta["slices"]}
 
 
 def run_one(name: str, seed: int, setup: Setup, folder: Path) -> dict:

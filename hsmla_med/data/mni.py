@@ -164,7 +164,7 @@ def _add(folder: Path, meta: dict, split: str, name: str, image: nib.Nifti1Image
 def _write(folder: Path, slices: int) -> None:
     """Every case, then ``dataset.json`` (the folder is renamed into place only after this)."""
     image, label = _head(*mni_template())
-    meta = {"name": "MNI ICBM152 2009a grey/white matter", "labels": LABELS, "slices": slices,
+    meta = {"name": "MNI ICBM152 2009a grey/white matter", "labels": LABELS, "channel_names": {"0": "T1"}, "slices": slices,
             "training": [], "validation": [], "perturbed": [], "cases": {}}
     for case, centre in enumerate(SLAB_CENTRES):
         name = f"slab{case}"
