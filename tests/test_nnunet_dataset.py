@@ -222,7 +222,7 @@ def test_masked_loss_equals_monai_loss_on_the_valid_voxels(sigmoid):
     assert torch.all(logits.grad[0][:, ~keep] == 0) and torch.any(logits.grad[0][:, keep] != 0)
 
 
-def test_regions_train_infer_and_score(tmp_path):
+def test_regions_train_infer_and_score(tmp_path, capsys):
     """A region-based dataset trains 2 steps with one sigmoid output per region (and the
     background's), infer writes label values of regions_class_order, validation scores regions."""
     from hsmla_med.cli import main
@@ -252,3 +252,6 @@ def test_regions_train_infer_and_score(tmp_path):
         a, b = np.isin(truth, values), np.isin(labels, values)
         dice = 2 * (a & b).sum() / (a.sum() + b.sum()) if a.sum() + b.sum() else None
         assert summary["metric_per_case"][0]["metrics"][key]["Dice"] == pytest.approx(dice)
+    # a bundle would read one file per case and take the argmax: refused in one line
+    line = cli_error(capsys, ["export", "--checkpoint", str(run / "last.ckpt"), "--format", "bundle", "--output", str(tmp_path / "b")])
+    assert "--format bundle: the bundle reads one single-channel file per case and takes the argmax" in line and "predicts regions" in line

@@ -383,6 +383,11 @@ def write_bundle(task, module, output: str | Path, size: Sequence[int] | None = 
 
     if task.name not in BUNDLE_TASKS:
         raise InputError(f"--format bundle: task {task.name} has no volume or frame output; bundles are written for {', '.join(BUNDLE_TASKS)}")
+    if task.name == "btcv" and (module.config.get("regions") or module.config["in_channels"] > 1):
+        # the bundle's inference.json reads one file per case and takes the argmax
+        raise InputError("--format bundle: the bundle reads one single-channel file per case and takes the argmax; this model takes "
+                         f"{module.config['in_channels']} channel(s){' and predicts regions' if module.config.get('regions') else ''}: "
+                         "use --format torchscript or onnx with hsmla-med infer")
     output = Path(output)
     size = input_size(module, size)
     meta = export_metadata(module, size, checkpoint)
