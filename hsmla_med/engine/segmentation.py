@@ -70,6 +70,11 @@ class SegmentationModule(GatedModule):
     Args:
         config: see :class:`~hsmla_med.engine.base.GatedModule`; ``inference`` also holds the
             sliding-window options ``roi_size``, ``overlap``, ``sw_batch_size``, ``tta``, ``slab``.
+            Optional (nnU-Net v2's label kinds, :meth:`~hsmla_med.data.datalist.Datalist.label_config`):
+            ``ignore_label``, the label value left out of loss and metrics; ``regions`` (each
+            foreground output's label values) with ``regions_class_order``: sigmoid outputs
+            trained on region masks (:func:`region_masks`, :func:`masked_dice_ce`), label maps
+            built region by region.
         network: use this network instead of building one from ``config["network"]``.
 
     Batches are dicts with ``image`` ``(B, C, *spatial)`` and ``label`` ``(B, 1, *spatial)``;
