@@ -75,8 +75,9 @@ def _image_names(meta: dict) -> dict[str, str]:
     aliases = {}
     lists = [meta.get(key) for key in ("training", "validation")]
     for entry in [e for entries in lists if isinstance(entries, list) for e in entries]:
-        if isinstance(entry, dict) and isinstance(entry.get("image"), str) and isinstance(entry.get("label"), str):
-            aliases[_NIFTI.sub("", Path(entry["label"]).name)] = case_name(entry["image"])
+        image = entry.get("image") if isinstance(entry, dict) else None  # (a list: a case's channel files, named by the first)
+        if (isinstance(image, str) or isinstance(image, list) and image and isinstance(image[0], str)) and isinstance(entry.get("label"), str):
+            aliases[_NIFTI.sub("", Path(entry["label"]).name)] = case_name(image)
     return aliases
 
 

@@ -68,6 +68,25 @@ def test_msd_list_entries_are_multichannel_cases(tmp_path):
         load_datalist(data)
 
 
+def test_evaluate_pairs_a_prediction_with_the_label_of_its_channel_files(tmp_path):
+    """evaluate --predictions: infer names a multi-channel case after its first channel file
+    (case0), the JSON's list pairs that with its label file of another name (lab0)."""
+    from hsmla_med.evaluation import evaluate_folder
+
+    data = nnunet_dataset(tmp_path / "data", cases=1)
+    labels = tmp_path / "labels"
+    labels.mkdir()
+    (labels / "lab0.nii.gz").write_bytes((data / "labelsTr" / "case0.nii.gz").read_bytes())
+    entry = {"image": ["imagesTr/case0_0000.nii.gz", "imagesTr/case0_0001.nii.gz"], "label": "../labels/lab0.nii.gz"}
+    (data / "dataset.json").write_text(json.dumps({"channel_names": {"0": "a", "1": "b"}, "labels": {"background": 0, "disc": 1, "bar": 2},
+                                                   "training": [entry]}))
+    predictions = tmp_path / "predictions"
+    predictions.mkdir()
+    (predictions / "case0.nii.gz").write_bytes((data / "labelsTr" / "case0.nii.gz").read_bytes())
+    summary = evaluate_folder(predictions, labels, data / "dataset.json")
+    assert summary["foreground_mean"]["Dice"] == 1.0
+
+
 def test_two_channels_train_and_infer(tmp_path, capsys):
     """A 2-channel dataset trains 2 steps; the checkpoint's network takes 2 channels, and infer
     groups an input folder's CASE_000K files into cases; a channel file of another shape is one line."""
