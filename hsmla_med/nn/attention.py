@@ -9,9 +9,9 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from monai.networks.layers.factories import Conv
 
 from hsmla_med.nn import functional as HF
+from hsmla_med.nn.conv import conv_type
 from hsmla_med.nn.dispatch import BACKENDS, BackendChoice, select_backend
 
 __all__ = ["HSMLA", "ROUTING_MODES", "BACKENDS", "calibrate_tau"]
@@ -115,7 +115,7 @@ class HSMLA(nn.Module):
         self.backend = backend
         self.register_buffer("tau", torch.tensor(float(tau)))
 
-        conv = Conv[Conv.CONV, spatial_dims]
+        conv = conv_type(spatial_dims)
         c3 = 3 * in_channels
         self.qkv = conv(in_channels, c3, kernel_size=1, bias=False)
         self.multiscale = nn.ModuleList(conv(c3, c3, k, padding=k // 2, groups=c3) for k in scales)

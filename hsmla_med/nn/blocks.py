@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from monai.networks.layers.factories import Conv, Norm
+from monai.networks.layers.factories import Norm
 from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 from hsmla_med.nn.attention import HSMLA
+from hsmla_med.nn.conv import conv_type
 
 __all__ = ["NORMS", "ChannelLayerNorm", "ConvNormAct", "MBConv", "DSConv", "HSMLABlock"]
 
@@ -50,7 +51,7 @@ class ConvNormAct(nn.Sequential):
         if norm not in NORMS:
             raise ValueError(f"norm must be one of {NORMS}, got {norm!r}.")
         super().__init__(
-            Conv[Conv.CONV, spatial_dims](
+            conv_type(spatial_dims)(
                 in_channels, out_channels, kernel_size, stride=stride, padding=kernel_size // 2, groups=groups, bias=False
             ),
             Norm[Norm.BATCH, spatial_dims](out_channels) if norm == "batch" else Norm[Norm.INSTANCE, spatial_dims](out_channels, affine=True),
@@ -149,7 +150,7 @@ class HSMLABlock(nn.Module):
 
     def __init__(self, spatial_dims: int, channels: int, ffn_ratio: int = 4, **attention) -> None:
         super().__init__()
-        conv = Conv[Conv.CONV, spatial_dims]
+        conv = conv_type(spatial_dims)
         self.norm1 = ChannelLayerNorm(channels)
         self.attn = HSMLA(spatial_dims, channels, **attention)
         self.norm2 = ChannelLayerNorm(channels)

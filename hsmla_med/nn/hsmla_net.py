@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from monai.networks.layers.factories import Conv
 
 from hsmla_med.nn.attention import HSMLA, calibrate_tau
 from hsmla_med.nn.blocks import ConvNormAct, DSConv, HSMLABlock, MBConv
+from hsmla_med.nn.conv import conv_type
 
 __all__ = ["VARIANTS", "DECODERS", "Variant", "HSMLABackbone", "UNetDecoder", "HSMLASegNet", "HSMLAClassifier"]
 
@@ -285,7 +285,7 @@ class HSMLASegNet(GatedNetwork):
         self.spatial_dims, self.in_channels, self.out_channels, self.variant = spatial_dims, in_channels, out_channels, variant
         self.decoder_kind = decoder
         self.backbone = HSMLABackbone(spatial_dims, in_channels, cfg, attention_strides, norm, **attention)
-        conv = Conv[Conv.CONV, spatial_dims]
+        conv = conv_type(spatial_dims)
         self._mode = "bilinear" if spatial_dims == 2 else "trilinear"
         if decoder == "unet":
             width = cfg.decoder_widths[0]

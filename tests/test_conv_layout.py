@@ -1,0 +1,103 @@
+"""hsmla_med.nn.conv.Conv3d: the pointwise training path equals the convolution, values and
+gradients (float64), and keeps a channels-last map channels-last forward and backward."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hsmla_med.nn import HSMLASegNet
+from hsmla_med.nn.conv import Conv3d
+
+CL = torch.channels_last_3d
+
+
+@pytest.fixture
+def one_thread():
+    """One thread: where PyTorch's own 1x1x1 kernel (channels-first output) would run."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_pointwise_path_equals_the_convolution(bias, one_thread):
+    g = torch.Generator().manual_seed(0)
+    conv = Conv3d(5, 7, 1, bias=bias).double().to(memory_format=CL).train()
+    x = torch.randn(2, 5, 6, 4, 3, dtype=torch.float64, generator=g).contiguous(memory_format=CL).requires_grad_()
+    out = conv(x)
+    assert out.is_contiguous(memory_format=CL)
+    grad = torch.randn(out.shape, dtype=torch.float64, generator=g)
+    out.backward(grad)
+    assert x.grad.is_contiguous(memory_format=CL)
+
+    ref_x, ref_w = x.detach().clone().requires_grad_(), conv.weight.detach().clone().requires_grad_()
+    ref_b = conv.bias.detach().clone().requires_grad_() if bias else None
+    ref = F.conv3d(ref_x, ref_w, ref_b)
+    ref.backward(grad)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(conv.weight.grad, ref_w.grad, rtol=1e-12, atol=1e-12)
+    if bias:
+        torch.testing.assert_close(conv.bias.grad, ref_b.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_other_convolutions_and_inference_keep_the_convolution(monkeypatch):
+    """Strided, grouped, wider kernels, channel-first inputs and eval mode run nn.Conv3d's
+    convolution (the pointwise path is for stride-1 1x1x1 channels-last training only)."""
+    calls = []
+    monkeypatch.setattr(F, "linear", lambda *a: calls.append(a) or torch.zeros(()))
+    x = torch.randn(1, 4, 4, 4, 4)
+    for conv, inp in [
+        (Conv3d(4, 4, 1, stride=2), x.contiguous(memory_format=CL)),
+        (Conv3d(4, 4, 1, groups=2), x.contiguous(memory_format=CL)),
+        (Conv3d(4, 4, 3, padding=1), x.contiguous(memory_format=CL)),
+        (Conv3d(4, 4, 1), x),
+        (Conv3d(4, 4, 1).eval(), x.contiguous(memory_format=CL)),
+    ]:
+        torch.testing.assert_close(conv(inp), F.conv3d(inp, conv.weight, conv.bias, conv.stride, conv.padding, 1, conv.groups))
+    assert not calls
+
+
+def test_3d_network_training_step_unchanged(monkeypatch):
+    """HSMLA-B0 3D in training, float64: logits and every parameter's gradient equal those of the
+    same network with nn.Conv3d's convolution everywhere."""
+    torch.manual_seed(0)
+    net = HSMLASegNet(3, 1, 3).double().train()
+    ref = copy.deepcopy(net)
+    x = torch.randn(2, 1, 16, 16, 16, dtype=torch.float64)
+    target = torch.randint(0, 3, (2, 16, 16, 16))
+    logits = net(x)
+    F.cross_entropy(logits, target).backward()
+
+    monkeypatch.setattr(Conv3d, "_pointwise", lambda self, x: False)
+    ref_logits = ref(x)
+    F.cross_entropy(ref_logits, target).backward()
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-10, atol=1e-10)
+    for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-10, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_3d_network_trains_channels_last(one_thread):
+    """Every 5D map of the full-resolution levels of HSMLA-B0 3D in a training step, and its
+    gradient, is channels-last (float32, one thread: there PyTorch's own 1x1x1 kernel returned
+    channels-first maps, and the backward mixed layouts)."""
+    torch.manual_seed(0)
+    net = HSMLASegNet(3, 1, 3).train()
+    layouts = []
+
+    def record(name):
+        def hook(module, args, out):
+            layouts.append((name, out.is_contiguous(memory_format=CL)))
+            out.register_hook(lambda g: layouts.append((f"{name} gradient", g.is_contiguous(memory_format=CL))))
+
+        return hook
+
+    for name, module in net.named_modules():
+        if name.startswith(("decoder.refine.0.", "decoder.skip.0", "full_res")) and not list(module.children()):
+            module.register_forward_hook(record(name))
+    net(torch.randn(2, 1, 16, 16, 16)).sum().backward()
+    assert len(layouts) > 10
+    assert [name for name, channels_last in layouts if not channels_last] == []
