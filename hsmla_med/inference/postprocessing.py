@@ -129,7 +129,8 @@ def choose_postprocessing(predictions_dir: str | Path, labels_dir: str | Path, o
         ``after``: with the kept steps) and the inputs.
     """
     predictions, labels = Path(predictions_dir), Path(labels_dir)
-    names, aliases = _dataset_labels(Path(dataset_json)) if dataset_json is not None else (None, {})
+    spec, aliases = _dataset_labels(Path(dataset_json)) if dataset_json is not None else (None, {})
+    names, allowed = (spec.names, spec.allowed) if spec is not None else (None, None)
     pairs = pair_files(predictions, labels, aliases)
     check_geometry(pairs)
 
@@ -139,7 +140,7 @@ def choose_postprocessing(predictions_dir: str | Path, labels_dir: str | Path, o
     found, given, joint = set(names or ()), [], []
     for reference, prediction in pairs:
         ref, pred = read_labels(reference), read_labels(prediction)
-        mine = sorted(set(names or ()) | _foreground(reference, ref, names, dataset_json) | _foreground(prediction, pred, names, dataset_json))
+        mine = sorted(set(names or ()) | _foreground(reference, ref, allowed, dataset_json) | _foreground(prediction, pred, allowed, dataset_json))
         found |= set(mine)
         given.append(_counts(ref, pred, mine))
         joint.append(_counts(ref, _keep_largest(pred, mine), mine))
