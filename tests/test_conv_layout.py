@@ -1,5 +1,5 @@
-"""hsmla_med.nn.conv.Conv3d: the pointwise training path equals the convolution, values and
-gradients (float64), and keeps a channels-last map channels-last forward and backward."""
+"""hsmla_med.nn.conv.Conv3d: the pointwise and depthwise training forms equal the convolution,
+values and gradients (float64), and keep a channels-last map channels-last forward and backward."""
 
 import copy
 
@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from hsmla_med.nn import HSMLASegNet
+from hsmla_med.nn import conv as conv_module
 from hsmla_med.nn.conv import Conv3d
 
 CL = torch.channels_last_3d
@@ -22,20 +23,30 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("bias", [True, False])
-def test_pointwise_path_equals_the_convolution(bias, one_thread):
+@pytest.mark.parametrize(
+    "channels, kernel, groups, bias",
+    [(5, 1, 1, True), (5, 1, 1, False), (6, 3, 6, False), (6, 3, 6, True), (4, (3, 5, 1), 4, True)],
+)
+def test_training_forms_equal_the_convolution(channels, kernel, groups, bias, one_thread):
+    """Pointwise (5 -> 7 channels) and depthwise 'same' convolutions, float64: output and the
+    gradients of the input, weight and bias equal F.conv3d's; the pointwise output and input
+    gradient stay channels-last (float64 depthwise convolutions are PyTorch's channels-first
+    kernel either way: the float32 network test checks their layout)."""
     g = torch.Generator().manual_seed(0)
-    conv = Conv3d(5, 7, 1, bias=bias).double().to(memory_format=CL).train()
-    x = torch.randn(2, 5, 6, 4, 3, dtype=torch.float64, generator=g).contiguous(memory_format=CL).requires_grad_()
+    out_channels = 7 if groups == 1 else channels
+    padding = "same" if isinstance(kernel, tuple) else kernel // 2
+    conv = Conv3d(channels, out_channels, kernel, padding=padding, groups=groups, bias=bias).double().to(memory_format=CL).train()
+    assert conv._training_form(torch.zeros(1, channels, 2, 2, 2).contiguous(memory_format=CL)) == ("pointwise" if groups == 1 else "depthwise")
+    x = torch.randn(2, channels, 6, 5, 4, dtype=torch.float64, generator=g).contiguous(memory_format=CL).requires_grad_()
     out = conv(x)
-    assert out.is_contiguous(memory_format=CL)
     grad = torch.randn(out.shape, dtype=torch.float64, generator=g)
     out.backward(grad)
-    assert x.grad.is_contiguous(memory_format=CL)
+    if groups == 1:
+        assert out.is_contiguous(memory_format=CL) and x.grad.is_contiguous(memory_format=CL)
 
     ref_x, ref_w = x.detach().clone().requires_grad_(), conv.weight.detach().clone().requires_grad_()
     ref_b = conv.bias.detach().clone().requires_grad_() if bias else None
-    ref = F.conv3d(ref_x, ref_w, ref_b)
+    ref = F.conv3d(ref_x, ref_w, ref_b, padding=conv.padding, groups=groups)
     ref.backward(grad)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-12, atol=1e-12)
@@ -45,25 +56,31 @@ def test_pointwise_path_equals_the_convolution(bias, one_thread):
 
 
 def test_other_convolutions_and_inference_keep_the_convolution(monkeypatch):
-    """Strided, grouped, wider kernels, channel-first inputs and eval mode run nn.Conv3d's
-    convolution (the pointwise path is for stride-1 1x1x1 channels-last training only)."""
+    """Strided, grouped but not depthwise, unpadded depthwise, full 3x3x3, channel-first inputs
+    and eval mode run nn.Conv3d's convolution."""
     calls = []
     monkeypatch.setattr(F, "linear", lambda *a: calls.append(a) or torch.zeros(()))
+    monkeypatch.setattr(conv_module._DepthwiseSame, "apply", lambda *a: calls.append(a) or torch.zeros(()))
     x = torch.randn(1, 4, 4, 4, 4)
     for conv, inp in [
         (Conv3d(4, 4, 1, stride=2), x.contiguous(memory_format=CL)),
+        (Conv3d(4, 4, 3, stride=2, padding=1, groups=4), x.contiguous(memory_format=CL)),
         (Conv3d(4, 4, 1, groups=2), x.contiguous(memory_format=CL)),
+        (Conv3d(4, 4, 3, groups=4), x.contiguous(memory_format=CL)),
         (Conv3d(4, 4, 3, padding=1), x.contiguous(memory_format=CL)),
         (Conv3d(4, 4, 1), x),
+        (Conv3d(4, 4, 3, padding=1, groups=4), x),
         (Conv3d(4, 4, 1).eval(), x.contiguous(memory_format=CL)),
+        (Conv3d(4, 4, 3, padding=1, groups=4).eval(), x.contiguous(memory_format=CL)),
     ]:
-        torch.testing.assert_close(conv(inp), F.conv3d(inp, conv.weight, conv.bias, conv.stride, conv.padding, 1, conv.groups))
+        expected = F.conv3d(inp, conv.weight, conv.bias, conv.stride, conv.padding, 1, conv.groups)
+        torch.testing.assert_close(conv(inp), expected)
     assert not calls
 
 
 def test_3d_network_training_step_unchanged(monkeypatch):
     """HSMLA-B0 3D in training, float64: logits and every parameter's gradient equal those of the
-    same network with nn.Conv3d's convolution everywhere."""
+    same network with nn.Conv3d's plain convolution everywhere."""
     torch.manual_seed(0)
     net = HSMLASegNet(3, 1, 3).double().train()
     ref = copy.deepcopy(net)
@@ -72,7 +89,7 @@ def test_3d_network_training_step_unchanged(monkeypatch):
     logits = net(x)
     F.cross_entropy(logits, target).backward()
 
-    monkeypatch.setattr(Conv3d, "_pointwise", lambda self, x: False)
+    monkeypatch.setattr(Conv3d, "_training_form", lambda self, x: None)
     ref_logits = ref(x)
     F.cross_entropy(ref_logits, target).backward()
     torch.testing.assert_close(logits, ref_logits, rtol=1e-10, atol=1e-10)
