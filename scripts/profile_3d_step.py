@@ -9,12 +9,13 @@
    backward of an op is attributed to the forward part that recorded it, through the
    profiler's sequence numbers).
 
-    python scripts/profile_3d_step.py [--rounds 5] [--size 64] [--batch 2] [--classes 14]
+    python scripts/profile_3d_step.py [--rounds 5] [--size 64] [--batch 2] [--classes 14] [--plain] [--no-profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 from collections import defaultdict
@@ -27,6 +28,7 @@ from hsmla_med.config import build_network, model_config
 from hsmla_med.nn import HSMLA
 from hsmla_med.nn import functional as HF
 from hsmla_med.nn.blocks import HSMLABlock
+from hsmla_med.nn.conv import Conv3d
 from hsmla_med.runtime import tune_cpu_allocator
 
 UNET = {"monai": "UNet", "args": {"channels": [16, 32, 64, 128, 256], "strides": [2, 2, 2, 2], "num_res_units": 2}}
@@ -188,6 +190,9 @@ def main() -> None:
     parser.add_argument("--classes", type=int, default=14)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--no-profile", action="store_true", help="timings only")
+    parser.add_argument(
+        "--plain", action="store_true", help="also time HSMLA-B0 with plain convolutions (hsmla_med.nn.conv's training forms off)"
+    )
     args = parser.parse_args()
     tune_cpu_allocator()
     torch.manual_seed(0)
@@ -198,14 +203,19 @@ def main() -> None:
         "HSMLA-B0": build_network(model_config("b0"), 3, 1, args.classes).train(),
         "MONAI UNet-3D": build_network(UNET, 3, 1, args.classes).train(),
     }
+    if args.plain:
+        nets["HSMLA-B0 (plain convolutions)"] = plain = copy.deepcopy(nets["HSMLA-B0"])
+        for conv in (m for m in plain.modules() if isinstance(m, Conv3d)):
+            conv._training_form = lambda x: None
     steps = {name: make_step(net, x, y) for name, net in nets.items()}
     times = interleaved(steps, args.rounds)
     med = {name: statistics.median(t) for name, t in times.items()}
     print("\n| network | median s per step | steps (s) |\n|---|---|---|")
     for name, t in times.items():
         print(f"| {name} | {med[name]:.2f} | {', '.join(f'{s:.2f}' for s in t)} |")
-    print(f"HSMLA-B0 / UNet-3D: {med['HSMLA-B0'] / med['MONAI UNet-3D']:.2f} (median of per-round ratios "
-          f"{statistics.median(a / b for a, b in zip(times['HSMLA-B0'], times['MONAI UNet-3D'])):.2f})")
+    for name in (n for n in times if n.startswith("HSMLA")):
+        paired = statistics.median(a / b for a, b in zip(times[name], times["MONAI UNet-3D"]))
+        print(f"{name} / UNet-3D: {med[name] / med['MONAI UNet-3D']:.2f} (median of per-round ratios {paired:.2f})")
     if args.no_profile:
         return
     instrument(nets["HSMLA-B0"])
