@@ -243,3 +243,44 @@ def test_mri_kinds_crop_the_whole_head_and_invert(tmp_path, kind, background):
     crop = np.asanyarray(nib.load(str(out)).dataobj).astype(bool)
     assert crop.shape == shape
     assert (crop & head).sum() / head.sum() > 0.99 and crop.mean() < 0.5
+
+
+@pytest.mark.parametrize("roi", [[48, 32], [32, 32]])
+def test_training_crops_of_one_case_batch_whatever_their_in_plane_shape(tmp_path, roi):
+    """A planned crop is seldom square; a quarter turn made some crops 32 x 48 and the batch
+    failed to stack them (``stack expects each tensor to be equal size``)."""
+    from monai.data import list_data_collate
+
+    config = tiny_config(tmp_path, tmp_path / "out")
+    config["data"].update(roi_size_2d=roi, samples_per_case=8)
+    config["data"]["augment"]["rot90_prob"] = 1.0
+    train, _ = btcv.transforms(config, 1, 3)
+    case = {"image": str(write_nifti(tmp_path / "img.nii.gz", np.random.default_rng(0).normal(0, 100, (60, 50, 6)).astype(np.int16), np.diag([1.5, 1.5, 2.0, 1.0]))),
+            "label": str(write_nifti(tmp_path / "lab.nii.gz", (np.arange(60 * 50 * 6).reshape(60, 50, 6) % 3).astype(np.uint8), np.diag([1.5, 1.5, 2.0, 1.0])))}
+    batch = list_data_collate([train(dict(case))])
+    assert tuple(batch["image"].shape) == (8, 1, *roi)
+
+
+def test_ct_zscore_background_crops_centre_on_the_body_below_the_mean(tmp_path):
+    """With the CT z-score, soft tissue below the foreground's mean is negative: background
+    crops must still centre on it (above the clipped air), not only on voxels above the mean."""
+    config = tiny_config(tmp_path, tmp_path / "out")
+    config["data"].update(roi_size_2d=[16, 16], samples_per_case=16, pos_neg=[0, 1])
+    config["data"]["intensity"] = {"kind": "ct_zscore", "a_min": -100.0, "a_max": 300.0, "mean": 150.0, "std": 50.0}
+    for key in config["data"]["augment"]:  # the crops alone: no flip moves their centre, no noise their values
+        if key.endswith("_prob"):
+            config["data"]["augment"][key] = 0.0
+    image = np.full((64, 64, 4), -1000, np.int16)
+    image[16:48, 16:48] = -50  # the body: below the mean, above a_min
+    image[30:34, 30:34] = 200  # the organ (labelled)
+    label = np.zeros(image.shape, np.uint8)
+    label[30:34, 30:34] = 1
+    affine = np.diag([1.5, 1.5, 2.0, 1.0])
+    case = {"image": str(write_nifti(tmp_path / "ct.nii.gz", image, affine)), "label": str(write_nifti(tmp_path / "lab.nii.gz", label, affine))}
+    train, _ = btcv.transforms(config, 1, 2)
+    floor = (-100.0 - 150.0) / 50.0
+    crops = train(dict(case))
+    # each crop's centre voxel (16 x 16 crops): unlabelled body, never air, never the organ (the
+    # fallback when no background voxel passes the threshold)
+    assert all(crop["label"][0, 8, 8] == 0 for crop in crops)
+    assert all(crop["image"][0, 8, 8] > floor + 0.5 for crop in crops)

@@ -52,7 +52,8 @@ def roi_size(config: dict) -> list[int]:
 
 def crop_and_augment(config: dict) -> list:
     """Random training crops of a preprocessed ``image``/``label`` volume, centred on foreground
-    or background in the ratio ``data.pos_neg``, and augmentation: flips, 90-degree rotations, an
+    or background in the ratio ``data.pos_neg``, and augmentation: flips, 90-degree rotations (of
+    square in-plane crops), an
     intensity shift and nnU-Net's intensity and resolution augmentations
     (:func:`~hsmla_med.data.intensity.intensity_augmentations`). 2D mode crops single axial
     slices (``(h, w, 1)`` crops, the slice axis squeezed); 3D crops patches."""
@@ -62,20 +63,24 @@ def crop_and_augment(config: dict) -> list:
     crop = roi + [1] if dims == 2 else roi
     aug = config["data"]["augment"]
     pos, neg = config["data"]["pos_neg"]
+    intensity = config["data"].get("intensity", {})
+    # a CT window maps air to 0 and the CT z-score clips it to (a_min - mean) / std: background
+    # crops centre on body voxels, above that floor. A z-scored MRI has negative tissue voxels,
+    # so there any background voxel may be a centre.
+    floor = (intensity["a_min"] - intensity["mean"]) / intensity["std"] if intensity.get("kind") == "ct_zscore" else 0.0
     train = [
         SpatialPadd(keys, spatial_size=crop),
         RandCropByPosNegLabeld(
             keys, "label", spatial_size=crop, pos=pos, neg=neg, num_samples=config["data"]["samples_per_case"],
-            # a CT window maps air to 0: background crops centre on body voxels. A z-scored MRI
-            # has negative tissue voxels, so there any background voxel may be a centre.
-            image_key=None if config["data"].get("intensity", {}).get("kind") in MRI_KINDS else "image", image_threshold=0
+            image_key=None if intensity.get("kind") in MRI_KINDS else "image", image_threshold=floor
         ),
     ]
     if dims == 2:
         train.append(SqueezeDimd(keys, dim=-1))
     train += [RandFlipd(keys, prob=aug["flip_prob"], spatial_axis=axis) for axis in range(dims)]
-    train += [
-        RandRotate90d(keys, prob=aug["rot90_prob"], max_k=3, spatial_axes=(0, 1)),
-        RandShiftIntensityd("image", offsets=aug["shift_offset"], prob=aug["shift_prob"]),
-    ]
+    # a quarter turn swaps the two in-plane sides: only a square crop keeps its shape (crops of
+    # two shapes cannot be batched); flips along both axes still give the half turn
+    if roi[0] == roi[1]:
+        train.append(RandRotate90d(keys, prob=aug["rot90_prob"], max_k=3, spatial_axes=(0, 1)))
+    train.append(RandShiftIntensityd("image", offsets=aug["shift_offset"], prob=aug["shift_prob"]))
     return train + intensity_augmentations(aug, dims)
