@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
+from hsmla_med.bench.common import interleaved
 from hsmla_med.config import build_network
 from hsmla_med.nn import functional as HF
 from hsmla_med.runtime import tune_cpu_allocator
@@ -31,15 +31,8 @@ NETWORKS = {
 
 
 def _interleaved(fns: dict, rounds: int) -> dict:
-    for fn in fns.values():
-        fn(), fn()
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    """Median milliseconds per call of each function (:func:`~hsmla_med.bench.common.interleaved`)."""
+    return {name: statistics.median(t) * 1e3 for name, t in interleaved(fns, rounds).items()}
 
 
 def bench_refine(rounds: int) -> None:

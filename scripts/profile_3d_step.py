@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import time
 from collections import defaultdict
 
 import torch
 from monai.losses import DiceCELoss
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from hsmla_med.bench.common import interleaved
 from hsmla_med.config import build_network, model_config
 from hsmla_med.nn import HSMLA
 from hsmla_med.nn import functional as HF
@@ -53,19 +53,6 @@ def make_step(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
             opt.step()
 
     return step
-
-
-def interleaved(fns: dict, rounds: int) -> dict[str, list[float]]:
-    """Seconds per call of each function, ``rounds`` rounds after two warm-up calls each."""
-    for fn in fns.values():
-        fn(), fn()
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return times
 
 
 # The HSMLA functions the layer looks up at each call (``choice.ops()``), by the part they compute.

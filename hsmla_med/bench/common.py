@@ -81,6 +81,20 @@ def median_seconds(fn, warmup: int = 2, runs: int = 5, budget_s: float = 60.0) -
     return statistics.median(times)
 
 
+def interleaved(fns: dict, rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of each function, ``rounds`` rounds after two warm-up calls each; each
+    round calls every function once, so load that changes between rounds shifts them alike."""
+    for fn in fns.values():
+        fn(), fn()
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
 def write_csv(path: Path, rows: list[dict]) -> None:
     tmp = path.with_suffix(".tmp")
     with tmp.open("w", newline="") as f:
