@@ -73,8 +73,8 @@ def test_training_data_with_a_zero_spacing_is_refused(dataset, kind, which):
 @pytest.mark.parametrize(
     "data, message",
     [
-        ({"intensity": {"a_min": 250.0, "a_max": -175.0}}, "data.intensity.a_min and a_max"),
-        ({"intensity": {"a_min": 100.0, "a_max": 100.0}}, "data.intensity.a_min and a_max"),
+        ({"intensity": {"kind": "ct_window", "a_min": 250.0, "a_max": -175.0}}, "data.intensity.a_min and a_max"),
+        ({"intensity": {"kind": "ct_window", "a_min": 100.0, "a_max": 100.0}}, "data.intensity.a_min and a_max"),
         ({"roi_size_2d": [4, 4]}, "data.roi_size_2d"),
         ({"roi_size_2d": [64, 8]}, "data.roi_size_2d"),
     ],
