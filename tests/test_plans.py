@@ -15,6 +15,7 @@ import torch
 from hsmla_med.config import merge_config, task_config, validate_config
 from hsmla_med.data.datalist import load_datalist
 from hsmla_med.data.fingerprint import FINGERPRINT_FILE, compute_fingerprint
+from hsmla_med.engine.checkpoint import read_hparams
 from hsmla_med.data.plans import PATCH_BUDGET, apply_plan, make_plan, plan_dataset
 from hsmla_med.errors import ConfigError
 from hsmla_med.pipelines import btcv
@@ -179,8 +180,7 @@ def test_train_prints_the_plan_and_stores_it_in_plans_json_and_the_checkpoint(tm
     block = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("plan ("))
     assert "data.intensity    kind ct_zscore" in block and "nnU-Net's CT normalisation" in block
     plan = json.loads((tmp_path / "run" / "plans.json").read_text())
-    checkpoint = torch.load(tmp_path / "run" / "last.ckpt", weights_only=False, map_location="cpu")
-    stored = checkpoint["hyper_parameters"]
+    stored = read_hparams(tmp_path / "run" / "last.ckpt")  # weights_only=True
     assert stored["plan"]["values"] == plan["values"]
     assert stored["data"]["spacing"] == plan["values"]["data.spacing"] and stored["data"]["intensity"]["kind"] == "ct_zscore"
 

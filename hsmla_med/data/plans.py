@@ -158,9 +158,15 @@ def make_plan(fingerprint: dict, channels: dict[str, str], samples_per_case: int
     }
 
 
-def _get(config: dict, key: str):
+def _parent(config: dict, key: str) -> tuple[dict, str]:
+    """The mapping that holds a dotted ``key`` of ``config``, and the key's last name."""
     section, _, name = key.rpartition(".")
-    return (config[section] if section else config)[name]
+    return (config[section] if section else config), name
+
+
+def _get(config: dict, key: str):
+    target, name = _parent(config, key)
+    return target[name]
 
 
 def _is_auto(value) -> bool:
@@ -172,8 +178,7 @@ def apply_plan(config: dict, plan: dict) -> list[str]:
     keys the config set itself (kept)."""
     kept = []
     for key, value in plan["values"].items():
-        section, _, name = key.rpartition(".")
-        target = config[section] if section else config
+        target, name = _parent(config, key)
         if not _is_auto(target[name]):
             kept.append(key)
         elif isinstance(value, dict):
