@@ -89,10 +89,10 @@ def test_ct_plan_normalises_with_the_foreground_percentiles_and_moments():
     assert plan["median_shape"] == [400.0, 380.0, 90.0]  # per case at the target spacing, then the median
     assert plan["values"]["data.intensity"] == {"kind": "ct_zscore", "a_min": -10.0, "a_max": 120.0, "mean": 50.0, "std": 20.0}
     assert plan["values"]["mode"] == "2d"  # a CPU
-    # median shape at 0.8 x 0.8 x 2.5: 400 x 380 x 90 -> ceil to 16s 400, 384 -> within 256^2: shrink the longest
+    # median shape 400 x 380 -> ceil to 16s 400 x 384 -> within the CPU's 96^2: shrink the longest side by 16s
     roi = plan["values"]["data.roi_size_2d"]
-    assert all(r % 16 == 0 for r in roi) and np.prod(roi) <= PATCH_BUDGET["cpu", 2] and roi == [256, 256]
-    assert plan["values"]["data.batch_size"] == 2  # 8 x 256^2 / (4 x 256^2)
+    assert all(r % 16 == 0 for r in roi) and np.prod(roi) <= PATCH_BUDGET["cpu", 2] and roi == [96, 96]
+    assert plan["values"]["data.batch_size"] == 2  # 8 crops of 96^2 per step / 4 crops per case
 
 
 def test_mri_and_unnamed_modality_are_z_scored_per_case():
@@ -100,9 +100,23 @@ def test_mri_and_unnamed_modality_are_z_scored_per_case():
     for channels in ({"0": "T1"}, {}, {"0": "CT", "1": "PET"}):
         assert make_plan(fp, channels, 4, 10)["values"]["data.intensity"] == {"kind": "zscore_foreground"}
     plan = make_plan(fp, {"0": "MRI"}, 4, 10)
-    assert plan["values"]["data.roi_size_2d"] == [144, 176]  # fits one median slice
-    assert plan["values"]["data.batch_size"] == 8 * 256 * 256 // (4 * 144 * 176)
-    assert plan["values"]["data.roi_size_3d"] == [96, 96, 96] or np.prod(plan["values"]["data.roi_size_3d"]) <= 96**3
+    # 144 x 176 (the median slice in 16s) shrinks, longest side first, to the CPU's 96^2: 96 x 96
+    assert plan["values"]["data.roi_size_2d"] == [96, 96]
+    assert plan["values"]["data.batch_size"] == 2
+    # 3D: 144 x 176 x 160 shrinks to 64^3 at most: 64 x 64 x 64 (each side in turn down to 64)
+    assert plan["values"]["data.roi_size_3d"] == [64, 64, 64]
+    gpu = make_plan(fp, {"0": "MRI"}, 4, 10, device="gpu", device_memory=24 * 2**30)
+    assert gpu["values"]["data.roi_size_2d"] == [144, 176]  # the GPU's 512^2 holds one median slice
+    assert gpu["values"]["mode"] == "3d" and np.prod(gpu["values"]["data.roi_size_3d"]) <= 128**3
+    assert gpu["values"]["data.batch_size"] == 1  # 2 crops of 128^3 per step, 4 crops per case: one case
+
+
+def test_cpu_plan_bounds_the_pixels_of_a_step_whatever_the_case_size():
+    """The CPU's step is a time budget: larger cases get crops of the same budget, not longer steps."""
+    for side in (100, 300, 600):
+        plan = make_plan(_fingerprint([[1.0, 1.0, 1.0]] * 3, [[side, side, 40]] * 3), {"0": "T2"}, 4, 10)
+        crops = plan["values"]["data.batch_size"] * 4
+        assert crops * np.prod(plan["values"]["data.roi_size_2d"]) <= 8 * 96 * 96
 
 
 def test_anisotropic_spacing_takes_the_tenth_percentile_of_the_coarse_axis_and_trains_2d():

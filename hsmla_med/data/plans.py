@@ -18,11 +18,17 @@ What is planned, and by which rule (each plan entry keeps its reason in words):
   (a 3D step costs several 2D steps there: docs/benchmarks.md), else ``3d``.
 * ``data.roi_size_2d`` / ``roi_size_3d``: the median shape of the cases at the planned spacing
   (in-plane for 2D), rounded up to multiples of 16 voxels (the stride of the network's first
-  attention stage), shrunk along its longest side while it exceeds the device's voxel budget
+  attention stage), shrunk along its longest side while it exceeds the device's crop budget
   (see :data:`PATCH_BUDGET`).
 * ``data.batch_size``: cases per step such that ``batch_size x samples_per_case`` crops hold
-  about 8 budget-sized patches (the packaged defaults: 2 cases x 4 crops of 256^2), between 1
-  and 8 and at most the number of training cases; on a GPU, one more multiple per 24 GiB.
+  about :data:`CROPS_PER_STEP` budget-sized crops (8 in 2D: batch statistics want several
+  slices, as nnU-Net's 2D batches do; 2 in 3D, nnU-Net's minimum), between 1 and 8 and at most
+  the number of training cases; on a GPU, one more multiple per 24 GiB.
+
+The CPU budgets are a time budget: 8 crops of 96^2 (2D) or 2 of 64^3 (3D) are one step of about
+0.3 s / 1.2 s for HSMLA-B0 on two cores (docs/benchmarks.md, "Plans from the data"). A median
+slice that is larger is cropped, not the step made longer: on the real MRI of the learning
+benchmark, 20 full slices per step (the GPU's 256^2 budget) trained 3.7x longer for less Dice.
 
 A value set in the config (a number, a list, an intensity kind) is kept as set: the plan only
 fills ``auto``, and says which it left.
@@ -50,10 +56,11 @@ __all__ = ["PLANS_FILE", "PLANNED", "plan_dataset", "make_plan", "apply_plan", "
 PLANS_FILE = "plans.json"
 ANISOTROPY = 3.0  # nnU-Net's anisotropy_threshold
 ROI_STEP = 16  # planned crops are whole multiples of the network's first attention stride
-#: voxels of one training crop: the packaged default crops (256^2 in 2D, 96^3 in 3D) on a CPU;
-#: a GPU's (nnU-Net's usual 3D patch is 128^3; the paper's 2D input is 512^2)
-PATCH_BUDGET = {("cpu", 2): 256 * 256, ("cpu", 3): 96**3, ("gpu", 2): 512 * 512, ("gpu", 3): 128**3}
-CROPS_PER_STEP = 8  # budget-sized crops per step: the packaged default, 2 cases x 4 crops
+#: voxels of one training crop: on a CPU a time budget (module docstring); a GPU's are nnU-Net's
+#: usual 3D patch (128^3) and the paper's 2D input (512^2)
+PATCH_BUDGET = {("cpu", 2): 96 * 96, ("cpu", 3): 64**3, ("gpu", 2): 512 * 512, ("gpu", 3): 128**3}
+#: budget-sized crops per step, by spatial dims (x 1 per 24 GiB of a GPU)
+CROPS_PER_STEP = {2: 8, 3: 2}
 MAX_BATCH = 8
 GPU_MEMORY_UNIT = 24 * 2**30  # bytes of GPU memory per multiple of the step budget
 #: the config keys a plan fills, where the config leaves them ``auto``
@@ -142,7 +149,8 @@ def make_plan(fingerprint: dict, channels: dict[str, str], samples_per_case: int
     roi_3d = _roi(median_shape, PATCH_BUDGET[device, 3])
     roi = roi_2d if mode == "2d" else roi_3d
     scale = max(1, device_memory // GPU_MEMORY_UNIT) if device == "gpu" else 1
-    budget = CROPS_PER_STEP * PATCH_BUDGET[device, 2 if mode == "2d" else 3] * scale
+    dims = 2 if mode == "2d" else 3
+    budget = CROPS_PER_STEP[dims] * PATCH_BUDGET[device, dims] * scale
     batch = int(min(MAX_BATCH, max(1, training_cases), max(1, budget // (samples_per_case * math.prod(roi)))))
     shape_text = " x ".join(f"{s:.0f}" for s in median_shape)
     roi_reason = f"the median shape after cropping at the planned spacing ({shape_text}), in multiples of {ROI_STEP}, " \
@@ -152,7 +160,7 @@ def make_plan(fingerprint: dict, channels: dict[str, str], samples_per_case: int
                    "data.roi_size_2d": roi_2d, "data.roi_size_3d": roi_3d, "data.batch_size": batch},
         "reasons": {"data.spacing": spacing_reason, "data.intensity": intensity_reason, "mode": mode_reason,
                     "data.roi_size_2d": roi_reason, "data.roi_size_3d": roi_reason,
-                    "data.batch_size": f"{samples_per_case} crops per case, about {CROPS_PER_STEP * scale} budget-sized crops per "
+                    "data.batch_size": f"{samples_per_case} crops per case, about {CROPS_PER_STEP[dims] * scale} budget-sized crops per "
                                        f"step, at most {min(MAX_BATCH, training_cases)} cases"},
         "median_shape": [round(float(s), 1) for s in median_shape],
     }
