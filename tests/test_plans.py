@@ -89,9 +89,9 @@ def test_ct_plan_normalises_with_the_foreground_percentiles_and_moments():
     assert plan["median_shape"] == [400.0, 380.0, 90.0]  # per case at the target spacing, then the median
     assert plan["values"]["data.intensity"] == {"kind": "ct_zscore", "a_min": -10.0, "a_max": 120.0, "mean": 50.0, "std": 20.0}
     assert plan["values"]["mode"] == "2d"  # a CPU
-    # median shape 400 x 380 -> ceil to 16s 400 x 384 -> within the CPU's 96^2: shrink the longest side by 16s
+    # median shape 400 x 380 -> ceil to 32s 416 x 384 -> within the CPU's 96^2: shrink the longest side by 32s
     roi = plan["values"]["data.roi_size_2d"]
-    assert all(r % 16 == 0 for r in roi) and np.prod(roi) <= PATCH_BUDGET["cpu", 2] and roi == [96, 96]
+    assert all(r % 32 == 0 for r in roi) and np.prod(roi) <= PATCH_BUDGET["cpu", 2] and roi == [96, 96]
     assert plan["values"]["data.batch_size"] == 2  # 8 crops of 96^2 per step / 4 crops per case
 
 
@@ -100,13 +100,13 @@ def test_mri_and_unnamed_modality_are_z_scored_per_case():
     for channels in ({"0": "T1"}, {}, {"0": "CT", "1": "PET"}):
         assert make_plan(fp, channels, 4, 10)["values"]["data.intensity"] == {"kind": "zscore_foreground"}
     plan = make_plan(fp, {"0": "MRI"}, 4, 10)
-    # 144 x 176 (the median slice in 16s) shrinks, longest side first, to the CPU's 96^2: 96 x 96
+    # 160 x 192 (the median slice in 32s) shrinks, longest side first, to the CPU's 96^2: 96 x 96
     assert plan["values"]["data.roi_size_2d"] == [96, 96]
     assert plan["values"]["data.batch_size"] == 2
-    # 3D: 144 x 176 x 160 shrinks to 64^3 at most: 64 x 64 x 64 (each side in turn down to 64)
+    # 3D: 160 x 192 x 160 shrinks to 64^3 at most: 64 x 64 x 64 (each side in turn down to 64)
     assert plan["values"]["data.roi_size_3d"] == [64, 64, 64]
     gpu = make_plan(fp, {"0": "MRI"}, 4, 10, device="gpu", device_memory=24 * 2**30)
-    assert gpu["values"]["data.roi_size_2d"] == [144, 176]  # the GPU's 512^2 holds one median slice
+    assert gpu["values"]["data.roi_size_2d"] == [160, 192]  # the GPU's 512^2 holds one median slice
     assert gpu["values"]["mode"] == "3d" and np.prod(gpu["values"]["data.roi_size_3d"]) <= 128**3
     assert gpu["values"]["data.batch_size"] == 1  # 2 crops of 128^3 per step, 4 crops per case: one case
 
@@ -200,11 +200,15 @@ def test_train_prints_the_plan_and_stores_it_in_plans_json_and_the_checkpoint(tm
 
 
 def test_the_learning_benchmarks_planned_arm_leaves_every_planned_value_to_the_plan():
-    from hsmla_med.bench.learning import NETWORKS, PLANNED_ARMS, overlay
+    from hsmla_med.bench.learning import ARMS_3D, NETWORKS, PLANNED_ARMS, arm, overlay
     from hsmla_med.data.plans import PLANNED, _get, _is_auto
 
     for name in PLANNED_ARMS:
-        config = validate_config(merge_config(task_config("btcv"), overlay(NETWORKS[name], 96, 8, planned=True)))
+        config = validate_config(merge_config(task_config("btcv"), overlay(NETWORKS[name], 96, 8, arm(name))))
         assert all(_is_auto(_get(config, key)) for key in PLANNED)
+    for name in ARMS_3D:  # 3D: the plan's spacing, intensity and patch; the mode and 2 crops per case set
+        config = validate_config(merge_config(task_config("btcv"), overlay(NETWORKS[name], 96, 8, arm(name))))
+        assert config["mode"] == "3d" and config["data"]["samples_per_case"] == 2
+        assert all(_is_auto(_get(config, key)) for key in ("data.spacing", "data.intensity", "data.roi_size_3d"))
     hand = merge_config(task_config("btcv"), overlay(NETWORKS["hsmla-b0-unet"], 96, 8))
     assert not any(_is_auto(_get(hand, key)) for key in ("data.spacing", "data.intensity", "mode", "data.roi_size_2d", "data.batch_size"))

@@ -46,7 +46,7 @@ from hsmla_med.errors import ConfigError
 from hsmla_med.io import atomic_path, write_json, write_yaml
 from hsmla_med.metrics import case_scores, summarize
 
-__all__ = ["NETWORKS", "ROUTING_ABLATION", "SEEDED", "overlay", "scores", "summary_rows", "bench_learning", "add_arguments", "run"]
+__all__ = ["NETWORKS", "ARMS_3D", "ROUTING_ABLATION", "arm", "SEEDED", "overlay", "scores", "summary_rows", "bench_learning", "add_arguments", "run"]
 
 _UNET = {"variant": "b0", "decoder": "unet"}
 _INSTANCE = {**_UNET, "norm": "instance"}
@@ -71,10 +71,19 @@ NETWORKS = {
     "hsmla-b0-unet-s8-routing-off": {**_UNET, "attention_strides": [8, 16, 32], "attention": {"routing": "off"}},
     "hsmla-b0-unet-s8-routing-all": {**_UNET, "attention_strides": [8, 16, 32], "attention": {"routing": "all"}},
     "hsmla-b0-unet-planned": _UNET,
+    # the 3D arm: the default network in 3D against MONAI's 3D networks (MONAI's BTCV tutorials
+    # and Model Zoo bundle train 3D)
+    "hsmla-b0-unet-3d": _UNET,
+    "unet-3d": {"monai": "UNet", "args": {"channels": [16, 32, 64, 128, 256], "strides": [2, 2, 2, 2], "num_res_units": 2}},
+    "segresnet-3d": {"monai": "SegResNet", "args": {"init_filters": 16}},
+    "swinunetr-3d": {"monai": "SwinUNETR", "args": {"feature_size": 24}},
 }
 # trained with no data settings at all: spacing, intensity, crops and batch planned from the data
 # (hsmla_med.data.plans), against the hand-set ones of overlay(); the crops per case stay the default
 PLANNED_ARMS = {"hsmla-b0-unet-planned"}
+# trained in 3D with the plan's spacing, intensity, patch and batch; 2 crops per case (nnU-Net's
+# 3D batch of 2) where the 2D arms take 8 slices
+ARMS_3D = ("hsmla-b0-unet-3d", "unet-3d", "segresnet-3d", "swinunetr-3d")
 # run with every seed (the arms without a routing suffix are the "gate" arms: gate is the default)
 ROUTING_ABLATION = (
     "hsmla-b0-unet", "hsmla-b0-unet-routing-off", "hsmla-b0-unet-routing-all",
@@ -82,25 +91,35 @@ ROUTING_ABLATION = (
     "hsmla-b0-unet-in", "hsmla-b0-unet-in-routing-off", "hsmla-b0-unet-in-routing-all",
 )
 # the comparison the issue's targets name, seed to seed: the best HSMLA network against UNet
-SEEDED = (*ROUTING_ABLATION, "unet")
+SEEDED = (*ROUTING_ABLATION, "unet", *PLANNED_ARMS, "hsmla-b0-unet-3d", "unet-3d")
 INTENSITY = "zscore_foreground"  # Otsu foreground: the perturbed copy has Rician noise, no zero background
 CLASSES = [name for key, name in sorted(LABELS.items()) if key != "0"]
 SPLITS = {"": "validation", "perturbed_": "perturbed"}  # column prefix -> dataset.json list
 
 
-def overlay(model: dict, roi: int, crops: int, planned: bool = False) -> dict:
-    """The train config shared by all networks but for ``model``: 2D axial slices at 1 mm,
-    ``crops`` random ``roi`` x ``roi`` crops per step, validation only once at the end. With
-    ``planned``, no data settings: what the plan of the data gives (``plans.json`` of the run)."""
-    data = {"num_workers": 0} if planned else {"spacing": [1.0, 1.0, 1.0], "intensity": {"kind": INTENSITY}, "roi_size_2d": [roi, roi],
-                                               "samples_per_case": crops, "batch_size": 1, "num_workers": 0}
+def overlay(model: dict, roi: int, crops: int, arm: str = "2d") -> dict:
+    """The train config shared by all networks but for ``model``, validation only once at the end.
+    ``arm``: ``2d``, axial slices at 1 mm, ``crops`` random ``roi`` x ``roi`` crops per step;
+    ``planned``, no data settings: what the plan of the data gives (``plans.json`` of the run);
+    ``3d``, the plan's 3D patches, 2 per step."""
+    data = {
+        "2d": {"spacing": [1.0, 1.0, 1.0], "intensity": {"kind": INTENSITY}, "roi_size_2d": [roi, roi], "samples_per_case": crops,
+               "batch_size": 1},
+        "planned": {},
+        "3d": {"samples_per_case": 2, "batch_size": 1},
+    }[arm]
     return {
-        **({} if planned else {"mode": "2d"}),
+        **({"2d": {"mode": "2d"}, "3d": {"mode": "3d"}}.get(arm, {})),
         "model": model,
-        "data": data,
+        "data": {**data, "num_workers": 0},
         "trainer": {"check_val_every_n_epoch": 1_000_000, "progress_bar": False},
         "inference": {"target_alpha": 0.3},
     }
+
+
+def arm(name: str) -> str:
+    """The :func:`overlay` arm a network of ``NETWORKS`` trains in."""
+    return "planned" if name in PLANNED_ARMS else "3d" if name in ARMS_3D else "2d"
 
 
 def _cli(args: list, log: Path) -> tuple[float, str]:
@@ -175,7 +194,7 @@ class Setup:
     def settings(self, name: str) -> dict:
         """What a run's result depends on besides its seed: a saved result with other settings
         is not reused."""
-        return {"overlay": overlay(NETWORKS[name], self.roi, self.crops, name in PLANNED_ARMS), "steps": self.steps, "slices": self.meta["slices"]}
+        return {"overlay": overlay(NETWORKS[name], self.roi, self.crops, arm(name)), "steps": self.steps, "slices": self.meta["slices"]}
 
 
 def run_one(name: str, seed: int, setup: Setup, folder: Path) -> dict:

@@ -17,8 +17,8 @@ What is planned, and by which rule (each plan entry keeps its reason in words):
 * ``mode``: ``2d`` for anisotropic data (slices much thicker than their pixels) or on a CPU
   (a 3D step costs several 2D steps there: docs/benchmarks.md), else ``3d``.
 * ``data.roi_size_2d`` / ``roi_size_3d``: the median shape of the cases at the planned spacing
-  (in-plane for 2D), rounded up to multiples of 16 voxels (the stride of the network's first
-  attention stage), shrunk along its longest side while it exceeds the device's crop budget
+  (in-plane for 2D), rounded up to multiples of 32 voxels (the network's deepest stride, as
+  nnU-Net makes its patch divisible by its poolings; MONAI's SwinUNETR requires it too), shrunk along its longest side while it exceeds the device's crop budget
   (see :data:`PATCH_BUDGET`).
 * ``data.batch_size``: cases per step such that ``batch_size x samples_per_case`` crops hold
   about :data:`CROPS_PER_STEP` budget-sized crops (8 in 2D: batch statistics want several
@@ -55,7 +55,7 @@ __all__ = ["PLANS_FILE", "PLANNED", "plan_dataset", "make_plan", "apply_plan", "
 
 PLANS_FILE = "plans.json"
 ANISOTROPY = 3.0  # nnU-Net's anisotropy_threshold
-ROI_STEP = 16  # planned crops are whole multiples of the network's first attention stride
+ROI_STEP = 32  # planned crops are whole multiples of the network's deepest stride
 #: voxels of one training crop: on a CPU a time budget (module docstring); a GPU's are nnU-Net's
 #: usual 3D patch (128^3) and the paper's 2D input (512^2)
 PATCH_BUDGET = {("cpu", 2): 96 * 96, ("cpu", 3): 64**3, ("gpu", 2): 512 * 512, ("gpu", 3): 128**3}
