@@ -348,3 +348,44 @@ def test_instance_norm_network_ignores_the_intensity_scale(spatial_dims, size):
         assert not torch.allclose(batch(3.7 * x), batch(x), rtol=1e-3, atol=1e-3)
     with pytest.raises(ValueError, match="norm"):
         HSMLASegNet(2, 1, 3, norm="group")
+
+
+@pytest.mark.parametrize("spatial_dims, size", [(2, (23, 17)), (3, (9, 7, 6))])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_instance_norm_matches_torch_in_values_and_gradients(spatial_dims, size, channels_last):
+    """``blocks.InstanceNorm`` against ``F.instance_norm`` in float64, fresh random inputs and
+    affine: values and the gradients of input, weight and bias; the output keeps the input's
+    layout (torch's is channels-first whatever the input)."""
+    from hsmla_med.nn.blocks import InstanceNorm
+
+    x = (torch.randn(3, 5, *size, dtype=torch.float64) * 4 + 2)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last if spatial_dims == 2 else torch.channels_last_3d)
+    x.requires_grad_(True)
+    norm = InstanceNorm(5).double()
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(5) + 0.5)
+        norm.bias.copy_(torch.randn(5))
+    reference = torch.nn.functional.instance_norm(x, weight=norm.weight, bias=norm.bias, eps=norm.eps)
+    out = norm(x)
+    torch.testing.assert_close(out, reference, rtol=1e-10, atol=1e-10)
+    assert out.is_contiguous(memory_format=torch.channels_last if spatial_dims == 2 else torch.channels_last_3d) == channels_last
+    grad = torch.randn_like(out)
+    expected = torch.autograd.grad(reference, (x, norm.weight, norm.bias), grad)
+    for got, want in zip(torch.autograd.grad(out, (x, norm.weight, norm.bias), grad), expected):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    with pytest.raises(ValueError, match="channels"):
+        InstanceNorm(0)
+
+
+def test_instance_norm_loads_the_parameters_of_torchs_instance_norm():
+    """Checkpoints trained with ``torch.nn.InstanceNorm2d(affine=True)`` (before the layout-keeping
+    norm) load into the network unchanged: the same parameter names and shapes."""
+    from hsmla_med.nn.blocks import InstanceNorm
+
+    theirs = torch.nn.InstanceNorm2d(6, affine=True)
+    theirs.weight.data.uniform_(0.5, 1.5)
+    ours = InstanceNorm(6)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(2, 6, 10, 12)
+    torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-5)

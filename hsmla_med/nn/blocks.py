@@ -11,11 +11,44 @@ from torch.nn.utils.fusion import fuse_conv_bn_eval
 from hsmla_med.nn.attention import HSMLA
 from hsmla_med.nn.conv import conv_type
 
-__all__ = ["NORMS", "ChannelLayerNorm", "ConvNormAct", "MBConv", "DSConv", "HSMLABlock"]
+__all__ = ["NORMS", "InstanceNorm", "ChannelLayerNorm", "ConvNormAct", "MBConv", "DSConv", "HSMLABlock"]
 
 #: ``batch`` (EfficientViT's; folded into the convolution at inference) or ``instance`` (per image
 #: and channel, as MONAI's UNet and SwinUNETR normalise: insensitive to an image's intensity scale).
 NORMS = ("batch", "instance")
+
+
+class InstanceNorm(nn.Module):
+    """Instance normalisation with an affine, per image and channel over the spatial axes, in
+    the input's memory layout.
+
+    ``torch.nn.InstanceNorm2d/3d`` (``F.instance_norm``) copies a channels-last map to
+    channels-first, normalises it as a batch norm of ``batch x C`` channels and returns it
+    channels-first, so every following convolution and block converts back: at 512^2 that made
+    HSMLA-B2 3x slower than with batch norm (docs/benchmarks.md). Here the statistics are one
+    reduction (``torch.var_mean``) and the normalisation one fused multiply-add with per-image,
+    per-channel scale and shift (the affine folded into them), both in the input's layout;
+    autograd differentiates it. Values as ``F.instance_norm`` (biased variance, ``eps`` inside
+    the root); parameter names ``weight`` and ``bias`` as torch's, so checkpoints load either way.
+
+    Args:
+        channels: ``C`` of the ``(batch, C, *spatial)`` maps it normalises.
+        eps: added to the variance.
+    """
+
+    def __init__(self, channels: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        if channels <= 0:
+            raise ValueError(f"channels must be positive, got {channels}.")
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(channels))
+        self.bias = nn.Parameter(torch.zeros(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var, mean = torch.var_mean(x, dim=tuple(range(2, x.dim())), keepdim=True, correction=0)
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        scale = torch.rsqrt(var + self.eps) * self.weight.view(shape)
+        return torch.addcmul(self.bias.view(shape) - mean * scale, x, scale)
 
 
 class ChannelLayerNorm(nn.LayerNorm):
@@ -54,7 +87,7 @@ class ConvNormAct(nn.Sequential):
             conv_type(spatial_dims)(
                 in_channels, out_channels, kernel_size, stride=stride, padding=kernel_size // 2, groups=groups, bias=False
             ),
-            Norm[Norm.BATCH, spatial_dims](out_channels) if norm == "batch" else Norm[Norm.INSTANCE, spatial_dims](out_channels, affine=True),
+            Norm[Norm.BATCH, spatial_dims](out_channels) if norm == "batch" else InstanceNorm(out_channels),
             nn.Hardswish(inplace=True) if act else nn.Identity(),
         )
         self._fused: tuple | None = None  # (key, folded convolution); not a submodule
