@@ -111,6 +111,16 @@ def test_mri_and_unnamed_modality_are_z_scored_per_case():
     assert gpu["values"]["data.batch_size"] == 1  # 2 crops of 128^3 per step, 4 crops per case: one case
 
 
+def test_the_batch_is_planned_for_the_mode_the_config_sets():
+    """``mode: 3d`` set on a CPU (planned 2d): the batch is sized for the 3D patches, 2 per step."""
+    fp = _fingerprint([[1.0, 1.0, 1.0]] * 6, [[139, 164, 24]] * 6)
+    planned = make_plan(fp, {"0": "T1"}, 2, 5)
+    assert planned["values"]["mode"] == "2d" and planned["values"]["data.batch_size"] == 4  # 8 crops of 96^2, 2 per case
+    set_3d = make_plan(fp, {"0": "T1"}, 2, 5, mode="3d")
+    assert set_3d["values"]["data.roi_size_3d"] == [64, 96, 32] and set_3d["values"]["data.batch_size"] == 1
+    assert "3D crops" in set_3d["reasons"]["data.batch_size"]
+
+
 def test_cpu_plan_bounds_the_pixels_of_a_step_whatever_the_case_size():
     """The CPU's step is a time budget: larger cases get crops of the same budget, not longer steps."""
     for side in (100, 300, 600):

@@ -11,6 +11,11 @@ run's ``config.yaml`` to its final ``last.ckpt``, read from the files' clocks: d
 training, without imports and the final validation) and inference per volume as ``infer``
 reports it (without imports and model loading).
 
+The 2D arms train on 1 mm axial slices with hand-set crops (``--roi``, ``--crops``); the planned
+arm (``PLANNED_ARMS``) leaves every data setting to the plan of the data; the 3D arm
+(``ARMS_3D``: HSMLA-B0-UNet, UNet, SegResNet, SwinUNETR) trains ``--mode 3d`` on the plan's
+spacing and patches, 2 per step.
+
 ``NETWORKS`` run with seed 0; those in ``SEEDED`` (``ROUTING_ABLATION``, HSMLA-B0-UNet trained
 with routing gate, off and all; the best HSMLA network; UNet) with ``--seeds`` seeds, summarised
 as mean and sd. Every run leaves

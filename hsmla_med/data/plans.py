@@ -121,7 +121,7 @@ def _roi(median_shape: Sequence[float], budget: int) -> list[int]:
 
 
 def make_plan(fingerprint: dict, channels: dict[str, str], samples_per_case: int, training_cases: int,
-              device: str = "cpu", device_memory: int = 0) -> dict:
+              device: str = "cpu", device_memory: int = 0, mode: str | None = None) -> dict:
     """The plan of a dataset (module docstring): every planned value and its reason.
 
     Args:
@@ -130,6 +130,8 @@ def make_plan(fingerprint: dict, channels: dict[str, str], samples_per_case: int
         samples_per_case: the config's crops per case and step (``data.samples_per_case``).
         training_cases: the training cases of the fold (a batch holds no more cases).
         device: ``cpu`` or ``gpu`` (the trainer's accelerator); ``device_memory`` its bytes.
+        mode: ``2d`` or ``3d`` where the config sets it: the batch is planned for that mode's
+            crops (``None``: for the planned mode).
 
     Returns ``{"values": {key: value}, "reasons": {key: str}, "median_shape": [x, y, z]}``,
     keys as in :data:`PLANNED`.
@@ -140,28 +142,28 @@ def make_plan(fingerprint: dict, channels: dict[str, str], samples_per_case: int
     median_shape = np.median(shapes * spacings / spacing, axis=0)
     intensity, intensity_reason = _intensity(fingerprint, channels)
     if _anisotropic(spacing):
-        mode, mode_reason = "2d", f"anisotropic ({max(spacing):.3g} mm slices, {min(spacing):.3g} mm pixels): 2D, as nnU-Net does"
+        planned_mode, mode_reason = "2d", f"anisotropic ({max(spacing):.3g} mm slices, {min(spacing):.3g} mm pixels): 2D, as nnU-Net does"
     elif device == "cpu":
-        mode, mode_reason = "2d", "a CPU trains 2D several times faster per step than 3D; set mode: 3d for volumetric context"
+        planned_mode, mode_reason = "2d", "a CPU trains 2D several times faster per step than 3D; set mode: 3d for volumetric context"
     else:
-        mode, mode_reason = "3d", "near-isotropic data on a GPU: 3D patches"
+        planned_mode, mode_reason = "3d", "near-isotropic data on a GPU: 3D patches"
     roi_2d = _roi(median_shape[:2], PATCH_BUDGET[device, 2])
     roi_3d = _roi(median_shape, PATCH_BUDGET[device, 3])
-    roi = roi_2d if mode == "2d" else roi_3d
+    dims = 2 if (mode or planned_mode) == "2d" else 3
+    roi = roi_2d if dims == 2 else roi_3d
     scale = max(1, device_memory // GPU_MEMORY_UNIT) if device == "gpu" else 1
-    dims = 2 if mode == "2d" else 3
     budget = CROPS_PER_STEP[dims] * PATCH_BUDGET[device, dims] * scale
     batch = int(min(MAX_BATCH, max(1, training_cases), max(1, budget // (samples_per_case * math.prod(roi)))))
     shape_text = " x ".join(f"{s:.0f}" for s in median_shape)
     roi_reason = f"the median shape after cropping at the planned spacing ({shape_text}), in multiples of {ROI_STEP}, " \
                  f"within {PATCH_BUDGET[device, 2]:,} (2D) / {PATCH_BUDGET[device, 3]:,} (3D) voxels on a {device.upper()}"
     return {
-        "values": {"data.spacing": [round(float(s), 5) for s in spacing], "data.intensity": intensity, "mode": mode,
+        "values": {"data.spacing": [round(float(s), 5) for s in spacing], "data.intensity": intensity, "mode": planned_mode,
                    "data.roi_size_2d": roi_2d, "data.roi_size_3d": roi_3d, "data.batch_size": batch},
         "reasons": {"data.spacing": spacing_reason, "data.intensity": intensity_reason, "mode": mode_reason,
                     "data.roi_size_2d": roi_reason, "data.roi_size_3d": roi_reason,
-                    "data.batch_size": f"{samples_per_case} crops per case, about {CROPS_PER_STEP[dims] * scale} budget-sized crops per "
-                                       f"step, at most {min(MAX_BATCH, training_cases)} cases"},
+                    "data.batch_size": f"{samples_per_case} crops per case, about {CROPS_PER_STEP[dims] * scale} budget-sized "
+                                       f"{dims}D crops per step, at most {min(MAX_BATCH, training_cases)} cases"},
         "median_shape": [round(float(s), 1) for s in median_shape],
     }
 
@@ -257,7 +259,9 @@ def plan_dataset(config: dict, cases: Datalist, training_cases: int) -> dict | N
         return None
     fingerprint, path = dataset_fingerprint(config, cases)
     device, memory = _device(config["trainer"])
-    plan = make_plan(fingerprint, modality(read_json(cases.source)), int(config["data"]["samples_per_case"]), training_cases, device, memory)
+    mode = None if _is_auto(config["mode"]) else config["mode"]
+    plan = make_plan(fingerprint, modality(read_json(cases.source)), int(config["data"]["samples_per_case"]), training_cases, device,
+                     memory, mode)
     plan["kept"] = apply_plan(config, plan)
     plan["fingerprint"] = str(path)
     return plan

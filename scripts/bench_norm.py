@@ -1,0 +1,57 @@
+"""Inference latency of HSMLA-SegNet with batch norm (folded into the convolutions), with the
+layout-keeping instance norm (:class:`hsmla_med.nn.blocks.InstanceNorm`) and with
+``torch.nn.InstanceNorm2d`` (what the blocks used before), interleaved in one process, batch 1,
+1 -> 14 channels; medians and the median of the per-round ratios to batch norm.
+
+    python scripts/bench_norm.py [--variant b2] [--size 512] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from hsmla_med.nn import HSMLASegNet, blocks
+
+
+def networks(variant: str) -> dict[str, torch.nn.Module]:
+    torch.manual_seed(0)
+    nets = {norm: HSMLASegNet(2, 1, 14, variant=variant, decoder="unet", norm=norm).eval() for norm in ("batch", "instance")}
+    ours = blocks.InstanceNorm
+    blocks.InstanceNorm = lambda channels: torch.nn.InstanceNorm2d(channels, affine=True)  # the blocks' norm before
+    try:
+        nets["instance (torch.nn.InstanceNorm2d)"] = HSMLASegNet(2, 1, 14, variant=variant, decoder="unet", norm="instance").eval()
+    finally:
+        blocks.InstanceNorm = ours
+    return nets
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variant", default="b2")
+    parser.add_argument("--size", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    nets = networks(args.variant)
+    x = torch.randn(1, 1, args.size, args.size)
+    times: dict[str, list[float]] = {name: [] for name in nets}
+    with torch.inference_mode():
+        for net in nets.values():  # warm-up: allocator, oneDNN primitives, the folded convolutions
+            net(x)
+            net(x)
+        for _ in range(args.rounds):
+            for name, net in nets.items():
+                started = time.perf_counter()
+                net(x)
+                times[name].append(time.perf_counter() - started)
+    print(f"HSMLA-{args.variant.upper()} (U-Net decoder) at {args.size}^2, {torch.get_num_threads()} threads, {args.rounds} rounds")
+    for name, values in times.items():
+        paired = statistics.median(a / b for a, b in zip(values, times["batch"]))
+        print(f"  {name:<36} {1000 * statistics.median(values):7.0f} ms   x{paired:.2f} batch norm (paired)")
+
+
+if __name__ == "__main__":
+    main()
