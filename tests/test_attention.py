@@ -90,6 +90,21 @@ def test_multiscale_sum_equals_separate_convolutions():
     torch.testing.assert_close(layer._multiscale(qkv), separate, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("spatial", [(1, 2, 3), (4, 1, 9), (2, 3)])
+def test_multiscale_on_maps_smaller_than_the_kernel(spatial):
+    """Maps of fewer tokens than the kernel's reach (the deep stages of 3D patches): the same
+    values and gradients as the separate full-size convolutions, in float64."""
+    layer = _layer(channels=16, scales=(3, 5, 7), spatial_dims=len(spatial)).double()
+    qkv = torch.randn(2, 48, *spatial, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(2, 48, *spatial, dtype=torch.float64)
+    separate = sum(conv(qkv) for conv in layer.multiscale)
+    expected = torch.autograd.grad(separate, [qkv, *layer.multiscale.parameters()], grad)
+    fused = layer._multiscale(qkv)
+    torch.testing.assert_close(fused, separate)
+    for got, want in zip(torch.autograd.grad(fused, [qkv, *layer.multiscale.parameters()], grad), expected):
+        torch.testing.assert_close(got, want)
+
+
 def test_gate_is_head_mean_of_sigmoid_scores_over_tiles():
     layer = _layer(channels=16, block=3)
     ms = torch.randn(1, 48, 7, 5)

@@ -159,8 +159,15 @@ class HSMLA(nn.Module):
             F.pad(c.weight, [(size - c.kernel_size[0]) // 2] * (2 * self.spatial_dims)) for c in self.multiscale
         )
         bias = sum(c.bias for c in self.multiscale)
+        # Along an axis of n tokens, a 'same' convolution reaches at most n - 1 tokens either
+        # side: the kernel's outer taps only ever meet padding. Cropping them is exact and
+        # matters at the deep stages of 3D patches (a 4 x 6 x 2 map under a 7^3 kernel: 105 of
+        # 343 taps), where the full kernel's backward cost a 3D training step ~100 ms
+        # (docs/benchmarks.md, "3D training step").
+        taps = [min(size, 2 * n - 1) for n in qkv.shape[2:]]
+        weight = weight[(..., *(slice((size - t) // 2, (size + t) // 2) for t in taps))]
         conv = (F.conv2d, F.conv3d)[self.spatial_dims - 2]
-        return conv(qkv, weight, bias, padding=size // 2, groups=qkv.shape[1])
+        return conv(qkv, weight, bias, padding=[t // 2 for t in taps], groups=qkv.shape[1])
 
     def _split_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(b, 3C, *S)`` -> three ``(b, heads, *S, d)`` views."""

@@ -197,13 +197,21 @@ class UNetDecoder(nn.Module):
         deep_width: channels of the stride-32 map.
         widths: decoder channels at strides 1, 2, 4, 8, 16.
         norm: one of :data:`~hsmla_med.nn.blocks.NORMS`.
+        full_res_refine: refine the full-resolution sum as the other levels (default); if False,
+            the full-resolution level is the sum of the two projections alone.
 
     ``forward(skips, deep)``: the five skips (finest first) and the stride-32 map -> the
     full-resolution map ``(batch, widths[0], *skips[0].shape[2:])``.
     """
 
     def __init__(
-        self, spatial_dims: int, skip_widths: Sequence[int], deep_width: int, widths: Sequence[int], norm: str = "batch"
+        self,
+        spatial_dims: int,
+        skip_widths: Sequence[int],
+        deep_width: int,
+        widths: Sequence[int],
+        norm: str = "batch",
+        full_res_refine: bool = True,
     ) -> None:
         super().__init__()
         if len(skip_widths) != len(widths):
@@ -212,7 +220,10 @@ class UNetDecoder(nn.Module):
         self.up = nn.ModuleList(ConvNormAct(spatial_dims, c, w, 1, act=False, norm=norm) for c, w in zip(coarser, widths))
         self.skip = nn.ModuleList(ConvNormAct(spatial_dims, c, w, 1, act=False, norm=norm) for c, w in zip(skip_widths, widths))
         self.refine = nn.ModuleList(
-            nn.Sequential(ConvNormAct(spatial_dims, w, w, 3, norm=norm), DSConv(spatial_dims, w, norm)) for w in widths
+            nn.Sequential(ConvNormAct(spatial_dims, w, w, 3, norm=norm), DSConv(spatial_dims, w, norm))
+            if level or full_res_refine
+            else nn.Identity()
+            for level, w in enumerate(widths)
         )
         self._mode = "bilinear" if spatial_dims == 2 else "trilinear"
 
@@ -254,6 +265,12 @@ class HSMLASegNet(GatedNetwork):
         norm: normalisation of the convolutions, ``"batch"`` (default, folded into the
             convolutions at inference) or ``"instance"`` (see :data:`~hsmla_med.nn.blocks.NORMS`;
             the stride-32 map must then hold more than one element: inputs over 32 along an axis).
+        full_res_refine: whether the ``unet`` decoder refines its full-resolution level (a 3x3
+            convolution and a DSConv) like the others; default: in 2D yes, in 3D no. In 3D
+            that level held 45% of a training step (64 x 96 x 32 patches, docs/benchmarks.md,
+            "3D training step") and without it the step takes ~1.2-1.4x MONAI UNet-3D's
+            instead of ~2.2x; the full-resolution skip and the stride-2 level still set the
+            boundaries. Refused with the ``fpn`` decoder.
         **attention: keyword arguments for every :class:`~hsmla_med.nn.HSMLA` layer
             (``window``, ``block``, ``tau``, ``rho``, ``scales``, ``routing``, ``backend``...).
 
@@ -270,6 +287,7 @@ class HSMLASegNet(GatedNetwork):
         head_stride: int | None = None,
         attention_strides: Sequence[int] = (16, 32),
         norm: str = "batch",
+        full_res_refine: bool | None = None,
         **attention,
     ) -> None:
         super().__init__()
@@ -278,6 +296,8 @@ class HSMLASegNet(GatedNetwork):
             raise ValueError(f"decoder must be one of {DECODERS}, got {decoder!r}.")
         if decoder == "unet" and head_stride is not None:
             raise ValueError("head_stride belongs to the fpn decoder; the unet decoder reaches full resolution.")
+        if decoder == "fpn" and full_res_refine is not None:
+            raise ValueError("full_res_refine belongs to the unet decoder; the fpn decoder stops at stride 8 or 4.")
         head_stride = 8 if head_stride is None else head_stride
         if head_stride not in _HEAD_STAGES:
             raise ValueError(f"head_stride must be one of {sorted(_HEAD_STAGES)}, got {head_stride}")
@@ -290,7 +310,8 @@ class HSMLASegNet(GatedNetwork):
         if decoder == "unet":
             width = cfg.decoder_widths[0]
             self.full_res = ConvNormAct(spatial_dims, in_channels, width, 3, norm=norm)
-            self.decoder = UNetDecoder(spatial_dims, (width, *cfg.widths[:4]), cfg.widths[4], cfg.decoder_widths, norm)
+            refine = spatial_dims == 2 if full_res_refine is None else full_res_refine
+            self.decoder = UNetDecoder(spatial_dims, (width, *cfg.widths[:4]), cfg.widths[4], cfg.decoder_widths, norm, refine)
             self.classify = conv(width, out_channels, 1)
         else:
             self._first = _HEAD_STAGES[head_stride]
