@@ -50,6 +50,31 @@ def test_unet_decoder_reaches_full_resolution(variant, spatial_dims, size):
     assert [m[0].out_channels for m in net.decoder.skip] == list(VARIANTS[variant].decoder_widths)
 
 
+@pytest.mark.parametrize("spatial_dims, refine, default", [(2, None, True), (3, None, False), (3, True, True), (2, False, False)])
+def test_full_res_refine(spatial_dims, refine, default):
+    """The full-resolution level is refined by default in 2D only; either dimension can ask for
+    the other. Without it, the level's output is exactly the sum of its two projections."""
+    net = HSMLASegNet(spatial_dims, 1, 3, full_res_refine=refine).eval()
+    assert isinstance(net.decoder.refine[0], torch.nn.Identity) is not default
+    assert all(not isinstance(r, torch.nn.Identity) for r in net.decoder.refine[1:])
+    if not default:
+        x = torch.randn(1, 1, *[16] * spatial_dims)
+        seen = {}
+        net.decoder.up[0].register_forward_hook(lambda m, i, o: seen.setdefault("up", o.clone()))
+        net.decoder.skip[0].register_forward_hook(lambda m, i, o: seen.setdefault("skip", o))
+        with torch.no_grad():
+            logits = net(x)
+        mode = "bilinear" if spatial_dims == 2 else "trilinear"
+        up = torch.nn.functional.interpolate(seen["up"], size=x.shape[2:], mode=mode, align_corners=False)
+        expected = net.classify(up + seen["skip"])
+        torch.testing.assert_close(logits, expected)
+
+
+def test_full_res_refine_belongs_to_the_unet_decoder():
+    with pytest.raises(ValueError, match="full_res_refine"):
+        HSMLASegNet(2, 1, 3, decoder="fpn", full_res_refine=False)
+
+
 def test_unet_decoder_is_sensitive_to_every_pixel():
     """One changed input pixel changes the logits at that pixel (a full-resolution path), and the
     prediction of a 1-pixel-wide line is not smeared like a stride-8 head's bilinear upsampling."""
