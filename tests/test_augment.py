@@ -23,7 +23,13 @@ from torch import nn
 
 from hsmla_med.config import merge_config, task_config
 from hsmla_med.data.checks import CheckCased, LoadCased
-from hsmla_med.data.intensity import ForegroundPercentiled, ForegroundZScored, intensity_augmentations, otsu_foreground
+from hsmla_med.data.intensity import (
+    ForegroundPercentiled,
+    ForegroundZScored,
+    RandBiasFieldAboveFloord,
+    intensity_augmentations,
+    otsu_foreground,
+)
 from hsmla_med.engine import SegmentationModule
 from hsmla_med.errors import ConfigError
 from hsmla_med.pipelines import btcv, endovis, luna16
@@ -136,6 +142,49 @@ def test_augmentations_follow_nnunet_formulas():
     image, out = _augmented(_augment(lowres_prob=1.0, lowres_zoom=[0.5, 0.5]), 2)  # in-plane, (24, 20) -> (12, 10) -> back
     coarse = F.interpolate(image[None].as_tensor(), size=(12, 10), mode="nearest-exact")
     torch.testing.assert_close(out["image"].as_tensor(), F.interpolate(coarse, size=(24, 20), mode="bilinear")[0])
+
+
+@pytest.mark.parametrize("dims", [2, 3])
+def test_bias_field_on_a_zscored_image_is_the_scanners_field(dims):
+    """The field applied to a z-scored MRI equals the z-score (same mean and std) of the raw
+    image times that field: ``(raw * f - mean) / std``, the field ``f`` being MONAI's own
+    RandBiasField drawn with the same seed on the raw image (air at 0 in the crop)."""
+    from monai.transforms import RandBiasField
+
+    rng = np.random.default_rng(dims)
+    shape = (2, 24, 20) if dims == 2 else (2, 20, 16, 12)
+    raw = rng.uniform(50, 150, shape).astype(np.float32)
+    raw[(slice(None), slice(0, 3))] = 0.0  # air along one side, in both channels
+    mean, std = raw.mean(axis=tuple(range(1, dims + 1)), keepdims=True), raw.std(axis=tuple(range(1, dims + 1)), keepdims=True)
+    z = (raw - mean) / std
+    out = RandBiasFieldAboveFloord("image", prob=1.0, coeff=0.3).set_random_state(7)({"image": torch.from_numpy(z)})["image"]
+    field = RandBiasField(coeff_range=(-0.3, 0.3), prob=1.0).set_random_state(7)(torch.ones(shape))
+    assert not torch.allclose(field, torch.ones(shape), atol=0.05)  # a field of some size
+    expected = (raw * field.numpy() - mean) / std
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_bias_field_only_for_mri_and_its_probability():
+    aug = _augment(bias_field_prob=1.0)
+    assert not any(isinstance(t, RandBiasFieldAboveFloord) for t in intensity_augmentations(aug, 3))
+    (first, *_) = intensity_augmentations(aug, 3, mri=True)
+    assert isinstance(first, RandBiasFieldAboveFloord) and first.prob == 1.0
+    image = torch.rand(1, 8, 8)
+    out = RandBiasFieldAboveFloord("image", prob=0.0, coeff=0.3)({"image": image})["image"]
+    assert torch.equal(out, image)
+    with pytest.raises(ConfigError, match="data.augment.bias_field_coeff"):
+        intensity_augmentations(_augment(bias_field_coeff=1.5), 3, mri=True)
+    with pytest.raises(ConfigError, match="data.augment.bias_field_prob"):
+        intensity_augmentations(_augment(bias_field_prob=2), 3, mri=True)
+
+
+def test_btcv_trains_mri_with_a_bias_field_and_ct_without(tmp_path):
+    config = tiny_config(tmp_path, tmp_path / "out")
+    train, _ = btcv.transforms(config, 1, 3)
+    assert not any(isinstance(t, RandBiasFieldAboveFloord) for t in train.transforms)
+    config["data"]["intensity"] = {"kind": "zscore_foreground"}
+    train, _ = btcv.transforms(config, 1, 3)
+    assert sum(isinstance(t, RandBiasFieldAboveFloord) for t in train.transforms) == 1
 
 
 @pytest.mark.parametrize(

@@ -20,18 +20,20 @@ from monai.data.meta_obj import get_track_meta
 from monai.transforms import (
     MapTransform,
     RandAdjustContrastd,
+    RandBiasField,
     RandGaussianNoised,
     RandGaussianSmoothd,
     RandScaleIntensityd,
     RandScaleIntensityFixedMeand,
     RandSimulateLowResolutiond,
+    RandomizableTransform,
 )
 from monai.utils import convert_to_dst_type, convert_to_numpy, convert_to_tensor
 from skimage.filters import threshold_otsu
 
 from hsmla_med.errors import ConfigError
 
-__all__ = ["otsu_foreground", "ForegroundZScored", "ForegroundPercentiled", "intensity_augmentations"]
+__all__ = ["otsu_foreground", "ForegroundZScored", "ForegroundPercentiled", "RandBiasFieldAboveFloord", "intensity_augmentations"]
 
 
 def _channel_foreground(channel: np.ndarray) -> np.ndarray:
@@ -98,6 +100,41 @@ class ForegroundPercentiled(_ForegroundNormalised):
         return low, high, low, high - low if high > low else 1.0
 
 
+class RandBiasFieldAboveFloord(RandomizableTransform, MapTransform):
+    """An MRI bias field (MONAI's :class:`~monai.transforms.RandBiasField`: ``exp`` of a random
+    Legendre polynomial of ``degree``, coefficients uniform in ``[-coeff, coeff]``) on an image
+    that is already z-scored.
+
+    A scanner's field multiplies the measured intensities, whose air is about 0; after the
+    z-score the air sits at ``-mean / std`` instead, and MONAI's transform, which multiplies the
+    stored values, would scale tissue around that z-score's 0 (the tissue mean) instead. Here each
+    channel is multiplied above its minimum in the crop, the air of a crop that holds air: ``floor +
+    (x - floor) * field``. For a crop wholly inside tissue the darkest voxel stands in for the
+    air, a smaller field than a scanner's on those intensities.
+    """
+
+    def __init__(self, keys: KeysCollection, prob: float, coeff: float, degree: int = 3, allow_missing_keys: bool = False) -> None:
+        MapTransform.__init__(self, keys, allow_missing_keys)
+        RandomizableTransform.__init__(self, prob)
+        self.field = RandBiasField(degree=degree, coeff_range=(-coeff, coeff), prob=1.0)
+
+    def set_random_state(self, seed=None, state=None) -> RandBiasFieldAboveFloord:
+        super().set_random_state(seed, state)
+        self.field.set_random_state(seed, state)
+        return self
+
+    def __call__(self, data: Mapping[Hashable, NdarrayOrTensor]) -> dict:
+        d = dict(data)
+        self.randomize(None)
+        if not self._do_transform:
+            return d
+        for key in self.key_iterator(d):
+            image = convert_to_tensor(d[key], dtype=torch.float32, track_meta=get_track_meta())
+            floor = image.flatten(1).amin(dim=1).reshape(-1, *[1] * (image.ndim - 1))
+            d[key] = self.field(image - floor) + floor
+        return d
+
+
 def _prob(aug: Mapping, key: str) -> float:
     value = aug[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
@@ -115,11 +152,14 @@ def _range(aug: Mapping, key: str, high: float = math.inf) -> tuple[float, float
     return float(value[0]), float(value[1])
 
 
-def intensity_augmentations(aug: Mapping, spatial_dims: int, keys: KeysCollection = "image") -> list:
+def intensity_augmentations(aug: Mapping, spatial_dims: int, keys: KeysCollection = "image", mri: bool = False) -> list:
     """nnU-Net's default intensity and resolution augmentations (``nnUNetTrainer.
     get_training_transforms``), in its order, on ``keys`` only: labels stay exact and every
     transform keeps the shape. ``aug`` is a task's ``data.augment`` section; a ``*_prob`` of 0
     switches one off. ``spatial_dims`` 2 (slices, frames) blurs and lowers the resolution in-plane.
+    ``mri`` (a z-scored MRI) puts a bias field first (:class:`RandBiasFieldAboveFloord`,
+    ``bias_field_prob``, ``bias_field_coeff``), as a scanner's coil puts it before the noise;
+    nnU-Net has none, and a CT's Hounsfield units have no such field.
 
     Where MONAI's transform draws its parameter differently from nnU-Net: the noise standard
     deviation is drawn uniformly in ``(0, noise_std)`` (nnU-Net: the variance in ``(0, 0.1)``,
@@ -136,7 +176,13 @@ def intensity_augmentations(aug: Mapping, spatial_dims: int, keys: KeysCollectio
     brightness = _range(aug, "brightness_range")
     contrast = _range(aug, "contrast_range")
     gamma = _range(aug, "gamma_range")
-    return [
+    bias = []
+    if mri:
+        coeff = aug["bias_field_coeff"]
+        if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not 0 <= coeff <= 1:
+            raise ConfigError(f"data.augment.bias_field_coeff must be a number in [0, 1], got {coeff!r}")
+        bias = [RandBiasFieldAboveFloord(keys, prob=_prob(aug, "bias_field_prob"), coeff=float(coeff))]
+    return bias + [
         RandGaussianNoised(keys, prob=_prob(aug, "noise_prob"), std=float(noise_std)),
         RandGaussianSmoothd(keys, sigma_x=sigma, sigma_y=sigma, sigma_z=sigma, prob=_prob(aug, "blur_prob")),
         # v * (1 + factor): a multiplier range m becomes factors m - 1

@@ -55,7 +55,8 @@ def crop_and_augment(config: dict) -> list:
     or background in the ratio ``data.pos_neg``, and augmentation: flips, 90-degree rotations (of
     square in-plane crops), an
     intensity shift and nnU-Net's intensity and resolution augmentations
-    (:func:`~hsmla_med.data.intensity.intensity_augmentations`). 2D mode crops single axial
+    (:func:`~hsmla_med.data.intensity.intensity_augmentations`), after a bias field for an MRI
+    intensity kind. 2D mode crops single axial
     slices (``(h, w, 1)`` crops, the slice axis squeezed); 3D crops patches."""
     keys = ["image", "label"]
     dims = spatial_dims(config)
@@ -83,4 +84,4 @@ def crop_and_augment(config: dict) -> list:
     if roi[0] == roi[1]:
         train.append(RandRotate90d(keys, prob=aug["rot90_prob"], max_k=3, spatial_axes=(0, 1)))
     train.append(RandShiftIntensityd("image", offsets=aug["shift_offset"], prob=aug["shift_prob"]))
-    return train + intensity_augmentations(aug, dims)
+    return train + intensity_augmentations(aug, dims, mri=intensity.get("kind") in MRI_KINDS)
