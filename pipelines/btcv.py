@@ -154,11 +154,11 @@ def preprocessing(data: dict, in_channels: int, num_classes: int, keys: Sequence
 
 
 def transforms(config: dict, in_channels: int, num_classes: int, label_names: Sequence[str] | None = None,
-               label_values: Sequence[int] | None = None) -> tuple[Compose, Compose]:
+               label_values: Sequence[int] | None = None, ignore_label: int | None = None) -> tuple[Compose, Compose]:
     """Training and validation transforms: :func:`preprocessing`, then for training
-    :func:`crop_and_augment`."""
+    :func:`crop_and_augment` (whose crops centre on no voxel of ``ignore_label``)."""
     pre = preprocessing(config["data"], in_channels, num_classes, label_names=label_names, label_values=label_values)
-    return Compose(pre + crop_and_augment(config)), Compose(pre)
+    return Compose(pre + crop_and_augment(config, ignore_label)), Compose(pre)
 
 
 def module_config(config: dict, model: dict, label_names: Sequence[str], in_channels: int = 1) -> dict:
@@ -171,7 +171,7 @@ def module_config(config: dict, model: dict, label_names: Sequence[str], in_chan
 def datamodule(config: dict, cases: Datalist, in_channels: int | None = None) -> CaseDataModule:
     """The cases' data, with the dataset's input channels unless ``in_channels`` is given."""
     train, val = transforms(config, cases.channels if in_channels is None else in_channels, cases.num_classes, cases.label_names,
-                            cases.label_values())
+                            cases.label_values(), cases.ignore_label)
     data = config["data"]
     return CaseDataModule(cases.training, cases.validation, train, val, data["batch_size"], data["num_workers"], data["cache_rate"])
 

@@ -166,6 +166,36 @@ def test_ignore_label_trains_and_evaluates(tmp_path):
     assert summary["mean"]["1"]["Dice"] == 1.0 and summary["metric_per_case"][0]["metrics"]["1"]["FP"] == 0
 
 
+@pytest.mark.parametrize("kind", ["zscore_foreground", "ct_window"])
+def test_foreground_crops_centre_on_annotated_voxels_only(tmp_path, kind):
+    """Foreground-only crops (pos 1, neg 0) of a volume whose label holds a small annotated cube
+    and a large ignored slab far from it: every crop holds the cube (MONAI's own sampling counts
+    the ignore label as foreground and centres most crops on the slab). Background crops (pos 0)
+    centre on label 0 voxels, never on the slab."""
+    from monai.transforms import Compose
+
+    from hsmla_med.data.volume_crops import crop_and_augment
+    from tests.conftest import tiny_config
+
+    config = tiny_config(tmp_path, tmp_path / "out")
+    config["mode"], config["data"]["roi_size_3d"] = "3d", [16, 16, 16]
+    config["data"]["intensity"] = {"kind": kind, "a_min": -175.0, "a_max": 250.0, "mean": None, "std": None}
+    config["data"]["samples_per_case"] = 40
+    config["data"]["augment"] = {**config["data"]["augment"], **{k: 0.0 for k in config["data"]["augment"] if k.endswith("_prob")}}
+    label = torch.zeros(1, 64, 64, 64, dtype=torch.int64)
+    label[0, 4:8, 4:8, 4:8] = 1  # 64 annotated voxels
+    label[0, 32:, :, :] = 3  # the far half: ignored (4096 x 8 voxels)
+    item = {"image": torch.rand(1, 64, 64, 64) + 1.0, "label": label}
+    for pos, neg in ((1, 0), (0, 1)):
+        config["data"]["pos_neg"] = [pos, neg]
+        crops = Compose(crop_and_augment(config, ignore_label=3)).set_random_state(0)(dict(item))
+        assert len(crops) == 40 and all(set(c) == {"image", "label"} for c in crops)
+        if pos:
+            assert all((c["label"] == 1).any() for c in crops)
+        else:  # a 16^3 crop centred on label 0 reaches at most 8 voxels into the slab
+            assert all((c["label"] == 3).sum() <= 16 * 16 * 8 for c in crops)
+
+
 def _only(data: Path, tmp_path: Path, name: str) -> Path:
     """A labels folder with one case's label map."""
     folder = tmp_path / "labels"

@@ -6,6 +6,7 @@ spatial dims and which ``data.roi_size_*`` is the crop and inference window.
 
 from __future__ import annotations
 
+import torch
 from monai.transforms import (
     RandCropByPosNegLabeld,
     RandFlipd,
@@ -15,10 +16,12 @@ from monai.transforms import (
     SqueezeDimd,
 )
 
+from monai.transforms.utils import map_binary_to_indices
+
 from hsmla_med.data.intensity import intensity_augmentations
 from hsmla_med.errors import ConfigError
 
-__all__ = ["MODES", "MRI_KINDS", "MIN_ROI_SIDE", "spatial_dims", "roi_size", "crop_and_augment"]
+__all__ = ["MODES", "MRI_KINDS", "MIN_ROI_SIDE", "spatial_dims", "roi_size", "RandCropAnnotatedd", "crop_and_augment"]
 
 MODES = {"2d": 2, "3d": 3}
 MRI_KINDS = ("zscore", "zscore_foreground")  # data.intensity kinds that give tissue negative values
@@ -50,14 +53,38 @@ def roi_size(config: dict) -> list[int]:
     return [int(v) for v in roi]
 
 
-def crop_and_augment(config: dict) -> list:
+class RandCropAnnotatedd(RandCropByPosNegLabeld):
+    """:class:`~monai.transforms.RandCropByPosNegLabeld` whose crops centre on no voxel of
+    ``ignore_label``: foreground crops on labelled voxels, background crops on label 0 (above
+    ``image_threshold`` where ``image_key`` is given).
+
+    MONAI's crop counts every non-zero label as foreground: nnU-Net's ignore label (voxels without
+    annotation) would centre "foreground" crops on unannotated tissue, which the loss then masks
+    out. The indices are drawn per call, as MONAI's are (not cached with the preprocessing,
+    where a volume's background indices would take 8 bytes per voxel).
+    """
+
+    def __init__(self, *args, ignore_label: int | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.ignore_label = ignore_label
+
+    def randomize(self, label: torch.Tensor | None = None, fg_indices=None, bg_indices=None, image: torch.Tensor | None = None) -> None:
+        if self.ignore_label is not None and label is not None and fg_indices is None and bg_indices is None:
+            annotated = label != self.ignore_label
+            usable = annotated if image is None else annotated & (image > self.cropper.image_threshold).any(0, keepdim=True)
+            fg_indices, bg_indices = map_binary_to_indices((label > 0) & annotated, usable, 0)
+        super().randomize(label, fg_indices, bg_indices, image)
+
+
+def crop_and_augment(config: dict, ignore_label: int | None = None) -> list:
     """Random training crops of a preprocessed ``image``/``label`` volume, centred on foreground
     or background in the ratio ``data.pos_neg``, and augmentation: flips, 90-degree rotations (of
     square in-plane crops), an
     intensity shift and nnU-Net's intensity and resolution augmentations
     (:func:`~hsmla_med.data.intensity.intensity_augmentations`), after a bias field for an MRI
     intensity kind. 2D mode crops single axial
-    slices (``(h, w, 1)`` crops, the slice axis squeezed); 3D crops patches."""
+    slices (``(h, w, 1)`` crops, the slice axis squeezed); 3D crops patches. Voxels of
+    ``ignore_label`` centre no crop (:class:`RandCropAnnotatedd`)."""
     keys = ["image", "label"]
     dims = spatial_dims(config)
     roi = roi_size(config)
@@ -71,9 +98,9 @@ def crop_and_augment(config: dict) -> list:
     floor = (intensity["a_min"] - intensity["mean"]) / intensity["std"] if intensity.get("kind") == "ct_zscore" else 0.0
     train = [
         SpatialPadd(keys, spatial_size=crop),
-        RandCropByPosNegLabeld(
+        RandCropAnnotatedd(
             keys, "label", spatial_size=crop, pos=pos, neg=neg, num_samples=config["data"]["samples_per_case"],
-            image_key=None if intensity.get("kind") in MRI_KINDS else "image", image_threshold=floor
+            image_key=None if intensity.get("kind") in MRI_KINDS else "image", image_threshold=floor, ignore_label=ignore_label
         ),
     ]
     if dims == 2:
