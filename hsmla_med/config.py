@@ -51,7 +51,7 @@ def model_config(name_or_path: str | Path | dict) -> dict:
 
 _ATTENTION_KEYS = set(inspect.signature(HSMLA).parameters) - {"spatial_dims", "in_channels"}
 _MODEL_KEYS = {
-    "segmentation": {"variant", "attention", "decoder", "head_stride", "attention_strides", "norm", "full_res_refine"},
+    "segmentation": {"variant", "attention", "decoder", "head_stride", "attention_strides", "norm", "full_res"},
     "classification": {"variant", "attention", "attention_strides"},
 }
 _INJECTED = ("spatial_dims", "in_channels", "out_channels")

@@ -9,7 +9,8 @@
    backward of an op is attributed to the forward part that recorded it, through the
    profiler's sequence numbers).
 
-    python scripts/profile_3d_step.py [--rounds 5] [--size 64] [--batch 2] [--classes 14] [--plain] [--no-profile]
+    python scripts/profile_3d_step.py [--rounds 5] [--size 64 | --shape 64 96 32] [--batch 2] [--classes 14]
+        [--plain] [--full-res refine light sum] [--no-profile]
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from hsmla_med.bench.common import interleaved
 from hsmla_med.config import build_network, model_config
 from hsmla_med.nn import HSMLA
+from hsmla_med.nn.hsmla_net import FULL_RES
 from hsmla_med.nn import functional as HF
 from hsmla_med.nn.blocks import HSMLABlock
 from hsmla_med.nn.conv import Conv3d
@@ -172,24 +174,32 @@ def breakdown(prof, top: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--size", type=int, default=64, help="cubic patches of this side")
+    parser.add_argument("--shape", type=int, nargs=3, help="patch shape instead of --size (the learning benchmark's: 64 96 32)")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--classes", type=int, default=14)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--no-profile", action="store_true", help="timings only")
+    parser.add_argument(
+        "--full-res", nargs="+", default=[], choices=FULL_RES, help="also time HSMLA-B0 with these full-resolution levels"
+    )
     parser.add_argument(
         "--plain", action="store_true", help="also time HSMLA-B0 with plain convolutions (hsmla_med.nn.conv's training forms off)"
     )
     args = parser.parse_args()
     tune_cpu_allocator()
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch}, {args.size}^3, {args.classes} classes")
-    x = torch.randn(args.batch, 1, *[args.size] * 3)
-    y = torch.randint(0, args.classes, (args.batch, 1, *[args.size] * 3))
+    shape = args.shape or [args.size] * 3
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch}, {' x '.join(map(str, shape))}, "
+          f"{args.classes} classes")
+    x = torch.randn(args.batch, 1, *shape)
+    y = torch.randint(0, args.classes, (args.batch, 1, *shape))
     nets = {
         "HSMLA-B0": build_network(model_config("b0"), 3, 1, args.classes).train(),
         "MONAI UNet-3D": build_network(UNET, 3, 1, args.classes).train(),
     }
+    for level in args.full_res:
+        nets[f"HSMLA-B0 (full_res {level})"] = build_network({**model_config("b0"), "full_res": level}, 3, 1, args.classes).train()
     if args.plain:
         nets["HSMLA-B0 (plain convolutions)"] = plain = copy.deepcopy(nets["HSMLA-B0"])
         for conv in (m for m in plain.modules() if isinstance(m, Conv3d)):

@@ -102,7 +102,7 @@ def test_3d_network_trains_channels_last(one_thread):
     gradient, is channels-last (float32, one thread: there PyTorch's own 1x1x1 kernel returned
     channels-first maps, and the backward mixed layouts)."""
     torch.manual_seed(0)
-    net = HSMLASegNet(3, 1, 3, full_res_refine=True).train()  # the refined level too
+    net = HSMLASegNet(3, 1, 3, full_res="refine").train()  # the refined level too
     layouts = []
 
     def record(name):

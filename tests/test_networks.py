@@ -7,6 +7,7 @@ import torch
 from monai.inferers import sliding_window_inference
 
 from hsmla_med.nn import VARIANTS, HSMLA, HSMLAClassifier, HSMLASegNet, calibrate_tau
+from hsmla_med.nn.blocks import ConvNormAct, DSConv
 
 
 @pytest.mark.parametrize("variant", ["b0", "b1", "b2"])
@@ -50,14 +51,17 @@ def test_unet_decoder_reaches_full_resolution(variant, spatial_dims, size):
     assert [m[0].out_channels for m in net.decoder.skip] == list(VARIANTS[variant].decoder_widths)
 
 
-@pytest.mark.parametrize("spatial_dims, refine, default", [(2, None, True), (3, None, False), (3, True, True), (2, False, False)])
-def test_full_res_refine(spatial_dims, refine, default):
-    """The full-resolution level is refined by default in 2D only; either dimension can ask for
-    the other. Without it, the level's output is exactly the sum of its two projections."""
-    net = HSMLASegNet(spatial_dims, 1, 3, full_res_refine=refine).eval()
-    assert isinstance(net.decoder.refine[0], torch.nn.Identity) is not default
-    assert all(not isinstance(r, torch.nn.Identity) for r in net.decoder.refine[1:])
-    if not default:
+@pytest.mark.parametrize("spatial_dims, full_res, expected", [(2, None, "refine"), (3, None, "light"), (3, "refine", "refine"),
+                                                           (2, "light", "light"), (3, "sum", "sum")])
+def test_full_res_level(spatial_dims, full_res, expected):
+    """The full-resolution level: refined as the others by default in 2D, a DSConv alone in 3D,
+    either on request; ``sum`` gives exactly the classifier of the two projections' sum."""
+    net = HSMLASegNet(spatial_dims, 1, 3, full_res=full_res).eval()
+    level = net.decoder.refine[0]
+    kinds = {"refine": [ConvNormAct, DSConv], "light": [DSConv], "sum": []}[expected]
+    assert [type(m) for m in level.children()] == kinds
+    assert all([type(m) for m in r.children()] == [ConvNormAct, DSConv] for r in net.decoder.refine[1:])
+    if expected == "sum":
         x = torch.randn(1, 1, *[16] * spatial_dims)
         seen = {}
         net.decoder.up[0].register_forward_hook(lambda m, i, o: seen.setdefault("up", o.clone()))
@@ -66,13 +70,14 @@ def test_full_res_refine(spatial_dims, refine, default):
             logits = net(x)
         mode = "bilinear" if spatial_dims == 2 else "trilinear"
         up = torch.nn.functional.interpolate(seen["up"], size=x.shape[2:], mode=mode, align_corners=False)
-        expected = net.classify(up + seen["skip"])
-        torch.testing.assert_close(logits, expected)
+        torch.testing.assert_close(logits, net.classify(up + seen["skip"]))
 
 
-def test_full_res_refine_belongs_to_the_unet_decoder():
-    with pytest.raises(ValueError, match="full_res_refine"):
-        HSMLASegNet(2, 1, 3, decoder="fpn", full_res_refine=False)
+def test_full_res_is_checked_and_belongs_to_the_unet_decoder():
+    with pytest.raises(ValueError, match="full_res must be one of"):
+        HSMLASegNet(3, 1, 3, full_res="none")
+    with pytest.raises(ValueError, match="full_res belongs to the unet decoder"):
+        HSMLASegNet(2, 1, 3, decoder="fpn", full_res="sum")
 
 
 def test_unet_decoder_is_sensitive_to_every_pixel():

@@ -228,10 +228,10 @@ def load_module(
         raise DataError(f"{path}: checkpoint hyper-parameters are incomplete (missing {', '.join(missing)})")
     config = {**config, "inference": {**config["inference"], **(inference or {})}}
     network = config.get("network")
-    if isinstance(network, dict) and "full_res_refine" not in network and "network.decoder.refine.0.0.0.weight" in state:
-        # written before full_res_refine existed (commit 242743b): a 3D network then refined its
-        # full-resolution level too, which 3D now leaves out by default
-        config["network"] = {**network, "full_res_refine": True}
+    if isinstance(network, dict) and "full_res" not in network and "network.decoder.refine.0.0.0.weight" in state:
+        # written before the full_res option (commit 242743b): a 3D network then refined its
+        # full-resolution level as 2D does, which 3D now does lighter by default
+        config["network"] = {**network, "full_res": "refine"}
     try:
         module = module_class(config)
     except (KeyError, TypeError, ValueError) as err:

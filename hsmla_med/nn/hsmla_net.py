@@ -15,7 +15,7 @@ from hsmla_med.nn.attention import HSMLA, calibrate_tau
 from hsmla_med.nn.blocks import ConvNormAct, DSConv, HSMLABlock, MBConv
 from hsmla_med.nn.conv import conv_type
 
-__all__ = ["VARIANTS", "DECODERS", "Variant", "HSMLABackbone", "UNetDecoder", "HSMLASegNet", "HSMLAClassifier"]
+__all__ = ["VARIANTS", "DECODERS", "FULL_RES", "Variant", "HSMLABackbone", "UNetDecoder", "HSMLASegNet", "HSMLAClassifier"]
 
 STRIDES = (2, 4, 8, 16, 32)  # of the backbone's stages (the stem is the first)
 
@@ -44,6 +44,9 @@ VARIANTS: dict[str, Variant] = {
 #: ``unet``: skip connections from every stage and a full-resolution level; ``fpn``: the paper's
 #: head, stage outputs fused at stride 8 (or 4) and the logits upsampled.
 DECODERS = ("unet", "fpn")
+#: the ``unet`` decoder's full-resolution level: ``refine``, a 3x3 ConvNormAct and a DSConv as at
+#: every other level; ``light``, the DSConv alone; ``sum``, the two projections' sum alone.
+FULL_RES = ("refine", "light", "sum")
 
 
 def _variant(name: str) -> Variant:
@@ -197,8 +200,7 @@ class UNetDecoder(nn.Module):
         deep_width: channels of the stride-32 map.
         widths: decoder channels at strides 1, 2, 4, 8, 16.
         norm: one of :data:`~hsmla_med.nn.blocks.NORMS`.
-        full_res_refine: refine the full-resolution sum as the other levels (default); if False,
-            the full-resolution level is the sum of the two projections alone.
+        full_res: the full-resolution level, one of :data:`FULL_RES` (default ``refine``).
 
     ``forward(skips, deep)``: the five skips (finest first) and the stride-32 map -> the
     full-resolution map ``(batch, widths[0], *skips[0].shape[2:])``.
@@ -211,7 +213,7 @@ class UNetDecoder(nn.Module):
         deep_width: int,
         widths: Sequence[int],
         norm: str = "batch",
-        full_res_refine: bool = True,
+        full_res: str = "refine",
     ) -> None:
         super().__init__()
         if len(skip_widths) != len(widths):
@@ -219,12 +221,11 @@ class UNetDecoder(nn.Module):
         coarser = [*widths[1:], deep_width]
         self.up = nn.ModuleList(ConvNormAct(spatial_dims, c, w, 1, act=False, norm=norm) for c, w in zip(coarser, widths))
         self.skip = nn.ModuleList(ConvNormAct(spatial_dims, c, w, 1, act=False, norm=norm) for c, w in zip(skip_widths, widths))
-        self.refine = nn.ModuleList(
-            nn.Sequential(ConvNormAct(spatial_dims, w, w, 3, norm=norm), DSConv(spatial_dims, w, norm))
-            if level or full_res_refine
-            else nn.Identity()
-            for level, w in enumerate(widths)
-        )
+        if full_res not in FULL_RES:
+            raise ValueError(f"full_res must be one of {FULL_RES}, got {full_res!r}.")
+        refine = [nn.Sequential(ConvNormAct(spatial_dims, w, w, 3, norm=norm), DSConv(spatial_dims, w, norm)) for w in widths]
+        refine[0] = {"refine": refine[0], "light": nn.Sequential(DSConv(spatial_dims, widths[0], norm)), "sum": nn.Identity()}[full_res]
+        self.refine = nn.ModuleList(refine)
         self._mode = "bilinear" if spatial_dims == 2 else "trilinear"
 
     def forward(self, skips: Sequence[torch.Tensor], deep: torch.Tensor) -> torch.Tensor:
@@ -265,12 +266,10 @@ class HSMLASegNet(GatedNetwork):
         norm: normalisation of the convolutions, ``"batch"`` (default, folded into the
             convolutions at inference) or ``"instance"`` (see :data:`~hsmla_med.nn.blocks.NORMS`;
             the stride-32 map must then hold more than one element: inputs over 32 along an axis).
-        full_res_refine: whether the ``unet`` decoder refines its full-resolution level (a 3x3
-            convolution and a DSConv) like the others; default: in 2D yes, in 3D no. In 3D
-            that level held 45% of a training step (64 x 96 x 32 patches, docs/benchmarks.md,
-            "3D training step") and without it the step takes ~1.2-1.4x MONAI UNet-3D's
-            instead of ~2.2x; the full-resolution skip and the stride-2 level still set the
-            boundaries. Refused with the ``fpn`` decoder.
+        full_res: the ``unet`` decoder's full-resolution level, one of :data:`FULL_RES`;
+            default ``refine`` in 2D, ``light`` in 3D: there the refined level held 45% of a
+            training step (64 x 96 x 32 patches, docs/benchmarks.md, "3D training step").
+            Refused with the ``fpn`` decoder.
         **attention: keyword arguments for every :class:`~hsmla_med.nn.HSMLA` layer
             (``window``, ``block``, ``tau``, ``rho``, ``scales``, ``routing``, ``backend``...).
 
@@ -287,7 +286,7 @@ class HSMLASegNet(GatedNetwork):
         head_stride: int | None = None,
         attention_strides: Sequence[int] = (16, 32),
         norm: str = "batch",
-        full_res_refine: bool | None = None,
+        full_res: str | None = None,
         **attention,
     ) -> None:
         super().__init__()
@@ -296,8 +295,8 @@ class HSMLASegNet(GatedNetwork):
             raise ValueError(f"decoder must be one of {DECODERS}, got {decoder!r}.")
         if decoder == "unet" and head_stride is not None:
             raise ValueError("head_stride belongs to the fpn decoder; the unet decoder reaches full resolution.")
-        if decoder == "fpn" and full_res_refine is not None:
-            raise ValueError("full_res_refine belongs to the unet decoder; the fpn decoder stops at stride 8 or 4.")
+        if decoder == "fpn" and full_res is not None:
+            raise ValueError("full_res belongs to the unet decoder; the fpn decoder stops at stride 8 or 4.")
         head_stride = 8 if head_stride is None else head_stride
         if head_stride not in _HEAD_STAGES:
             raise ValueError(f"head_stride must be one of {sorted(_HEAD_STAGES)}, got {head_stride}")
@@ -310,8 +309,8 @@ class HSMLASegNet(GatedNetwork):
         if decoder == "unet":
             width = cfg.decoder_widths[0]
             self.full_res = ConvNormAct(spatial_dims, in_channels, width, 3, norm=norm)
-            refine = spatial_dims == 2 if full_res_refine is None else full_res_refine
-            self.decoder = UNetDecoder(spatial_dims, (width, *cfg.widths[:4]), cfg.widths[4], cfg.decoder_widths, norm, refine)
+            full_res = full_res or ("refine" if spatial_dims == 2 else "light")
+            self.decoder = UNetDecoder(spatial_dims, (width, *cfg.widths[:4]), cfg.widths[4], cfg.decoder_widths, norm, full_res)
             self.classify = conv(width, out_channels, 1)
         else:
             self._first = _HEAD_STAGES[head_stride]
