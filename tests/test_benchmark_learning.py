@@ -124,7 +124,8 @@ def test_learning_benchmark_smoke(dataset, tmp_path, monkeypatch):
     dice = [k for k in rows[0] if "dice" in k]
     assert set(dice) == {f"{p}dice{c}" for p in ("", "perturbed_") for c in ("", "_grey_matter", "_white_matter")}
     assert {"hd95_grey_matter", "perturbed_hd95_white_matter", "train_s", "fit_s", "infer_s_per_volume", "params_m"} <= set(rows[0])
-    assert all(0.0 <= float(rows[0][k]) <= 1.0 for k in dice)
+    nsd = {f"{p}nsd{c}" for p in ("", "perturbed_") for c in ("", "_grey_matter", "_white_matter")}
+    assert all(0.0 <= float(rows[0][k]) <= 1.0 for k in [*dice, *nsd])
     with (out / "learning_summary.csv").open() as f:
         summary = next(csv.DictReader(f))
     assert summary["seeds"] == "1" and float(summary["dice_sd"]) == 0.0
@@ -134,11 +135,26 @@ def test_learning_benchmark_smoke(dataset, tmp_path, monkeypatch):
     assert benchmark.main(argv) == 0
 
 
-def test_a_result_is_reused_only_with_the_same_settings(tmp_path):
-    write = lambda settings: (tmp_path / "result.json").write_text(json.dumps({"settings": settings, "row": {"dice": 0.5}}))  # noqa: E731
+def test_a_result_is_reused_only_with_the_same_settings(tmp_path, monkeypatch):
+    row = {"dice": 0.5, "nsd": 0.4}
+    write = lambda settings, row=row: (tmp_path / "result.json").write_text(json.dumps({"settings": settings, "row": row}))  # noqa: E731
     settings = {"overlay": benchmark_learning.overlay({"variant": "b0"}, 96, 8), "steps": 400, "slices": 24}
-    assert benchmark_learning._finished(tmp_path, settings) is None
+    setup = benchmark_learning.Setup(tmp_path, {"validation": ["v"], "perturbed": ["p"]}, tmp_path, 400, 96, 8, "abc")
+    assert benchmark_learning._finished(tmp_path, settings, setup) is None
     write(settings)
-    assert benchmark_learning._finished(tmp_path, settings) == {"dice": 0.5}
+    assert benchmark_learning._finished(tmp_path, settings, setup) == row
     write({**settings, "steps": 200})
-    assert benchmark_learning._finished(tmp_path, settings) is None
+    assert benchmark_learning._finished(tmp_path, settings, setup) is None
+    # a row from before NSD: scored again from its predictions, and saved so
+    scored = []
+
+    def scores(data, entries, predictions):
+        scored.append((entries, predictions))
+        return {"dice": 0.6, "hd95": 2.0, "nsd": 0.7, **{f"{m}_per_class": {"grey_matter": 0.1} for m in ("dice", "hd95", "nsd")}}
+
+    monkeypatch.setattr(benchmark_learning, "scores", scores)
+    write(settings, {"dice": 0.5})
+    again = benchmark_learning._finished(tmp_path, settings, setup)
+    assert scored == [(["v"], tmp_path / "predictions"), (["p"], tmp_path / "predictions")]
+    assert again["nsd"] == 0.7 and again["perturbed_nsd"] == 0.7 and again["nsd_grey_matter"] == 0.1
+    assert json.loads((tmp_path / "result.json").read_text())["row"] == again

@@ -4,9 +4,10 @@ every network trained and run through the command line a user runs.
 Each (network, seed) runs ``hsmla-med train --task btcv`` on the same data, crops, steps and seed
 (a YAML overlay differing only in ``model``), then ``hsmla-med infer`` with ``last.ckpt`` (the
 validation case also picks ``best.ckpt``, so choosing it would leak) on the held-out slab and on
-its perturbed copy (bias field, noise, other voxels and orientation). Dice and HD95 (mm) per
-class are computed against the labels in their original geometry with MONAI's metrics
-(:func:`hsmla_med.metrics.case_scores`). Times: the train command's wall time, ``fit_s`` (from the
+its perturbed copy (bias field, noise, other voxels and orientation). Dice, HD95 (mm) and NSD
+(at 1 mm) per class are computed against the labels in their original geometry with MONAI's
+metrics (:func:`hsmla_med.metrics.case_scores`, :func:`hsmla_med.metrics.summary.case_metrics`).
+Times: the train command's wall time, ``fit_s`` (from the
 run's ``config.yaml`` to its final ``last.ckpt``, read from the files' clocks: data caching and
 training, without imports and the final validation) and inference per volume as ``infer``
 reports it (without imports and model loading).
@@ -50,6 +51,7 @@ from hsmla_med.data.mni import LABELS, write_mni_dataset
 from hsmla_med.errors import ConfigError
 from hsmla_med.io import atomic_path, write_json, write_yaml
 from hsmla_med.metrics import case_scores, summarize
+from hsmla_med.metrics.summary import case_metrics
 
 __all__ = ["NETWORKS", "ARMS_3D", "ROUTING_ABLATION", "arm", "SEEDED", "overlay", "scores", "summary_rows", "bench_learning", "add_arguments", "run"]
 
@@ -105,6 +107,9 @@ SEEDED = (*ROUTING_ABLATION, "unet", *PLANNED_ARMS, "unet-3d")
 INTENSITY = "zscore_foreground"  # Otsu foreground: the perturbed copy has Rician noise, no zero background
 CLASSES = [name for key, name in sorted(LABELS.items()) if key != "0"]
 SPLITS = {"": "validation", "perturbed_": "perturbed"}  # column prefix -> dataset.json list
+# NSD tolerance: one voxel of the 1 mm template, since the cortex is 2-4 voxels thick (the task's
+# 2 mm default would count most of a misplaced cortical boundary as right)
+NSD_TOLERANCE_MM = 1.0
 
 
 def overlay(model: dict, roi: int, crops: int, arm: str = "2d") -> dict:
@@ -163,9 +168,9 @@ def _label_map(img: nib.Nifti1Image) -> torch.Tensor:
 
 
 def scores(data: Path, entries: list[dict], predictions: Path) -> dict:
-    """Dice and HD95 of the predictions against the labels, each in the label's own geometry
-    (voxel sizes from its affine)."""
-    dice, hd95 = [], []
+    """Dice, HD95 and NSD (at :data:`NSD_TOLERANCE_MM`) of the predictions against the labels,
+    each in the label's own geometry (voxel sizes from its affine)."""
+    dice, hd95, nsd = [], [], []
     for entry in entries:
         truth = nib.load(str(data / entry["label"]))
         pred = nib.load(str(predictions / Path(entry["image"]).name))
@@ -173,12 +178,15 @@ def scores(data: Path, entries: list[dict], predictions: Path) -> dict:
         d, h = case_scores(_label_map(pred), _label_map(truth), len(LABELS), spacing=spacing)
         dice.append(d)
         hd95.append(h)
-    return summarize(torch.cat(dice), torch.cat(hd95), CLASSES)
+        metrics = case_metrics(_label_map(truth)[0, 0].numpy(), _label_map(pred)[0, 0].numpy(), range(1, len(LABELS)), spacing,
+                               NSD_TOLERANCE_MM)
+        nsd.append(torch.tensor([[metrics[c]["NSD"] for c in range(1, len(LABELS))]], dtype=torch.float32))
+    return summarize(torch.cat(dice), torch.cat(hd95), CLASSES, nsd=torch.cat(nsd))
 
 
 def _columns(prefix: str, summary: dict) -> dict:
-    row = {f"{prefix}dice": summary["dice"], f"{prefix}hd95": summary["hd95"]}
-    for metric in ("dice", "hd95"):
+    row = {f"{prefix}dice": summary["dice"], f"{prefix}hd95": summary["hd95"], f"{prefix}nsd": summary["nsd"]}
+    for metric in ("dice", "hd95", "nsd"):
         row.update({f"{prefix}{metric}_{name}": value for name, value in summary[f"{metric}_per_class"].items()})
     return row
 
@@ -229,11 +237,19 @@ def run_one(name: str, seed: int, setup: Setup, folder: Path) -> dict:
     return row
 
 
-def _finished(folder: Path, settings: dict) -> dict | None:
-    """The row of a run finished before with the same settings, if any."""
+def _finished(folder: Path, settings: dict, setup: Setup) -> dict | None:
+    """The row of a run finished before with the same settings, if any; one scored before NSD
+    was measured is scored again from its predictions (and saved so)."""
     result = folder / "result.json"
     saved = json.loads(result.read_text()) if result.is_file() else {}
-    return saved["row"] if saved.get("settings") == settings else None
+    if saved.get("settings") != settings:
+        return None
+    row = saved["row"]
+    if "nsd" not in row:
+        for prefix, split in SPLITS.items():
+            row.update(_columns(prefix, scores(setup.data, setup.meta[split], folder / "predictions")))
+        write_json(result, {"settings": settings, "row": row})
+    return row
 
 
 def summary_rows(rows: list[dict]) -> list[dict]:
@@ -252,7 +268,8 @@ def summary_rows(rows: list[dict]) -> list[dict]:
 
 def _readable(summary: list[dict]) -> list[dict]:
     """The summary's headline columns as ``mean ± sd`` strings, for the printed table."""
-    keys = ["dice", *(f"dice_{c}" for c in CLASSES), "hd95", "perturbed_dice", "perturbed_hd95", "train_s", "infer_s_per_volume"]
+    keys = ["dice", *(f"dice_{c}" for c in CLASSES), "hd95", "nsd", "perturbed_dice", "perturbed_hd95", "perturbed_nsd", "train_s",
+            "infer_s_per_volume"]
     fmt = lambda m, s: "n/a" if m is None else f"{m:.3g} ± {s:.2g}"  # noqa: E731
     return [{"network": s["network"], "seeds": s["seeds"], **{k: fmt(s[f"{k}_mean"], s[f"{k}_sd"]) for k in keys}} for s in summary]
 
@@ -308,7 +325,7 @@ def bench_learning(out: Path, steps: int = 400, seeds: int = 3, networks: list[s
     for name in networks:
         for seed in range(seeds if name in SEEDED else 1):
             folder = out / name / f"seed{seed}"
-            row = _finished(folder, setup.settings(name))
+            row = _finished(folder, setup.settings(name), setup)
             if row is not None:
                 rows.append(row)
                 print(f"  {name} seed {seed}: done before ({folder / 'result.json'}, commit {row['commit']})", flush=True)
@@ -334,7 +351,8 @@ def run(args: argparse.Namespace) -> int:
     """``hsmla-med bench --only learning``: the rows, their summary, the figure and tables."""
     info = machine()
     print(f"learning benchmark at commit {info['commit']} on {info['platform']}, {info['cpus']} CPUs; "
-          f"{args.steps} steps of {args.crops} {args.roi}x{args.roi} crops:", flush=True)
+          f"{args.steps} steps; 2D arms {args.crops} {args.roi}x{args.roi} crops per step, 3D arms the plan's patches, 2 per step:",
+          flush=True)
     write_json(args.out / "learning_machine.json", info)
     networks = args.networks.split(",") if args.networks else None
     rows = bench_learning(args.out, args.steps, args.seeds, networks, args.data_dir, args.slices, args.roi, args.crops)
