@@ -14,7 +14,8 @@ reports it (without imports and model loading).
 
 The 2D arms train on 1 mm axial slices with hand-set crops (``--roi``, ``--crops``); the planned
 arm (``PLANNED_ARMS``) leaves every data setting to the plan of the data; the 3D arm
-(``ARMS_3D``: HSMLA-B0-UNet with routing gate, off and all, UNet, SegResNet, SwinUNETR) trains
+(``ARMS_3D``: HSMLA-B0-UNet with routing gate, off and all and with the ``sum``
+full-resolution level, UNet, SegResNet, SwinUNETR) trains
 ``--mode 3d`` on the plan's spacing and patches, 2 per step.
 
 ``NETWORKS`` run with seed 0; those in ``SEEDED`` (``ROUTING_ABLATION``, HSMLA-B0-UNet trained
@@ -83,6 +84,8 @@ NETWORKS = {
     "hsmla-b0-unet-3d": _UNET,
     "hsmla-b0-unet-3d-routing-off": {**_UNET, "attention": {"routing": "off"}},
     "hsmla-b0-unet-3d-routing-all": {**_UNET, "attention": {"routing": "all"}},
+    # the full-resolution level without refinement: UNet-3D's training cost (docs/benchmarks.md)
+    "hsmla-b0-unet-3d-sum": {**_UNET, "full_res": "sum"},
     "unet-3d": {"monai": "UNet", "args": {"channels": [16, 32, 64, 128, 256], "strides": [2, 2, 2, 2], "num_res_units": 2}},
     "segresnet-3d": {"monai": "SegResNet", "args": {"init_filters": 16}},
     "swinunetr-3d": {"monai": "SwinUNETR", "args": {"feature_size": 24}},
@@ -93,7 +96,8 @@ PLANNED_ARMS = {"hsmla-b0-unet-planned"}
 # trained in 3D with the plan's spacing, intensity, patch and batch; 2 crops per case (nnU-Net's
 # 3D batch of 2) where the 2D arms take 8 slices
 ARMS_3D = (
-    "hsmla-b0-unet-3d", "unet-3d", "segresnet-3d", "swinunetr-3d", "hsmla-b0-unet-3d-routing-off", "hsmla-b0-unet-3d-routing-all"
+    "hsmla-b0-unet-3d", "unet-3d", "segresnet-3d", "swinunetr-3d", "hsmla-b0-unet-3d-routing-off", "hsmla-b0-unet-3d-routing-all",
+    "hsmla-b0-unet-3d-sum",
 )
 # run with every seed (the arms without a routing suffix are the "gate" arms: gate is the default)
 ROUTING_ABLATION = (
@@ -103,7 +107,7 @@ ROUTING_ABLATION = (
     "hsmla-b0-unet-3d", "hsmla-b0-unet-3d-routing-off", "hsmla-b0-unet-3d-routing-all",
 )
 # the comparison the issue's targets name, seed to seed: the best HSMLA network against UNet
-SEEDED = (*ROUTING_ABLATION, "unet", *PLANNED_ARMS, "unet-3d")
+SEEDED = (*ROUTING_ABLATION, "unet", *PLANNED_ARMS, "unet-3d", "hsmla-b0-unet-3d-sum")
 INTENSITY = "zscore_foreground"  # Otsu foreground: the perturbed copy has Rician noise, no zero background
 CLASSES = [name for key, name in sorted(LABELS.items()) if key != "0"]
 SPLITS = {"": "validation", "perturbed_": "perturbed"}  # column prefix -> dataset.json list
