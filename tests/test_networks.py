@@ -419,3 +419,15 @@ def test_instance_norm_loads_the_parameters_of_torchs_instance_norm():
     ours.load_state_dict(theirs.state_dict())
     x = torch.randn(2, 6, 10, 12)
     torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
+
+
+def test_2d_default_network_initialises_as_before_full_res():
+    """The full_res option builds only the level it uses: with seed 0 the 2D default draws the
+    same initial weights as before the option existed (values taken at commit 867b882). A module
+    built and dropped shifted the random stream (commit 3fce24a), and with it every seeded run
+    and the untrained checkpoints the export tests use."""
+    torch.manual_seed(0)
+    net = HSMLASegNet(2, 1, 3)
+    with torch.no_grad():
+        assert float(net.classify.weight.double().sum()) == pytest.approx(0.5016725063323975, abs=1e-9)
+        assert float(sum(p.double().abs().sum() for p in net.parameters())) == pytest.approx(42910.71709097471, rel=1e-9)

@@ -223,9 +223,14 @@ class UNetDecoder(nn.Module):
         self.skip = nn.ModuleList(ConvNormAct(spatial_dims, c, w, 1, act=False, norm=norm) for c, w in zip(skip_widths, widths))
         if full_res not in FULL_RES:
             raise ValueError(f"full_res must be one of {FULL_RES}, got {full_res!r}.")
-        refine = [nn.Sequential(ConvNormAct(spatial_dims, w, w, 3, norm=norm), DSConv(spatial_dims, w, norm)) for w in widths]
-        refine[0] = {"refine": refine[0], "light": nn.Sequential(DSConv(spatial_dims, widths[0], norm)), "sum": nn.Identity()}[full_res]
-        self.refine = nn.ModuleList(refine)
+        def level(i: int, w: int) -> nn.Module:  # built in order: a network's initial weights follow one random stream
+            if i == 0 and full_res == "light":
+                return nn.Sequential(DSConv(spatial_dims, w, norm))
+            if i == 0 and full_res == "sum":
+                return nn.Identity()
+            return nn.Sequential(ConvNormAct(spatial_dims, w, w, 3, norm=norm), DSConv(spatial_dims, w, norm))
+
+        self.refine = nn.ModuleList(level(i, w) for i, w in enumerate(widths))
         self._mode = "bilinear" if spatial_dims == 2 else "trilinear"
 
     def forward(self, skips: Sequence[torch.Tensor], deep: torch.Tensor) -> torch.Tensor:
