@@ -15,7 +15,6 @@ from monai.transforms import (
     SpatialPadd,
     SqueezeDimd,
 )
-
 from monai.transforms.utils import map_binary_to_indices
 
 from hsmla_med.data.intensity import intensity_augmentations
@@ -81,8 +80,8 @@ def crop_and_augment(config: dict, ignore_label: int | None = None) -> list:
     or background in the ratio ``data.pos_neg``, and augmentation: flips, 90-degree rotations (of
     square in-plane crops), an
     intensity shift and nnU-Net's intensity and resolution augmentations
-    (:func:`~hsmla_med.data.intensity.intensity_augmentations`), after a bias field for an MRI
-    intensity kind. 2D mode crops single axial
+    (:func:`~hsmla_med.data.intensity.intensity_augmentations`; for an MRI intensity kind also a
+    bias field, ``data.augment.bias_field_prob``, off by default). 2D mode crops single axial
     slices (``(h, w, 1)`` crops, the slice axis squeezed); 3D crops patches. Voxels of
     ``ignore_label`` centre no crop (:class:`RandCropAnnotatedd`)."""
     keys = ["image", "label"]
