@@ -51,10 +51,10 @@ def test_unet_decoder_reaches_full_resolution(variant, spatial_dims, size):
     assert [m[0].out_channels for m in net.decoder.skip] == list(VARIANTS[variant].decoder_widths)
 
 
-@pytest.mark.parametrize("spatial_dims, full_res, expected", [(2, None, "refine"), (3, None, "light"), (3, "refine", "refine"),
+@pytest.mark.parametrize("spatial_dims, full_res, expected", [(2, None, "refine"), (3, None, "sum"), (3, "refine", "refine"),
                                                            (2, "light", "light"), (3, "sum", "sum")])
 def test_full_res_level(spatial_dims, full_res, expected):
-    """The full-resolution level: refined as the others by default in 2D, a DSConv alone in 3D,
+    """The full-resolution level: refined as the others by default in 2D, the sum alone in 3D,
     either on request; ``sum`` gives exactly the classifier of the two projections' sum."""
     net = HSMLASegNet(spatial_dims, 1, 3, full_res=full_res).eval()
     level = net.decoder.refine[0]

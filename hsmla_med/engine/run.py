@@ -196,6 +196,13 @@ def evaluate(module: L.LightningModule, datamodule: L.LightningDataModule, train
     return module.summary
 
 
+def _full_res_of(state: dict) -> str:
+    """The ``full_res`` level (:data:`~hsmla_med.nn.hsmla_net.FULL_RES`) a unet decoder's weights hold."""
+    if "network.decoder.refine.0.0.0.weight" in state:
+        return "refine"  # a 3x3 convolution, then the DSConv
+    return "light" if "network.decoder.refine.0.0.body.0.0.weight" in state else "sum"
+
+
 def load_module(
     path: str | Path, module_class: type[L.LightningModule], task: str | None = None, inference: dict | None = None
 ) -> tuple[L.LightningModule, dict]:
@@ -228,10 +235,11 @@ def load_module(
         raise DataError(f"{path}: checkpoint hyper-parameters are incomplete (missing {', '.join(missing)})")
     config = {**config, "inference": {**config["inference"], **(inference or {})}}
     network = config.get("network")
-    if isinstance(network, dict) and "full_res" not in network and "network.decoder.refine.0.0.0.weight" in state:
-        # written before the full_res option (commit 242743b): a 3D network then refined its
-        # full-resolution level as 2D does, which 3D now does lighter by default
-        config["network"] = {**network, "full_res": "refine"}
+    if isinstance(network, dict) and "full_res" not in network and "network.decoder.refine.1.0.0.weight" in state:
+        # A unet decoder whose hyper-parameters leave its full-resolution level to the default,
+        # which changed for 3D (refine until commit 242743b, then light, sum since session 17):
+        # the level its weights hold.
+        config["network"] = {**network, "full_res": _full_res_of(state)}
     try:
         module = module_class(config)
     except (KeyError, TypeError, ValueError) as err:
