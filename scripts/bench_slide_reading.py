@@ -1,4 +1,4 @@
-"""Slide reading on the CPU: per-patch reads with OpenSlide and with cuCIM (where installed), and
+"""Slide reading on the CPU: per-patch reads with OpenSlide, tifffile and cuCIM (where installed), and
 the overlays' thumbnail, ``slides.thumbnail`` against OpenSlide's ``get_thumbnail`` at the
 tissue mask's size (what ``wsi-heatmap`` used before).
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hsmla_med.data.patch_readers import CuCIMPatches, OpenSlidePatches
+from hsmla_med.data.patch_readers import CuCIMPatches, OpenSlidePatches, TiffPatches
 from hsmla_med.data.slides import open_slide, thumbnail
 from hsmla_med.data.synthetic.wsi import generate_camelyon16
 from hsmla_med.io.overlays import heatmap_overlay
@@ -48,7 +48,7 @@ def main(argv=None) -> None:
                 "tissue_min_area_um2": 15000, "cache_dir": str(Path(tmp) / "cache")}
         grid = camelyon16.slide_patches({"slide": path, "annotation": None, "label": 0}, data)
         coords = [(int(x), int(y)) for x, y in grid["coords"]]
-        readers = {"openslide": OpenSlidePatches(path)}
+        readers = {"openslide": OpenSlidePatches(path), "tifffile": TiffPatches(path)}
         if importlib.util.find_spec("cucim"):
             readers["cucim"] = CuCIMPatches(path)
         times = {name: [] for name in readers}
@@ -59,9 +59,9 @@ def main(argv=None) -> None:
         for name in readers:
             print(f"  {name}: {1e3 * statistics.median(times[name]):.2f} ms per patch (rounds: "
                   + ", ".join(f"{1e3 * t:.2f}" for t in times[name]) + ")")
-        if "cucim" in readers:
-            same = all(np.array_equal(readers["cucim"].read(x, y, 0, PATCH), readers["openslide"].read(x, y, 0, PATCH)) for x, y in coords)
-            print(f"  cuCIM bytes equal OpenSlide's on every patch: {same}")
+        for name in readers.keys() - {"openslide"}:
+            same = all(np.array_equal(readers[name].read(x, y, 0, PATCH), readers["openslide"].read(x, y, 0, PATCH)) for x, y in coords)
+            print(f"  {name} bytes equal OpenSlide's on every patch: {same}")
         with open_slide(path) as slide:
             width, height = slide.dimensions
             ds = float(grid["tissue_downsample"])
