@@ -1,14 +1,23 @@
-"""Pyramidal TIFF writer: what OpenSlide reads back (levels, pixels, mpp), the TIFF layout as
-tifffile sees it, atomic replacement and refused inputs."""
+"""Pyramidal TIFF writer: what OpenSlide reads back (levels, pixels, mpp), the OME metadata and
+TIFF layout as tifffile sees them, a pipeline heatmap registered to its slide by the two files'
+pixel sizes alone, atomic replacement and refused inputs."""
 
 import numpy as np
 import openslide
 import pytest
 import tifffile
+import torch
+from torch import nn
 
+from hsmla_med.config import merge_config, task_config
+from hsmla_med.data.asap import read_asap_xml, rasterise
+from hsmla_med.data.synthetic.wsi import generate_camelyon16
+from hsmla_med.engine.classification import ClassificationModule
+from hsmla_med.errors import DataError
 from hsmla_med.io import tiff
 from hsmla_med.io.tiff import pyramid_shapes, write_pyramidal_tiff
-from hsmla_med.errors import DataError
+from hsmla_med.pipelines import camelyon16
+from hsmla_med.pipelines.task import InferenceOptions
 
 H, W = 701, 1001  # odd on both axes: partial edge tiles and partial 2x2 blocks
 
@@ -29,6 +38,14 @@ def _block_mean(image: np.ndarray) -> np.ndarray:
     return np.floor(np.nanmean(blocks, axis=(1, 3)) + 0.5).astype(np.uint8)
 
 
+def _levels(image: np.ndarray, count: int) -> list[np.ndarray]:
+    """The float64 reference pyramid: level 0, then 2x2 block means."""
+    levels = [image]
+    while len(levels) < count:
+        levels.append(_block_mean(levels[-1]))
+    return levels
+
+
 def _read(slide: openslide.OpenSlide, level: int, location=(0, 0), size=None) -> np.ndarray:
     """RGB pixels of ``level`` (``location`` in level-0 pixels), checking they are opaque."""
     rgba = np.asarray(slide.read_region(location, level, size or slide.level_dimensions[level]))
@@ -36,70 +53,93 @@ def _read(slide: openslide.OpenSlide, level: int, location=(0, 0), size=None) ->
     return rgba[..., :3]
 
 
+def _ome_pixels(path) -> dict:
+    """The OME ``Pixels`` element of the file's single image, as tifffile parses it."""
+    with tifffile.TiffFile(path) as tif:
+        assert tif.is_ome
+        ome = tifffile.xml2dict(tif.ome_metadata)["OME"]
+    assert isinstance(ome["Image"], dict)  # one image: level 0
+    return ome["Image"]["Pixels"]
+
+
 def _no_temporaries(folder):
     assert not [p for p in folder.iterdir() if "tmp" in p.name]
 
 
-def test_grey_lossless_pyramid(tmp_path):
-    image = np.random.default_rng(0).integers(0, 256, (H, W), dtype=np.uint8)
-    path = write_pyramidal_tiff(tmp_path / "heat.tif", image, mpp=0.5)
+def _assert_pyramid_geometry(slide: openslide.OpenSlide, height: int, width: int, min_size: int = 256):
+    shapes = pyramid_shapes(height, width, min_size)
+    assert slide.level_count == len(shapes)
+    assert slide.level_dimensions == tuple((w, h) for h, w in shapes)
+    # OpenSlide's downsample of a level: the mean of its two axes' size ratios
+    assert slide.level_downsamples == pytest.approx([(width / w + height / h) / 2 for h, w in shapes])
+
+
+@pytest.mark.parametrize("shape", [(H, W), (H, W, 3)], ids=["grey", "rgb"])
+def test_random_lossless_pyramid_reads_back_exactly_at_every_level(tmp_path, shape):
+    image = np.random.default_rng(sum(shape)).integers(0, 256, shape, dtype=np.uint8)
+    path = write_pyramidal_tiff(tmp_path / "heat.tif", image, mpp=0.5, min_size=128)
     assert path == tmp_path / "heat.tif"
     slide = openslide.OpenSlide(path)
     assert slide.properties["openslide.vendor"] == "generic-tiff"
-    assert slide.level_count == 3
-    assert slide.level_dimensions == ((1001, 701), (501, 351), (251, 176))
-    assert slide.level_downsamples == pytest.approx([1.0, (1001 / 501 + 701 / 351) / 2, (1001 / 251 + 701 / 176) / 2])
+    _assert_pyramid_geometry(slide, H, W, min_size=128)
+    assert slide.level_count == 4
     assert float(slide.properties["openslide.mpp-x"]) == pytest.approx(0.5, rel=1e-6)
     assert float(slide.properties["openslide.mpp-y"]) == pytest.approx(0.5, rel=1e-6)
     assert slide.properties["tiff.ResolutionUnit"] == "centimeter"
 
-    level0 = _read(slide, 0)
-    assert (level0 == image[..., None]).all()  # grey comes back as R = G = B
+    rgb = lambda a: a if a.ndim == 3 else np.repeat(a[..., None], 3, axis=2)  # noqa: E731  grey comes back as R = G = B
+    for level, expected in enumerate(_levels(image, slide.level_count)):
+        np.testing.assert_array_equal(_read(slide, level), rgb(expected), err_msg=f"level {level}")
     # A window across tile borders, read at an offset.
-    assert (_read(slide, 0, (300, 200), (400, 300))[..., 0] == image[200:500, 300:700]).all()
-    level1 = _block_mean(image)
-    assert (_read(slide, 1)[..., 0] == level1).all()
-    assert (_read(slide, 2)[..., 0] == _block_mean(level1)).all()
+    np.testing.assert_array_equal(_read(slide, 0, (300, 200), (400, 300)), rgb(image[200:500, 300:700]))
     _no_temporaries(tmp_path)
 
 
-def test_layout_seen_by_tifffile(tmp_path):
-    """One main IFD per level, tiled 256 x 256, reduced levels flagged, nothing else."""
+def test_jpeg_rgb_close_at_every_level_and_at_the_edges(tmp_path):
+    image = _smooth_rgb()
+    slide = openslide.OpenSlide(write_pyramidal_tiff(tmp_path / "jpeg.tif", image, mpp=0.25, compression="jpeg"))
+    _assert_pyramid_geometry(slide, H, W)
+    for level, expected in enumerate(_levels(image, slide.level_count)):
+        error = np.abs(_read(slide, level).astype(int) - expected)
+        assert error.mean() < 1.5 and error.max() < 16, (level, error.mean(), error.max())
+        # the last rows/columns of partial edge tiles (zero padding before JPEG darkened them by up to 81)
+        assert error[-8:].max() < 16 and error[:, -8:].max() < 16, level
+    assert float(slide.properties["openslide.mpp-x"]) == pytest.approx(0.25, rel=1e-6)
+
+
+def test_layout_and_ome_seen_by_tifffile(tmp_path):
+    """One main IFD per level, tiled 256 x 256, reduced levels flagged; OME-XML on the first page
+    only, describing level 0 with the physical pixel size."""
     write_pyramidal_tiff(tmp_path / "rgb.tif", _smooth_rgb(), mpp=0.25)
     write_pyramidal_tiff(tmp_path / "jpeg.tif", _smooth_rgb(), mpp=0.25, compression="jpeg")
     with tifffile.TiffFile(tmp_path / "rgb.tif") as tif:
         assert not tif.is_bigtiff
-        assert [p.shape for p in tif.pages] == [(701, 1001, 3), (351, 501, 3), (176, 251, 3)]
-        assert [p.subfiletype for p in tif.pages] == [0, 1, 1]
-        assert all(p.is_tiled and (p.tilewidth, p.tilelength) == (256, 256) for p in tif.pages)
-        assert all(p.compression == 8 and p.predictor == 2 and p.photometric == 2 for p in tif.pages)
-        assert tif.pages[1].asarray().shape == (351, 501, 3)  # tifffile decodes it too
-        x_resolution = tif.pages[1].tags["XResolution"].value
+        pages = [tif.pages[i] for i in range(len(tif.pages))]  # every one a full TiffPage
+        assert [p.shape for p in pages] == [(701, 1001, 3), (351, 501, 3), (176, 251, 3)]
+        assert [p.subfiletype for p in pages] == [0, 1, 1]
+        assert all(p.is_tiled and (p.tilewidth, p.tilelength) == (256, 256) for p in pages)
+        assert all(p.compression == 8 and p.predictor == 2 and p.photometric == 2 for p in pages)
+        assert [p.description for p in pages][1:] == ["", ""]
+        assert pages[1].asarray().shape == (351, 501, 3)  # tifffile decodes it too
+        x_resolution = pages[1].tags["XResolution"].value
         assert x_resolution[0] / x_resolution[1] == pytest.approx(1e4 / 0.25 * 501 / 1001, rel=1e-6)
+        assert tif.series[0].kind == "ome" and tif.series[0].shape == (701, 1001, 3)
     with tifffile.TiffFile(tmp_path / "jpeg.tif") as tif:
-        assert all(p.compression == 7 and p.photometric == 6 for p in tif.pages)
+        assert all(tif.pages[i].compression == 7 and tif.pages[i].photometric == 6 for i in range(len(tif.pages)))
         assert tif.pages[0].tags["YCbCrSubSampling"].value == (2, 2)
+    for name in ("rgb.tif", "jpeg.tif"):
+        pixels = _ome_pixels(tmp_path / name)
+        assert (pixels["SizeX"], pixels["SizeY"], pixels["SizeC"], pixels["Type"]) == (1001, 701, 3, "uint8")
+        assert pixels["PhysicalSizeX"] == pixels["PhysicalSizeY"] == pytest.approx(0.25)
+        assert "PhysicalSizeXUnit" not in pixels  # OME's default, µm
 
 
-def test_rgb_lossless_and_jpeg(tmp_path):
-    image = _smooth_rgb()
-    lossless = openslide.OpenSlide(write_pyramidal_tiff(tmp_path / "rgb.tif", image, mpp=0.25))
-    assert (_read(lossless, 0) == image).all()
-    assert (_read(lossless, 1) == _block_mean(image)).all()
-
-    jpeg = openslide.OpenSlide(write_pyramidal_tiff(tmp_path / "jpeg.tif", image, mpp=0.25, compression="jpeg"))
-    assert jpeg.level_dimensions == lossless.level_dimensions
-    for level, expected in enumerate([image, _block_mean(image)]):
-        error = np.abs(_read(jpeg, level).astype(int) - expected)
-        assert error.mean() < 1.5 and error.max() < 16, (level, error.mean(), error.max())
-    assert float(jpeg.properties["openslide.mpp-x"]) == pytest.approx(0.25, rel=1e-6)
-
-
-def test_grey_jpeg_and_bigtiff(tmp_path):
+def test_grey_jpeg_and_bigtiff_without_mpp(tmp_path):
     image = _smooth_rgb()[..., 0]
     path = write_pyramidal_tiff(tmp_path / "grey.tif", image, mpp=None, compression="jpeg", bigtiff=True)
     with tifffile.TiffFile(path) as tif:
         assert tif.is_bigtiff and tif.pages[0].photometric == 1
+    assert "PhysicalSizeX" not in _ome_pixels(path)
     slide = openslide.OpenSlide(path)
     assert slide.level_count == 3
     assert "openslide.mpp-x" not in slide.properties  # no mpp: no resolution written
@@ -120,6 +160,46 @@ def test_small_image_has_two_levels(tmp_path):
     slide = openslide.OpenSlide(write_pyramidal_tiff(tmp_path / "small.tif", image, mpp=2.0, tile=16))
     assert slide.level_dimensions == ((100, 60), (50, 30))
     assert (_read(slide, 1)[..., 0] == _block_mean(image)).all()
+
+
+class _DarkIsTumour(nn.Module):
+    """A deterministic stub classifier: tumour logit from how dark the patch is (the synthetic
+    metastases are darker than the normal tissue, glass is bright)."""
+
+    def forward(self, x):
+        darkness = 1 - x.mean(dim=(1, 2, 3))
+        return torch.stack([torch.zeros_like(darkness), 100 * (darkness - 0.33)], dim=1)
+
+
+def test_pipeline_heatmap_covers_the_slide_and_registers_by_pixel_size(tmp_path):
+    """A ``wsi-heatmap`` heatmap spans the slide's physical extent within one grid step, carries
+    its pixel size in OME and the TIFF resolution, and the slide's tumour outlines, placed on it
+    by the two files' mpp alone, fall on its high values."""
+    root = generate_camelyon16(tmp_path / "data", num_normal=0, num_tumor=1, num_test=0, size=(1024, 768))
+    step = 64
+    config = merge_config(task_config("camelyon16"), {"data": {"data_dir": str(root), "cache_dir": str(tmp_path / "cache"),
+                                                                "patch_size": step, "stride": step}})
+    module = ClassificationModule(camelyon16.module_config(config, {"variant": "b0"}, camelyon16.LABELS), network=_DarkIsTumour())
+    slide_path = root / "training" / "tumor" / "tumor_001.tif"
+    camelyon16.infer(module, slide_path, tmp_path / "out", InferenceOptions(progress=lambda _: None))
+    heat_path = tmp_path / "out" / "tumor_001_heatmap.tif"
+    slide, heat = openslide.OpenSlide(slide_path), openslide.OpenSlide(heat_path)
+    slide_mpp, heat_mpp = (float(s.properties["openslide.mpp-x"]) for s in (slide, heat))
+    assert float(heat.properties["openslide.mpp-y"]) == pytest.approx(heat_mpp, rel=1e-6)
+    assert _ome_pixels(heat_path)["PhysicalSizeX"] == pytest.approx(heat_mpp, rel=1e-6)
+    for heat_px, slide_px in zip(heat.dimensions, slide.dimensions):
+        excess = heat_px * heat_mpp - slide_px * slide_mpp  # µm
+        assert 0 <= excess < step * slide_mpp, (heat_px, slide_px, excess)
+    assert max(heat.dimensions) >= 1024 and heat.level_count >= 3
+
+    # the outlines in level-0 pixels, drawn at the heatmap's scale: heatmap mpp / slide mpp
+    values = _read(heat, 0)[..., 0].astype(float)
+    tumour = rasterise(read_asap_xml(root / "training" / "lesion_annotations" / "tumor_001.xml"),
+                       slide.dimensions, heat_mpp / slide_mpp)
+    rows, cols = min(tumour.shape[0], values.shape[0]), min(tumour.shape[1], values.shape[1])
+    tumour, values = tumour[:rows, :cols], values[:rows, :cols]
+    assert tumour.mean() > 0.01
+    assert values[tumour].mean() > values[~tumour].mean() + 100
 
 
 def test_failure_keeps_previous_file(tmp_path, monkeypatch):
