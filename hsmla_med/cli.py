@@ -31,6 +31,7 @@ _EPILOG = """examples:
   hsmla-med evaluate --task btcv --checkpoint runs/b1/best.ckpt --data-dir /data/BTCV
   hsmla-med train --task camelyon16 --data-dir /data/CAMELYON16 --output runs/c16
   hsmla-med wsi-heatmap --checkpoint runs/c16/best.ckpt --slide /data/CAMELYON16/testing/images --output heatmaps
+  hsmla-med wsi-features --checkpoint runs/c16/best.ckpt --slide /data/CAMELYON16/testing/images --output features/c16   # CLAM's h5_files/, pt_files/
   hsmla-med train --task luna16 --data-dir /data/LUNA16 --output runs/luna
   hsmla-med infer --task luna16 --checkpoint runs/luna/best.ckpt --input /data/LUNA16/subset9 --output luna_preds
   hsmla-med export --checkpoint runs/b1/best.ckpt --format onnx --output export/b1    # also torchscript | bundle
@@ -76,6 +77,16 @@ def _add_prediction_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shard", help="I/N: only shard I (from 0) of N of the sorted cases, for array jobs; outputs this checkpoint wrote with the same options are skipped (provenance.json)")
     g.add_argument("--num-workers", type=int, default=0, help="DataLoader workers reading and preprocessing inputs (default 0: in the main process)")
     g.add_argument("--overwrite", action="store_true", help="predict every case again, also into a folder that holds outputs of another checkpoint or other options (refused without it; OUTPUT/provenance.json says whose they are)")
+
+
+def _add_slide_options(p: argparse.ArgumentParser, output: str) -> None:
+    """The options of the whole-slide commands (wsi-heatmap, wsi-features)."""
+    p.add_argument("--checkpoint", required=True, help="a checkpoint written by train --task camelyon16")
+    p.add_argument("--slide", required=True, help="a slide file (any format OpenSlide opens) or a folder of slides")
+    p.add_argument("--output", required=True, help=output)
+    p.add_argument("--level", type=int, help="pyramid level of the patches (default: the checkpoint's training level)")
+    p.add_argument("--batch-size", type=int, help="patches per forward pass (default: the checkpoint's, 64)")
+    _add_prediction_options(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,12 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trainer_options(p)
 
     p = sub.add_parser("wsi-heatmap", help="tumour heatmaps of whole slides (CAMELYON16 checkpoint)", description="Streams the tissue patches of each slide through the classifier and writes <slide>_heatmap.tif (pyramidal, OpenSlide/QuPath), <slide>_overlay.png, <slide>_gates.png and <slide>.json into OUTPUT. Slides this checkpoint already did with the same options are skipped, so an interrupted run resumes; OUTPUT holding heatmaps of another checkpoint or other options is refused unless --overwrite.")
-    p.add_argument("--checkpoint", required=True, help="a checkpoint written by train --task camelyon16")
-    p.add_argument("--slide", required=True, help="a slide file (any format OpenSlide opens) or a folder of slides")
-    p.add_argument("--output", required=True, help="folder for the heatmaps")
-    p.add_argument("--level", type=int, help="pyramid level of the patches (default: the checkpoint's training level)")
-    p.add_argument("--batch-size", type=int, help="patches per forward pass (default: the checkpoint's, 64)")
-    _add_prediction_options(p)
+    _add_slide_options(p, "folder for the heatmaps")
+
+    p = sub.add_parser("wsi-features", help="patch features of whole slides for multiple-instance learning (CLAM's layout)", description="Streams "
+                       "the tissue patches of each slide (the heatmap's grid) through the classifier and writes its penultimate activations "
+                       "(the input of its final linear layer) in CLAM's layout: OUTPUT/h5_files/<slide>.h5 (datasets features N x D float32 and "
+                       "coords N x 2 int64, level-0 x, y of each patch's top-left corner, with patch_level, patch_size and patch_size_level0 "
+                       "on coords) and OUTPUT/pt_files/<slide>.pt (the features tensor, what CLAM's training loads: give it --data_root_dir "
+                       "OUTPUT's parent). Slides this checkpoint already did with the same options are skipped; --overwrite as for wsi-heatmap.")
+    _add_slide_options(p, "folder for h5_files/ and pt_files/")
 
     p = sub.add_parser("export", help="export a checkpoint's network: ONNX, TorchScript or a MONAI Bundle",
                        description="Export the network of a checkpoint for deployment (docs/deployment.md): --format onnx writes OUTPUT/model.onnx "
@@ -414,8 +428,10 @@ def _report(line: str) -> None:
         print(line)
 
 
-def _wsi_heatmap(args) -> list[Path]:
+def _wsi(args, features: bool = False) -> list[Path]:
+    """wsi-heatmap, or wsi-features with ``features``: the same slides, options and checks."""
     from hsmla_med.data.patch_readers import requested_reader
+    from hsmla_med.pipelines.camelyon16 import FEATURES_H5, FEATURES_PT, extract_features
 
     requested_reader()  # a bad HSMLA_MED_SLIDE_READER is refused before any work
     task = get_task("camelyon16")
@@ -423,6 +439,10 @@ def _wsi_heatmap(args) -> list[Path]:
     _apart(args.slide, args.output, "--slide")
     output = _writable_folder(args.output, "--output")
     module, _ = task.load(args.checkpoint)
+    if features:
+        written = extract_features(module, args.slide, output, options)
+        _report(f"features of {len(written)} slide(s) in {output / FEATURES_H5} and {output / FEATURES_PT} (CLAM's layout)")
+        return written
     written = task.predict(module, args.slide, output, options)
     _report(f"heatmaps of {len(written)} slide(s) in {output}")
     return written
@@ -566,7 +586,8 @@ def main(argv: list[str] | None = None) -> int:
         "cross-validate": lambda: _cross_validate(args),
         "infer": lambda: _infer(args),
         "evaluate": lambda: _evaluate(args),
-        "wsi-heatmap": lambda: _wsi_heatmap(args),
+        "wsi-heatmap": lambda: _wsi(args),
+        "wsi-features": lambda: _wsi(args, features=True),
         "export": lambda: _export(args),
         "bench": lambda: _bench(args),
         "demo": lambda: _demo(args),

@@ -38,7 +38,7 @@ from hsmla_med.data.slides import coverage, open_slide, patch_grid, select_level
 from hsmla_med.data.synthetic.wsi import generate_camelyon16
 from hsmla_med.io.tiff import write_pyramidal_tiff
 from hsmla_med.engine.base import hparams
-from hsmla_med.engine.classification import ClassificationModule
+from hsmla_med.engine.classification import ClassificationModule, final_linear
 from hsmla_med.engine.datamodule import CaseDataModule
 from hsmla_med.errors import DataError
 from hsmla_med.io.overlays import gate_overlay, heatmap_overlay
@@ -47,8 +47,9 @@ from hsmla_med.metrics.pathology import (GROW_UM, ITC_UM, auc, detect_lesions, e
                                          slide_score)
 from hsmla_med.pipelines.task import InferenceOptions, Task, input_files, predict_cases, synthetic_root
 
-__all__ = ["TASK", "LABELS", "find_slides", "datalist", "slide_patches", "datamodule", "module_config", "SlideHeatmaps", "held_out", "infer", "slide_truth",
-           "read_lesion_csv", "read_slide_csv", "score_predictions", "crossval_score"]
+__all__ = ["TASK", "LABELS", "find_slides", "datalist", "slide_patches", "datamodule", "module_config", "grid_patches", "SlideHeatmaps",
+           "SlideFeatures", "held_out", "infer", "extract_features", "slide_truth", "read_lesion_csv", "read_slide_csv", "score_predictions",
+           "crossval_score"]
 
 log = logging.getLogger("hsmla_med")
 LABELS = ["normal", "tumour"]
@@ -324,6 +325,32 @@ def module_config(config: dict, model: dict, label_names: list[str], in_channels
     return hparams(config, model, label_names, 2, in_channels, dict(config["inference"]), data)
 
 
+def grid_patches(index: int, slide: str, data: dict) -> tuple[dict, list[dict]]:
+    """The patch grid of the slide at ``slide`` (:func:`slide_patches`, no annotation) and its
+    patches as the loader reads them, in grid order: what heatmaps and features are computed on.
+
+    Args:
+        index: the slide's place in the run (``slide_index`` of its patches).
+        slide: the slide file.
+        data: the data section the grid is cut by (a checkpoint's, with the run's level).
+
+    Returns:
+        The grid with the slide's geometry added: ``downsample`` (OpenSlide's, of the grid's
+        level), ``dimensions`` (level-0 width, height) and ``level_dimensions`` (at the grid's
+        level); and one dict per patch: ``slide``, ``slide_index``, level-0 ``x``/``y`` of its
+        top-left corner, ``level``, ``size`` and its grid ``row``/``col``.
+    """
+    grid = slide_patches({"slide": slide, "annotation": None, "label": 0}, data)
+    level, size = int(grid["level"]), int(data["patch_size"])
+    handle = open_slide(slide)
+    grid = {**grid, "downsample": float(handle.level_downsamples[level]), "dimensions": handle.dimensions,
+            "level_dimensions": handle.level_dimensions[level]}
+    handle.close()
+    patches = [{"slide": slide, "slide_index": index, "x": int(x), "y": int(y), "level": level, "size": size, "row": int(r), "col": int(c)}
+               for (x, y), r, c in zip(grid["coords"], grid["rows"], grid["cols"])]
+    return grid, patches
+
+
 class SlideHeatmaps:
     """The whole-slide heatmaps of one process: each of its slides' patch grid (the tissue mask,
     computed once, in the main process), the probability and gate maps filled batch by batch as
@@ -350,21 +377,16 @@ class SlideHeatmaps:
         patches = []
         self.slides, self.clock = [], time.perf_counter()
         for index, item in enumerate(slides):
-            grid = slide_patches({"slide": item["slide"], "annotation": None, "label": 0}, self.data)
+            grid, mine = grid_patches(index, item["slide"], self.data)
             level, size = int(grid["level"]), int(self.data["patch_size"])
-            slide = open_slide(item["slide"])
-            step = self.data["stride"] * float(slide.level_downsamples[level])  # a grid cell in level-0 pixels
-            footprint = size * float(slide.level_downsamples[level])
-            width, height = slide.dimensions
-            slide.close()
+            step = self.data["stride"] * grid["downsample"]  # a grid cell in level-0 pixels
+            footprint = size * grid["downsample"]
+            width, height = grid["dimensions"]
             prob = np.full((int(np.ceil(height / step)), int(np.ceil(width / step))), np.nan)
             self.slides.append({**item, "grid": grid, "step": step, "footprint": footprint, "prob": prob, "alpha": prob.copy(),
                                 "left": len(grid["coords"])})
-            patches += [
-                {"slide": item["slide"], "slide_index": index, "x": int(x), "y": int(y), "level": level, "size": size, "row": int(r), "col": int(c)}
-                for (x, y), r, c in zip(grid["coords"], grid["rows"], grid["cols"])
-            ]
-            if not len(grid["coords"]):
+            patches += mine
+            if not mine:
                 log.warning("%s: no %d-px patch at level %d holds enough tissue (min_tissue %s): the heatmap is empty and the slide scores 0",
                             item["slide"], size, level, self.data["min_tissue"])
                 self._finish(self.slides[-1])
@@ -436,6 +458,92 @@ class SlideHeatmaps:
         return [*paths, slide["output"]]
 
 
+FEATURES_H5, FEATURES_PT = "h5_files", "pt_files"  # CLAM's folders (extract_features_fp.py), which its training reads
+
+
+class SlideFeatures:
+    """The patch features of one process's slides in CLAM's layout, filled batch by batch as
+    predictions arrive (``features`` of :meth:`ClassificationModule.predict_step
+    <hsmla_med.engine.classification.ClassificationModule.predict_step>`), a slide's files written
+    as soon as its last patch is in.
+
+    Writes per slide ``pt_files/<slide>.pt``, the features as one float32 tensor ``(N, D)``
+    (what CLAM's training loads), then, last (it marks the slide done),
+    ``h5_files/<slide>.h5`` with the datasets ``features`` (float32 ``(N, D)``) and ``coords``
+    (int64 ``(N, 2)``, level-0 x, y of each patch's top-left corner: the heatmap's grid, in its
+    order), each written to a temporary name and renamed. ``coords`` carries the attributes that
+    CLAM's and Trident's loaders read: ``patch_level``, ``patch_size`` (pixels at that level),
+    ``patch_size_level0`` (``patch_size`` times the level's downsample, rounded: the patch's
+    level-0 footprint), ``downsample`` (x, y), ``level_dim`` and ``downsampled_level_dim`` (the
+    level's width, height), ``level0_width``, ``level0_height`` and ``name`` (the slide's stem);
+    ``features`` carries ``name`` and ``encoder`` (the checkpoint and the layer whose input the
+    features are).
+
+    Args:
+        output: the run's folder (``h5_files``, ``pt_files`` go under it).
+        data: the data section the grid is cut by (:func:`grid_patches`).
+        width: ``D``, the features per patch (the final linear layer's ``in_features``).
+        encoder: what made the features, for the ``encoder`` attribute.
+        progress: called with one line per slide done.
+    """
+
+    def __init__(self, output: Path, data: dict, width: int, encoder: str, progress: Callable[[str], None]) -> None:
+        self.output, self.data, self.width, self.encoder, self.progress = output, data, width, encoder, progress
+        self.slides: list[dict] = []
+
+    def patches(self, slides: list[dict]) -> list[dict]:
+        """The patches of ``slides`` in order, for the loader (``expand`` of the DataModule)."""
+        patches = []
+        self.slides = []
+        for index, item in enumerate(slides):
+            grid, mine = grid_patches(index, item["slide"], self.data)
+            # a patch's row in the files, from its grid cell (every patch has its own: patch_grid)
+            order = np.zeros((int(grid["rows"].max(initial=-1)) + 1, int(grid["cols"].max(initial=-1)) + 1), np.int64)
+            order[grid["rows"], grid["cols"]] = np.arange(len(mine))
+            self.slides.append({**item, "grid": grid, "order": order, "features": np.zeros((len(mine), self.width), np.float32),
+                                "left": len(mine)})
+            patches += mine
+            if not mine:
+                log.warning("%s: no %d-px patch at level %d holds enough tissue (min_tissue %s): its feature files hold no patch",
+                            item["slide"], self.data["patch_size"], int(grid["level"]), self.data["min_tissue"])
+                self._finish(self.slides[-1])
+        return patches
+
+    def write(self, prediction: dict) -> list[Path]:
+        """Place a batch's features; write the files of the slides it completes."""
+        written = []
+        index = prediction["slide_index"].numpy()
+        for s in np.unique(index):
+            slide, mine = self.slides[s], index == s
+            rows = slide["order"][prediction["row"].numpy()[mine], prediction["col"].numpy()[mine]]
+            slide["features"][rows] = prediction["features"].numpy()[mine]
+            slide["left"] -= int(mine.sum())
+            if slide["left"] == 0:
+                written += self._finish(slide)
+        return written
+
+    def _finish(self, slide: dict) -> list[Path]:
+        import h5py  # here: every command imports this module, only wsi-features writes HDF5
+
+        grid, stem, features = slide["grid"], Path(slide["slide"]).stem, slide["features"]
+        pt = self.output / FEATURES_PT / f"{stem}.pt"
+        with atomic_path(pt) as tmp:
+            torch.save(torch.from_numpy(features), tmp)
+        downsample = grid["downsample"]
+        coords = {
+            "patch_level": int(grid["level"]), "patch_size": int(self.data["patch_size"]),
+            "patch_size_level0": int(round(self.data["patch_size"] * downsample)),
+            "downsample": (downsample, downsample), "level_dim": grid["level_dimensions"], "downsampled_level_dim": grid["level_dimensions"],
+            "level0_width": grid["dimensions"][0], "level0_height": grid["dimensions"][1], "name": stem,
+        }
+        with atomic_path(slide["output"]) as tmp, h5py.File(tmp, "w") as f:  # closed before the rename
+            f.create_dataset("features", data=features).attrs.update({"name": stem, "encoder": self.encoder})
+            f.create_dataset("coords", data=np.asarray(grid["coords"], np.int64).reshape(-1, 2)).attrs.update(coords)
+        self.progress(f"{Path(slide['slide']).name}: {len(features)} patches x {self.width} features")
+        slide["features"] = None
+        return [pt, slide["output"]]
+
+
 def held_out(cases: Datalist) -> list[str]:
     """The slides ``demo`` writes heatmaps of after training: the test slides."""
     return [c["slide"] for c in cases.test]
@@ -451,12 +559,7 @@ def infer(module: ClassificationModule, inputs: str | Path | Iterable[str | Path
     whose ``<slide>.json`` exists is skipped, so an interrupted run resumes slide by slide (the
     JSON is written last)."""
     output = Path(output)
-    slides = input_files(inputs, _slides)
-    if not slides:
-        raise DataError(f"{inputs}: no slides ({', '.join(SLIDE_SUFFIXES)}) found")
-    if options.tta:
-        log.warning("camelyon16: --tta is not used for heatmaps")
-    data = module.config["data"] if options.level is None else {**module.config["data"], "level": options.level, "mpp": None}
+    slides, data = _run_slides(module, inputs, options, "heatmaps")
     heatmaps = SlideHeatmaps(module, output, data, options.progress)
     items = [{"name": slide.stem, "slide": str(slide), "output": output / f"{slide.stem}.json"} for slide in slides]
 
@@ -469,10 +572,58 @@ def infer(module: ClassificationModule, inputs: str | Path | Iterable[str | Path
         write_slide_csv(output / SLIDE_CSV, scores)
         return [output / SLIDE_CSV]
 
-    return predict_cases(
-        module, items, ReadPatchd(keep=1, uint8=True), heatmaps.write, options, finish=slide_csv, flush=heatmaps.flush,
-        batch_size=options.batch_size or module.config["inference"]["batch_size"], collate=list_data_collate, expand=heatmaps.patches,
-    )
+    return _predict_patches(module, items, heatmaps, options, finish=slide_csv, flush=heatmaps.flush)
+
+
+def extract_features(module: ClassificationModule, inputs: str | Path | Iterable[str | Path], output: str | Path,
+                     options: InferenceOptions = InferenceOptions()) -> list[Path]:
+    """Patch features for multiple-instance learning (CLAM, Trident) of a slide, a folder of
+    slides or a list of them, in CLAM's layout (:class:`SlideFeatures`): ``h5_files/<slide>.h5``
+    and ``pt_files/<slide>.pt`` under ``output``. A patch's features are the classifier's
+    penultimate activations, the input of its final linear layer
+    (:func:`~hsmla_med.engine.classification.penultimate`); the patches are the heatmap's (the
+    same grid, reading, loop, processes and shards as :func:`infer`). A slide whose h5 this
+    checkpoint wrote with the same options is skipped (the h5 is written last).
+
+    Returns (first process) every slide's h5; on other processes, the files they wrote.
+
+    Raises:
+        ConfigError: the network has no final linear layer (before any slide is read).
+        DataError: naming a slide OpenSlide cannot read.
+    """
+    output = Path(output)
+    name, layer = final_linear(module.network, getattr(module, "checkpoint_path", None) or "the network")
+    slides, data = _run_slides(module, inputs, options, "features")
+    encoder = f"{getattr(module, 'checkpoint_path', None) or type(module.network).__name__}: input of {name}"
+    features = SlideFeatures(output, data, layer.in_features, encoder, options.progress)
+    items = [{"name": slide.stem, "slide": str(slide), "output": output / FEATURES_H5 / f"{slide.stem}.h5"} for slide in slides]
+    module.predict_features = True
+    try:
+        return _predict_patches(module, items, features, options, folder=output)
+    finally:
+        module.predict_features = False
+
+
+def _run_slides(module: ClassificationModule, inputs: str | Path | Iterable[str | Path], options: InferenceOptions,
+                what: str) -> tuple[list[Path], dict]:
+    """The slides of ``inputs`` and the data section their patch grid is cut by: the
+    checkpoint's, at ``options.level`` when given (else its level or mpp)."""
+    slides = input_files(inputs, _slides)
+    if not slides:
+        raise DataError(f"{inputs}: no slides ({', '.join(SLIDE_SUFFIXES)}) found")
+    if options.tta:
+        log.warning("camelyon16: --tta is not used for %s", what)
+    return slides, module.config["data"] if options.level is None else {**module.config["data"], "level": options.level, "mpp": None}
+
+
+def _predict_patches(module: ClassificationModule, items: list[dict], sink: SlideHeatmaps | SlideFeatures, options: InferenceOptions,
+                     **extra) -> list[Path]:
+    """The patches of the slide ``items`` (``sink.patches``) in Lightning's predict loop
+    (:func:`predict_cases`, ``extra`` its ``finish``/``flush``), read as bytes (one
+    :class:`ReadPatchd` per loader worker) in batches of ``options.batch_size`` (else the
+    checkpoint's), each batch's predictions handed to ``sink.write``."""
+    return predict_cases(module, items, ReadPatchd(keep=1, uint8=True), sink.write, options, collate=list_data_collate, expand=sink.patches,
+                         batch_size=options.batch_size or module.config["inference"]["batch_size"], **extra)
 
 
 # The challenge's submission (camelyon16.grand-challenge.org/Evaluation): one CSV per slide, named

@@ -169,3 +169,16 @@ def test_learning_data_folder_that_cannot_be_written(tmp_path):
     (tmp_path / "home").write_text("a file, as HOME=/dev/null")
     with pytest.raises(ConfigError, match=r"--data-dir .*home/mni: cannot write the MNI dataset there \(Not a directory\)"):
         bench_learning(tmp_path / "out", steps=1, networks=["unet"], data_dir=tmp_path / "home" / "mni")
+
+
+def test_dense_wsi_bench_slide_has_a_tissue_patch_per_tile(tmp_path):
+    """The heatmap benchmark's dense slide: the tissue mask (as wsi-heatmap computes it) finds
+    exactly its tiles x tiles tissue tiles as patches, none in the glass frame."""
+    from hsmla_med.bench.wsi import _data_config, dense_slide
+    from hsmla_med.pipelines import camelyon16
+
+    tiles = 5
+    slide = dense_slide(tmp_path / "dense" / "dense.tif", tiles=tiles, source=(2048, 1536))
+    grid = camelyon16.slide_patches({"slide": str(slide), "annotation": None, "label": 0}, _data_config(tmp_path / "cache", 256))
+    corners = {(int(x), int(y)) for x, y in grid["coords"]}
+    assert corners == {(256 * (4 + c), 256 * (4 + r)) for r in range(tiles) for c in range(tiles)}

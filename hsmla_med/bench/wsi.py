@@ -1,11 +1,12 @@
 """Whole-slide heatmap throughput: HSMLA-B0 / B1 patch classifiers against MONAI's ResNet-18 in
 one run, on synthetic CAMELYON16-format slides of two sizes (the second 9x the area: 671
-patches in tissue).
+patches in tissue) and, for the HSMLA models, on a dense slide of 6400 tissue patches
+(:func:`dense_slide`), the scale of a real slide's tissue at level 0.
 
 Each (model, slide, mode) runs in a fresh process that reports its wall time and peak
 resident-set growth. Modes: ``forward`` (the network alone on the slide's patches, read into
 memory beforehand: the ceiling), ``loop-0-R`` (``camelyon16.infer`` with patches read by reader
-R, ``openslide`` or ``cucim``, in the main process between forward passes, as the loop before
+R, ``openslide``, ``tifffile`` or ``cucim``, in the main process between forward passes, as the loop before
 Lightning's predict loop did) and ``loop-W-R`` (the same with W DataLoader workers reading
 ahead); the cuCIM modes run where cuCIM is installed. The processes run with the allocator
 settings of ``hsmla-med`` itself (:mod:`hsmla_med.runtime`), as a user's run would. Throughput is patches per second of the
@@ -26,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from hsmla_med.bench.common import status_kib
@@ -33,6 +35,46 @@ from hsmla_med.data.patch_readers import READER_ENV
 
 MODELS = ("HSMLA-B0", "HSMLA-B1", "ResNet-18 (MONAI)")
 SIZES = ((8192, 6144), (24576, 18432))
+# A slide with the tissue patch count of a real CAMELYON16 slide at level 0 (tens of thousands:
+# here 80 x 80 = 6400 tissue tiles), where the per-slide cost is amortised as it is on real data;
+# ResNet-18 (15 patches/s on two cores) would take 7 minutes a run there, so it runs the others only.
+DENSE_TILES = 80
+DENSE_MODELS = ("HSMLA-B0", "HSMLA-B1")
+
+
+def dense_slide(path: Path, tiles: int = DENSE_TILES, tile: int = 256, seed: int = 0, source: tuple[int, int] = (4096, 3072)) -> Path:
+    """A synthetic slide of ``tiles`` x ``tiles`` tissue tiles (``tile`` px, each a whole tissue
+    patch of a generated CAMELYON16-format tumour slide, drawn with random flips and transposes)
+    framed by 4 tiles of glass on every side, so that the tissue mask (Otsu on saturation)
+    finds tissue against glass as on a real slide; ``source`` is the generated slide's size. The generator itself renders a whole slide in
+    memory in float32 (about 28 bytes a pixel): a slide of this much tissue would need tens of GiB."""
+    from hsmla_med.data.slides import coverage, open_slide, tissue_mask
+    from hsmla_med.data.synthetic.wsi import generate_camelyon16
+    from hsmla_med.io.tiff import write_pyramidal_tiff
+
+    source_root = generate_camelyon16(path.parent / "dense-source", num_normal=0, num_tumor=1, num_test=0, size=source, seed=seed)
+    source = open_slide(next((source_root / "training" / "tumor").glob("*.tif")))
+    width, height = source.dimensions
+    level0 = np.asarray(source.read_region((0, 0), 0, (width, height)).convert("RGB"))
+    mpp = float(source.properties["openslide.mpp-x"])
+    mask, downsample = tissue_mask(source, min_area=_data_config(path, tile)["tissue_min_area_um2"] / mpp**2)
+    source.close()
+    step = tile // 8  # any crop, not only the tile grid's: small sources have few whole-tissue grid tiles
+    corners = np.array([(x, y) for y in range(0, height - tile + 1, step) for x in range(0, width - tile + 1, step)])
+    share = coverage(mask, downsample, corners, tile)
+    tissue, glass = corners[share == 1.0], corners[share == 0.0]
+    rng = np.random.default_rng(seed)
+    side = (tiles + 8) * tile
+    image = np.empty((side, side, 3), np.uint8)
+    for row in range(tiles + 8):
+        for col in range(tiles + 8):
+            inside = 4 <= row < tiles + 4 and 4 <= col < tiles + 4
+            x, y = (tissue if inside else glass)[rng.integers(len(tissue if inside else glass))]
+            block = level0[y : y + tile, x : x + tile]
+            block = block[:: rng.choice((1, -1)), :: rng.choice((1, -1))]
+            image[row * tile : (row + 1) * tile, col * tile : (col + 1) * tile] = block.transpose(1, 0, 2) if rng.random() < 0.5 else block
+    write_pyramidal_tiff(path, image, mpp, compression="jpeg")
+    return path
 
 
 def _data_config(cache: Path, patch: int) -> dict:
@@ -69,7 +111,9 @@ def _child(model: str, slide: str, cache: str, patch: int, batch: int, mode: str
     with torch.inference_mode():
         module.network(torch.rand(batch, 3, patch, patch))  # thread pools, oneDNN primitives
     if mode == "forward":
-        read = camelyon16.ReadPatchd(keep=1)
+        # uint8, as the loop's patches travel (float32 would be 5 GB on the dense slide), scaled
+        # per batch inside the timed part as the module scales them
+        read = camelyon16.ReadPatchd(keep=1, uint8=True)
         grid = camelyon16.slide_patches({"slide": slide, "annotation": None, "label": 0}, module.config["data"])
         patches = torch.stack([
             read({"slide": slide, "x": x, "y": y, "level": int(grid["level"]), "size": patch})["image"] for x, y in grid["coords"]
@@ -82,7 +126,7 @@ def _child(model: str, slide: str, cache: str, patch: int, batch: int, mode: str
         if mode == "forward":
             with torch.inference_mode():
                 for i in range(0, len(patches), batch):
-                    torch.softmax(module.network(patches[i : i + batch]), 1)
+                    torch.softmax(module.network(patches[i : i + batch].float().div_(255.0)), 1)
             count = len(patches)
         else:
             _, workers, reader = mode.split("-")
@@ -98,7 +142,7 @@ def _child(model: str, slide: str, cache: str, patch: int, batch: int, mode: str
 
 def default_modes() -> tuple[str, ...]:
     """The forward passes alone, the loop with each reader installed, and with one worker reading ahead."""
-    readers = ("openslide", "cucim") if importlib.util.find_spec("cucim") else ("openslide",)
+    readers = ("openslide", "tifffile", "cucim") if importlib.util.find_spec("cucim") else ("openslide", "tifffile")
     return ("forward", *(f"loop-0-{r}" for r in readers), f"loop-1-{readers[-1]}")
 
 
@@ -115,14 +159,16 @@ def bench_wsi(patch: int = 256, batch: int = 32, rounds: int = 2, modes: tuple[s
         slides = []
         for w, h in SIZES:
             root = generate_camelyon16(tmp / f"{w}x{h}", num_normal=0, num_tumor=1, num_test=0, size=(w, h), seed=1)
-            slide = next((root / "training" / "tumor").glob("*.tif"))
+            slides.append((f"{w}x{h}", next((root / "training" / "tumor").glob("*.tif")), MODELS))
+        side = (DENSE_TILES + 8) * 256
+        slides.append((f"{side}x{side} dense", dense_slide(tmp / "dense" / "dense.tif"), DENSE_MODELS))
+        for _, slide, _ in slides:
             # the patch grid (tissue mask) is computed once here, not inside the timed runs
             camelyon16.slide_patches({"slide": str(slide), "annotation": None, "label": 0}, _data_config(tmp / "cache", patch))
-            slides.append((f"{w}x{h}", slide))
         best: dict[tuple[str, str, str], dict] = {}
         for _ in range(rounds):
-            for name, slide in slides:
-                for model in MODELS:
+            for name, slide, models in slides:
+                for model in models:
                     for mode in modes:
                         cmd = [sys.executable, "-m", "hsmla_med.bench.wsi", model, str(slide), str(tmp / "cache"), str(patch), str(batch), mode]
                         result = subprocess.run(cmd, capture_output=True, text=True, check=True)

@@ -11,10 +11,11 @@ import torch.distributed as dist
 from torch import nn
 
 from hsmla_med.engine.base import GatedModule, plain
+from hsmla_med.errors import ConfigError
 from hsmla_med.nn import GatedNetwork
 from hsmla_med.metrics.pathology import auc, detect_lesions, lesion_froc, slide_fp_tp, slide_score
 
-__all__ = ["COLUMNS", "ClassificationModule", "patch_images", "slide_maps"]
+__all__ = ["COLUMNS", "ClassificationModule", "final_linear", "patch_images", "penultimate", "slide_maps"]
 
 # of a validation row; "lesion": the evaluation-mask label at the patch centre, the point a detection
 # there is scored at; "num_lesions"/"num_labels": the slide's lesions to detect and its largest label
@@ -101,6 +102,9 @@ class ClassificationModule(GatedModule):
     """
 
     monitor = "auc"
+    #: with it, :meth:`predict_step` also returns each patch's ``features``, the network's
+    #: penultimate activations (:func:`penultimate`): ``wsi-features``
+    predict_features: bool = False
 
     def __init__(self, config: dict, network: nn.Module | None = None) -> None:
         super().__init__(config, network, "classification")
@@ -112,11 +116,17 @@ class ClassificationModule(GatedModule):
     def predict_step(self, batch: dict, batch_idx: int = 0) -> dict:
         """A batch of whole-slide patches (``image``, ``slide_index``, ``row``, ``col``) -> their
         tumour ``prob`` and ``alpha`` (share of gate tiles refined, ``None`` without gates), on
-        the CPU with the patches' places."""
-        prob = torch.softmax(self.network(patch_images(batch)).float(), dim=1)[:, 1]
+        the CPU with the patches' places; with :attr:`predict_features` also their ``features``
+        ``(B, D)`` float32 (:func:`penultimate`)."""
+        if self.predict_features:
+            logits, features = penultimate(self.network, patch_images(batch))
+        else:
+            logits, features = self.network(patch_images(batch)), None
+        prob = torch.softmax(logits.float(), dim=1)[:, 1]
         alpha = patch_alpha(self.network)
         place = {k: torch.as_tensor(batch[k]).reshape(-1).cpu() for k in ("slide_index", "row", "col")}
-        return {**place, "prob": prob.cpu(), "alpha": None if alpha is None else alpha.float().cpu()}
+        extra = {} if features is None else {"features": features.float().cpu()}
+        return {**place, "prob": prob.cpu(), "alpha": None if alpha is None else alpha.float().cpu(), **extra}
 
     def validation_records(self, batch: dict) -> np.ndarray:
         """``(B, 9)`` float64, a row per patch of the batch: :data:`COLUMNS`."""
@@ -170,6 +180,47 @@ def patch_images(batch: dict) -> torch.Tensor:
     (``ReadPatchd(uint8=True)``) are scaled here, on the module's device."""
     image = plain(batch["image"])
     return image.float().div_(255.0) if image.dtype == torch.uint8 else image
+
+
+def final_linear(network: nn.Module, source: str = "the network") -> tuple[str, nn.Linear]:
+    """The name and module of the linear layer that makes a classifier's logits: the last
+    ``nn.Linear`` registered in ``network`` (:class:`~hsmla_med.nn.HSMLAClassifier`'s
+    ``head.4``; MONAI's DenseNet ``class_layers.out``, ResNet ``fc``, EfficientNet ``_fc``).
+    :func:`penultimate` checks on every batch that its output is the network's.
+
+    Raises:
+        ConfigError: naming ``source`` (a checkpoint) when the network has no linear layer: its
+            penultimate features are then not defined here.
+    """
+    linears = [(name, module) for name, module in network.named_modules() if isinstance(module, nn.Linear)]
+    if not linears:
+        raise ConfigError(f"{source}: its {type(network).__name__} network has no final linear layer (torch.nn.Linear) whose input "
+                          "would be the patch features; use a classifier that ends in one (HSMLA, or model {monai: DenseNet121} or ResNet)")
+    return linears[-1]
+
+
+def penultimate(network: nn.Module, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A classifier's logits ``(B, classes)`` on ``images`` and its penultimate activations
+    ``(B, D)``: the input of its final linear layer (:func:`final_linear`), taken by a forward
+    hook (no network exposes it alike: HSMLA's head, MONAI's DenseNet and ResNet each end
+    differently), as computed (under autocast, in its dtype).
+
+    Raises:
+        ConfigError: when the logits are not that layer's output (a layer after it changes
+            them, so its input is not the features they are made of).
+    """
+    name, layer = final_linear(network)
+    seen: dict[str, torch.Tensor] = {}
+    handle = layer.register_forward_hook(lambda _module, args, output: seen.update(features=args[0], output=output))
+    try:
+        logits = network(images)
+    finally:
+        handle.remove()
+    output = seen.get("output")
+    if output is None or output.numel() != logits.numel() or not torch.equal(output.reshape(logits.shape), logits):
+        raise ConfigError(f"{type(network).__name__}: its logits are not the output of its last linear layer {name!r} (a layer "
+                          "after it changes them), so that layer's input is not the patch features; use a classifier that ends in its linear layer")
+    return logits, seen["features"].flatten(1)
 
 
 def patch_alpha(network: nn.Module) -> torch.Tensor | None:
