@@ -122,6 +122,29 @@ def test_the_cli_at_level_1_resumes_and_refuses_unreadable_slides(slide, tmp_pat
     assert not (tmp_path / "bad" / "h5_files" / "broken.h5").exists()
 
 
+@pytest.mark.parametrize("device, precision", [
+    ("cpu", "bf16-mixed"),
+    pytest.param("cuda", "16-mixed", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")),
+])
+def test_mixed_precision_features_match_float32_and_empty_slides_get_empty_files(slide, tmp_path, device, precision):
+    """Under autocast the hooked activations are half precision: stored as float32, within 0.05
+    of float32's (largest about 2). A slide without a tissue patch gets (0, D) files."""
+    config = _config(tmp_path)
+    module = ClassificationModule(config).eval()
+    features = []
+    for name, on, kind in (("f32", "cpu", "32-true"), ("mixed", device, precision)):
+        h5 = camelyon16.extract_features(module, slide, tmp_path / name, InferenceOptions(device=on, precision=kind, batch_size=16, **QUIET))[0]
+        with h5py.File(h5, "r") as f:
+            assert f["features"].dtype == np.float32
+            features.append(f["features"][:])
+    assert features[0].shape == features[1].shape and np.abs(features[1] - features[0]).max() < 0.05
+    empty = ClassificationModule({**config, "data": {**config["data"], "patch_size": 2048, "stride": 2048}}).eval()
+    h5 = camelyon16.extract_features(empty, slide, tmp_path / "empty", InferenceOptions(**QUIET))[0]
+    with h5py.File(h5, "r") as f:
+        assert f["features"].shape == (0, 512) and f["coords"].shape == (0, 2) and f["coords"].attrs["patch_size_level0"] == 2048
+    assert torch.load(tmp_path / "empty" / "pt_files" / f"{slide.stem}.pt", weights_only=True).shape == (0, 512)
+
+
 MONAI_MODELS = {  # small versions of the MONAI classifiers the config names; their last linear layer
     "ResNet": ({"monai": "ResNet", "args": {"block": "basic", "layers": [1, 1, 1, 1], "block_inplanes": [8, 8, 16, 16],
                                              "n_input_channels": 3, "num_classes": 2}}, "fc"),
