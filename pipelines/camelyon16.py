@@ -35,6 +35,7 @@ from hsmla_med.data.datalist import Datalist
 from hsmla_med.data.splits import fold_cases
 from hsmla_med.data.patch_readers import open_patches, requested_reader
 from hsmla_med.data.slides import coverage, open_slide, patch_grid, select_level, slide_mpp, thumbnail, tissue_mask
+from hsmla_med.data.stain import hed_jitter, stain_normalization
 from hsmla_med.data.synthetic.wsi import generate_camelyon16
 from hsmla_med.io.tiff import write_pyramidal_tiff
 from hsmla_med.engine.base import hparams
@@ -155,6 +156,8 @@ def slide_patches(case: dict, data: dict) -> dict:
     notes = Path(case["annotation"]).stat().st_mtime_ns if case["annotation"] else None
     key = json.dumps([_GRID_VERSION, str(slide_path.resolve()), stat.st_size, stat.st_mtime_ns, case["annotation"], notes, params], sort_keys=True)
     cache = Path(data["cache_dir"]).expanduser() / "camelyon16-patches" / f"{slide_path.stem}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.npz"
+    for normalise in _stain(data):  # the slide's stain matrix, estimated here in the main process, cached beside the grid
+        normalise.stain(slide_path)
     cached = _cached_grid(cache)
     if cached is not None:
         return cached
@@ -274,19 +277,28 @@ def _items(cases: list[dict], config: dict) -> list[dict]:
     return items
 
 
+def _stain(data: dict) -> list:
+    """The stain normalisation ``data.stain_normalization`` asks for (a transform right after
+    :class:`ReadPatchd`; none by default), the slides' estimates cached beside their patch grids."""
+    return stain_normalization(data, Path(data["cache_dir"]).expanduser() / "camelyon16-patches")
+
+
 def transforms(config: dict) -> tuple[Compose, Compose]:
-    """Patch reading plus stain-robust augmentation (per-channel intensity scale and shift,
-    flips, 90-degree rotations) for training; patch reading alone, in bytes, for validation."""
-    aug = config["data"]["augment"]
+    """Patch reading (and stain normalisation, when configured) plus stain-robust augmentation
+    (HED stain jitter, per-channel intensity scale and shift, flips, 90-degree rotations) for
+    training; patch reading (and normalisation) alone, in bytes, for validation."""
+    aug, stain = config["data"]["augment"], _stain(config["data"])
     train = Compose([
         ReadPatchd(),
+        *stain,
         RandFlipd("image", prob=aug["flip_prob"], spatial_axis=0),
         RandFlipd("image", prob=aug["flip_prob"], spatial_axis=1),
         RandRotate90d("image", prob=aug["rot90_prob"], max_k=3),
+        hed_jitter(aug),
         RandScaleIntensityd("image", factors=aug["colour_scale"], prob=aug["colour_prob"], channel_wise=True),
         RandShiftIntensityd("image", offsets=aug["colour_shift"], prob=aug["colour_prob"], channel_wise=True),
     ])
-    return train, Compose([ReadPatchd(uint8=True)])
+    return train, Compose([ReadPatchd(uint8=True), *stain])
 
 
 class PatchDataModule(CaseDataModule):
@@ -321,7 +333,8 @@ def datamodule(config: dict, cases: Datalist) -> PatchDataModule:
 
 def module_config(config: dict, model: dict, label_names: list[str], in_channels: int = 3) -> dict:
     """The hyper-parameters of :class:`ClassificationModule` for this task config."""
-    data = _grid_params(config["data"]) | {"cache_dir": config["data"]["cache_dir"]}
+    # stain_normalization: wsi-heatmap and wsi-features normalise as training did
+    data = _grid_params(config["data"]) | {"cache_dir": config["data"]["cache_dir"], "stain_normalization": config["data"].get("stain_normalization")}
     return hparams(config, model, label_names, 2, in_channels, dict(config["inference"]), data)
 
 
@@ -622,7 +635,8 @@ def _predict_patches(module: ClassificationModule, items: list[dict], sink: Slid
     (:func:`predict_cases`, ``extra`` its ``finish``/``flush``), read as bytes (one
     :class:`ReadPatchd` per loader worker) in batches of ``options.batch_size`` (else the
     checkpoint's), each batch's predictions handed to ``sink.write``."""
-    return predict_cases(module, items, ReadPatchd(keep=1, uint8=True), sink.write, options, collate=list_data_collate, expand=sink.patches,
+    read = Compose([ReadPatchd(keep=1, uint8=True), *_stain(sink.data)])  # normalised bytes, rounded, as validation saw them
+    return predict_cases(module, items, read, sink.write, options, collate=list_data_collate, expand=sink.patches,
                          batch_size=options.batch_size or module.config["inference"]["batch_size"], **extra)
 
 

@@ -36,6 +36,7 @@ import json
 import math
 import os
 import xml.etree.ElementTree as ET
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +48,7 @@ import torch
 from hsmla_med.io.tiff import write_pyramidal_tiff
 from hsmla_med.io import atomic_path, write_json
 
-__all__ = ["generate_camelyon16"]
+__all__ = ["generate_camelyon16", "DEFAULT_STAIN", "OTHER_STAIN"]
 
 _GENERATOR_VERSION = 3  # 2: odd sides, fractional level downsamples; 3: an ITC cluster and a lesion under half a patch
 _MIN_SIDE = 256  # pixels; smaller slides leave no room for tissue islands with metastases
@@ -56,6 +57,11 @@ _MIN_SIDE = 256  # pixels; smaller slides leave no room for tissue islands with 
 _OD_HAEMATOXYLIN = np.array([0.650, 0.704, 0.286], dtype=np.float32)
 _OD_EOSIN = np.array([0.072, 0.990, 0.105], dtype=np.float32)
 _OD_GLASS = np.array([0.060, 0.069, 0.056], dtype=np.float32)  # about (240, 238, 241)
+# generate_camelyon16's stain: (haematoxylin, eosin) as above; and another laboratory's H&E, a
+# bluer haematoxylin 1.25 times as strong and a more purple eosin 0.8 times as strong, for the same
+# tissue stained elsewhere (stain normalisation's tests and benchmark)
+DEFAULT_STAIN = (_OD_HAEMATOXYLIN, _OD_EOSIN)
+OTHER_STAIN = ((0.576, 0.977, 0.526), (0.208, 0.671, 0.383))
 _NOISE = 2.5  # grey levels of sensor noise
 
 # Tissue classes: nucleus radius (µm), share of the area covered by nuclei, haematoxylin in
@@ -81,6 +87,7 @@ def generate_camelyon16(
     size: tuple[int, int] = (4096, 3072),
     mpp: float = 0.972,
     seed: int = 0,
+    stain: tuple[Sequence[float], Sequence[float]] | None = None,
 ) -> Path:
     """Write a synthetic CAMELYON16-format dataset under ``root`` and return ``root``.
 
@@ -95,6 +102,10 @@ def generate_camelyon16(
         mpp: microns per pixel of level 0, stored in the TIFF resolution.
         seed: a slide depends only on ``seed`` and its name, so the same seed gives the same
             pixels, and a larger dataset starts with the slides of a smaller one.
+        stain: (haematoxylin, eosin) optical densities (red, green, blue) per unit of stain, as
+            another laboratory's staining would colour the same tissue; ``None``: Ruifrok &
+            Johnston's H&E vectors. The same seed with another stain gives the same tissue
+            (same shapes, nuclei and noise) in other colours.
 
     Returns at once if ``root/synthetic.json`` records the same parameters and the files it lists
     exist. Every file is written under a temporary name and renamed, ``synthetic.json`` last, so a
@@ -112,6 +123,10 @@ def generate_camelyon16(
     seed = int(seed)
     if seed < 0:
         raise ValueError(f"seed must be non-negative, got {seed}")
+    if stain is not None:
+        stain = np.asarray(stain, dtype=np.float32)
+        if stain.shape != (2, 3) or not np.isfinite(stain).all() or (stain < 0).any() or not (stain.sum(axis=1) > 0).all():
+            raise ValueError(f"stain must be two non-negative RGB optical densities (haematoxylin, eosin), got {stain.tolist()}")
     width, height = (n - 1 + n % 2 for n in (width, height))  # odd: the pyramid's downsamples are fractional
     params = {
         "version": _GENERATOR_VERSION,
@@ -122,6 +137,8 @@ def generate_camelyon16(
         "num_tumor": int(num_tumor),
         "num_test": int(num_test),
     }
+    if stain is not None:  # absent by default: the datasets written before it stay valid
+        params["stain"] = stain.tolist()
     marker = root / "synthetic.json"
     if marker.is_file():
         meta = _read_marker(marker)
@@ -144,7 +161,7 @@ def generate_camelyon16(
     for slide_rel, xml_rel, key in slides:
         number = key[2]
         exclusion = xml_rel is not None and number % 2 == 1
-        image, polygons = _slide(np.random.default_rng(key), width, height, mpp, xml_rel is not None, exclusion)
+        image, polygons = _slide(np.random.default_rng(key), width, height, mpp, xml_rel is not None, exclusion, stain)
         write_pyramidal_tiff(root / slide_rel, image, mpp, compression="jpeg")
         del image
         files.append(slide_rel)
@@ -182,8 +199,9 @@ def _read_marker(marker: Path) -> dict:
     return meta
 
 
-def _slide(rng: np.random.Generator, width: int, height: int, mpp: float, tumour: bool, exclusion: bool):
-    """One slide: its RGB level 0 (uint8, (height, width, 3)) and its outlines.
+def _slide(rng: np.random.Generator, width: int, height: int, mpp: float, tumour: bool, exclusion: bool, stain: np.ndarray | None = None):
+    """One slide: its RGB level 0 (uint8, (height, width, 3)) and its outlines; ``stain``: the
+    (2, 3) haematoxylin and eosin optical densities (default Ruifrok & Johnston's).
 
     The outlines are ``(group, points)`` with points an (n, 2) array of (x, y) level-0 pixels:
     group ``Tumor`` (or ``_0`` with ``exclusion``) for each metastasis and, with ``exclusion``,
@@ -216,9 +234,10 @@ def _slide(rng: np.random.Generator, width: int, height: int, mpp: float, tumour
     grain *= np.float32(_NOISE / 73.9)
     image = np.empty((height, width, 3), dtype=np.uint8)
     channel, term = np.empty_like(soft), np.empty_like(soft)
+    od_haematoxylin, od_eosin = (_OD_HAEMATOXYLIN, _OD_EOSIN) if stain is None else stain
     for c in range(3):
-        np.multiply(haematoxylin, -_OD_HAEMATOXYLIN[c], out=channel)
-        channel += np.multiply(eosin, -_OD_EOSIN[c], out=term)
+        np.multiply(haematoxylin, -od_haematoxylin[c], out=channel)
+        channel += np.multiply(eosin, -od_eosin[c], out=term)
         channel += np.float32(math.log(255) - _OD_GLASS[c])
         np.exp(channel, out=channel)
         channel += grain
