@@ -260,6 +260,8 @@ _CHECKS = {
     "inference.slab": _number(1, integer=True),
     "inference.batch_size": _number(1, integer=True),
     "inference.series_selection": _series_selection,
+    "inference.region_threshold": _number(0, 1),
+    "inference.region_sigma": _number(0),
     "trainer.max_steps": _number(1, integer=True, nullable=True),
     "trainer.max_epochs": _number(1, integer=True, nullable=True),
     "trainer.check_val_every_n_epoch": _number(1, integer=True),

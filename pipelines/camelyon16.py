@@ -43,6 +43,7 @@ from hsmla_med.engine.classification import ClassificationModule, final_linear
 from hsmla_med.engine.datamodule import CaseDataModule
 from hsmla_med.errors import DataError
 from hsmla_med.io.overlays import gate_overlay, heatmap_overlay
+from hsmla_med.io.annotations import asap_outlines, tumour_regions, write_asap_xml, write_geojson
 from hsmla_med.io import atomic_path, write_json
 from hsmla_med.metrics.pathology import (GROW_UM, ITC_UM, auc, detect_lesions, evaluation_geometry, evaluation_mask, lesion_froc, slide_fp_tp,
                                          slide_score)
@@ -371,7 +372,9 @@ class SlideHeatmaps:
 
     Writes per slide ``<slide>_heatmap.tif`` (pyramidal, 0..255, the slide's physical resolution),
     ``<slide>_overlay.png``, ``<slide>_gates.png``, the challenge's lesion CSV
-    ``lesions/<slide>.csv`` (:func:`write_lesion_csv`) and, last, ``<slide>.json`` (slide score,
+    ``lesions/<slide>.csv`` (:func:`write_lesion_csv`), the tumour regions
+    (:func:`~hsmla_med.io.annotations.tumour_regions`) as ``<slide>.geojson`` for QuPath and
+    ``<slide>.xml`` for ASAP and, last, ``<slide>.json`` (slide score,
     detections, patch count, tissue fraction, seconds since the previous slide of the process
     finished).
     A finished slide's files are written by a background thread while the network goes on with
@@ -441,10 +444,15 @@ class SlideHeatmaps:
         heat = np.nan_to_num(prob * 255, nan=0).round().astype(np.uint8).repeat(scale, 0).repeat(scale, 1)
         stem = Path(slide["slide"]).stem
         paths = [self.output / f"{stem}_heatmap.tif", self.output / f"{stem}_overlay.png", self.output / f"{stem}_gates.png",
-                 self.output / LESIONS / f"{stem}.csv"]
+                 self.output / LESIONS / f"{stem}.csv", self.output / f"{stem}.geojson", self.output / f"{stem}.xml"]
         inference = self.module.config["inference"]
         found = detect_lesions(prob, inference["lesion_threshold"], inference["lesion_radius"])
         write_lesion_csv(paths[3], found[:, 0], patch_centres(found[:, 1:], step, slide["footprint"]))
+        # a checkpoint older than the region settings: its lesion threshold and slide-score smoothing
+        regions = tumour_regions(prob, step, handle.dimensions, inference.get("region_threshold", inference["lesion_threshold"]),
+                                 inference.get("region_sigma", inference["slide_sigma"]))
+        write_geojson(paths[4], regions, mpp)
+        write_asap_xml(paths[5], asap_outlines(regions))
         write_pyramidal_tiff(paths[0], heat, mpp * step / scale if mpp else None)
         # thumbnail cut or padded with glass to the grid's extent (a part of a cell beyond the slide edge)
         thumb, thumb_ds = thumbnail(handle)
@@ -835,7 +843,7 @@ class CAMELYON16(Task):
     in_channels = 3
     inputs = "whole slides (any format OpenSlide opens) or a folder of them"
     input_key = "slide"
-    outputs = "OUTPUT/<slide>_heatmap.tif (pyramidal), _overlay.png, _gates.png, <slide>.json, lesions/<slide>.csv and slides.csv"
+    outputs = "OUTPUT/<slide>_heatmap.tif (pyramidal), _overlay.png, _gates.png, <slide>.geojson (QuPath), <slide>.xml (ASAP), <slide>.json, lesions/<slide>.csv and slides.csv"
 
     def score_lines(self, summary: dict, output: Path) -> list[str]:
         fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731

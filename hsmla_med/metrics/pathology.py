@@ -38,7 +38,7 @@ from monai.transforms import ProbNMS
 from scipy.ndimage import gaussian_filter
 
 __all__ = ["FP_RATES", "OFFICIAL_MPP", "OFFICIAL_LEVEL", "auc", "detect_lesions", "evaluation_geometry", "evaluation_mask", "lesion_froc",
-           "slide_fp_tp", "slide_score"]
+           "slide_fp_tp", "slide_score", "smooth_map"]
 
 FP_RATES = (0.25, 0.5, 1, 2, 4, 8)
 
@@ -79,10 +79,8 @@ def slide_score(prob_map: np.ndarray, sigma: float = 1.0) -> float:
     first damps an isolated false-positive patch while a lesion spanning several patches keeps
     its probability, so the maximum is less noisy than the raw maximum.
 
-    Smoothing is NaN-aware (normalised convolution): the zero-filled map and the validity mask
-    are smoothed separately and divided, so each valid cell becomes a Gaussian-weighted mean
-    over the valid cells around it. Missing patches, inside the map or beyond its edge, thus
-    neither pull the score down nor count as evidence; a constant map keeps its value.
+    Smoothing is :func:`smooth_map`'s (NaN-aware), so missing patches neither pull the score
+    down nor count as evidence; a constant map keeps its value.
 
     Args:
         prob_map: ``(H, W)`` patch probabilities on the patch grid, NaN where there is no patch.
@@ -91,18 +89,35 @@ def slide_score(prob_map: np.ndarray, sigma: float = 1.0) -> float:
     Returns:
         The score in the range of the map's values; 0.0 for a map without any valid cell.
     """
+    smoothed = smooth_map(prob_map, sigma)
+    return float(np.nanmax(smoothed)) if not np.isnan(smoothed).all() else 0.0
+
+
+def smooth_map(prob_map: np.ndarray, sigma: float = 1.0) -> np.ndarray:
+    """A probability map Gaussian-smoothed over its valid cells (normalised convolution).
+
+    The zero-filled map and the validity mask are smoothed separately and divided, so each
+    valid cell becomes a Gaussian-weighted mean over the valid cells around it: missing patches,
+    inside the map or beyond its edge, count as neither tumour nor normal.
+
+    Args:
+        prob_map: ``(H, W)`` patch probabilities on the patch grid, NaN where there is no patch.
+        sigma: Gaussian standard deviation in grid cells; 0 returns the map unchanged.
+
+    Returns:
+        ``(H, W)`` float64, NaN where ``prob_map`` is NaN.
+    """
     prob_map = np.asarray(prob_map, dtype=np.float64)
     if prob_map.ndim != 2:
         raise ValueError(f"prob_map must be 2D (H, W), got shape {prob_map.shape}")
     if sigma < 0:
         raise ValueError(f"sigma must be >= 0, got {sigma}")
     valid = ~np.isnan(prob_map)
-    if not valid.any():
-        return 0.0
     # mode="constant": cells beyond the map's edge are treated like missing patches
     values = gaussian_filter(np.where(valid, prob_map, 0.0), sigma, mode="constant")
     weights = gaussian_filter(valid.astype(np.float64), sigma, mode="constant")
-    return float((values[valid] / weights[valid]).max())
+    with np.errstate(invalid="ignore", divide="ignore"):  # divided everywhere; weights vanish only far from valid cells
+        return np.where(valid, values / weights, np.nan)
 
 
 def detect_lesions(prob_map: np.ndarray, threshold: float = 0.5, radius: int = 2) -> np.ndarray:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -47,6 +46,7 @@ import torch
 
 from hsmla_med.io.tiff import write_pyramidal_tiff
 from hsmla_med.io import atomic_path, write_json
+from hsmla_med.io.annotations import write_asap_xml
 
 __all__ = ["generate_camelyon16", "DEFAULT_STAIN", "OTHER_STAIN"]
 
@@ -69,7 +69,6 @@ _NOISE = 2.5  # grey levels of sensor noise
 _NORMAL = dict(radius_um=3.5, coverage=0.20, nucleus=(0.85, 1.15), haematoxylin=0.06, eosin=0.45)
 _TUMOUR = dict(radius_um=6.0, coverage=0.45, nucleus=(1.35, 1.75), haematoxylin=0.22, eosin=0.28)
 
-_GROUP_COLOURS = {"Tumor": "#F4FA58", "_0": "#F4FA58", "_2": "#64FE2E"}
 _MIN_METASTASIS = 0.02  # smallest metastasis radius, as a share of the slide's shorter side
 _MACRO_UM = 2000.0  # CAMELYON: a macro-metastasis is larger than 2 mm, a micro-metastasis smaller
 # Small lesions of every tumour slide (where the tissue leaves room), the cases the official FROC
@@ -166,7 +165,7 @@ def generate_camelyon16(
         del image
         files.append(slide_rel)
         if xml_rel is not None:
-            _write_asap(root / xml_rel, polygons)
+            write_asap_xml(root / xml_rel, polygons)
             files.append(xml_rel)
         if slide_rel.startswith("testing/"):
             reference.append(_reference_line(Path(slide_rel).stem, polygons, mpp))
@@ -415,27 +414,6 @@ def _outlines(mask: np.ndarray, x0: int, y0: int) -> list[np.ndarray]:
         if len(points) >= 3:
             result.append(np.column_stack([points[:, 1] + x0 - 1, points[:, 0] + y0 - 1]))
     return result
-
-
-def _write_asap(path: Path, polygons: list[tuple[str, np.ndarray]]) -> None:
-    """Write ``polygons`` as ASAP XML, the format of CAMELYON16's lesion annotations."""
-    root = ET.Element("ASAP_Annotations")
-    annotations = ET.SubElement(root, "Annotations")
-    for index, (group, points) in enumerate(polygons):
-        name = f"_{index}" if group.startswith("_") else f"Annotation {index}"
-        node = ET.SubElement(
-            annotations, "Annotation", Name=name, Type="Polygon", PartOfGroup=group, Color="#F4FA58"
-        )
-        coordinates = ET.SubElement(node, "Coordinates")
-        for order, (x, y) in enumerate(points):
-            ET.SubElement(coordinates, "Coordinate", Order=str(order), X=f"{x:.4f}", Y=f"{y:.4f}")
-    groups = ET.SubElement(root, "AnnotationGroups")
-    for group in dict.fromkeys(g for g, _ in polygons):
-        node = ET.SubElement(groups, "Group", Name=group, PartOfGroup="None", Color=_GROUP_COLOURS[group])
-        ET.SubElement(node, "Attributes")
-    ET.indent(root, space="\t")
-    with atomic_path(path) as tmp:
-        ET.ElementTree(root).write(tmp, encoding="utf-8", xml_declaration=True)
 
 
 def _reference_line(name: str, polygons: list[tuple[str, np.ndarray]], mpp: float) -> str:
