@@ -442,6 +442,11 @@ class SlideHeatmaps:
         scale = 2 ** max(0, int(np.ceil(np.log2(1024 / max(prob.shape + (1,))))))
         mpp = slide_mpp(handle)
         heat = np.nan_to_num(prob * 255, nan=0).round().astype(np.uint8).repeat(scale, 0).repeat(scale, 1)
+        # cut to the slide: the last cell reaches past the slide's edge, and ASAP, which places an
+        # overlay by the ratio of the two images' widths (not by pixel size), would squeeze the
+        # map by that much; so the heatmap spans the slide within one of its pixels
+        width, height = handle.dimensions
+        heat = heat[: math.ceil(height * scale / step), : math.ceil(width * scale / step)]
         stem = Path(slide["slide"]).stem
         paths = [self.output / f"{stem}_heatmap.tif", self.output / f"{stem}_overlay.png", self.output / f"{stem}_gates.png",
                  self.output / LESIONS / f"{stem}.csv", self.output / f"{stem}.geojson", self.output / f"{stem}.xml"]

@@ -136,8 +136,8 @@ def test_heatmap_export_with_a_stub_classifier(slides, tmp_path):
     grid = camelyon16.slide_patches(tumour, config["data"])
     k = info["heatmap_pixels_per_cell"]
     width, height = openslide.OpenSlide(tumour["slide"]).dimensions
-    assert heat.dimensions == (-(-width // 64) * k, -(-height // 64) * k)  # the whole slide, cells from its origin
-    assert heat.level_count >= 2 and max(heat.dimensions) >= 1024
+    assert heat.dimensions == (-(-width * k // 64), -(-height * k // 64))  # the whole slide (k pixels a cell), no more
+    assert heat.level_count >= 2 and max(heat.dimensions) > 1024 - k  # the grid >= 1024 px, cut to the slide
     slide_mpp = float(openslide.OpenSlide(tumour["slide"]).properties["openslide.mpp-x"])
     assert float(heat.properties["openslide.mpp-x"]) == pytest.approx(slide_mpp * 64 / k, rel=1e-6)
     values = np.asarray(heat.read_region((0, 0), 0, heat.dimensions).convert("L"))[::k, ::k]
@@ -204,8 +204,8 @@ def test_train_and_heatmaps_at_level_1_through_the_cli(slides, tmp_path, capsys)
         assert int(grid["level"]) == 1 and info["patches"] == len(grid["coords"]) > 0
         with openslide.OpenSlide(str(path)) as slide, openslide.OpenSlide(str(heat / f"{path.stem}_heatmap.tif")) as tif:
             step = 32 * slide.level_downsamples[1]  # a cell in level-0 pixels: the heatmap covers the slide
-            cells = (np.ceil(np.array(slide.dimensions) / step) * info["heatmap_pixels_per_cell"]).astype(int)
-            assert tif.dimensions == tuple(cells)
+            pixels = np.ceil(np.array(slide.dimensions) * info["heatmap_pixels_per_cell"] / step).astype(int)
+            assert tif.dimensions == tuple(pixels)
     bad = slides / "data" / "training" / "lesion_annotations" / "tumor_001.xml"
     saved = bad.read_text()
     try:
