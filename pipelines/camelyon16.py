@@ -150,7 +150,8 @@ def slide_patches(case: dict, data: dict) -> dict:
     detection on that patch is scored at), the slide's ``num_lesions`` (lesions to detect) and
     ``num_labels`` (its largest label; ITC clusters above ``num_lesions``) from
     :func:`slide_truth`, the pyramid ``level`` and the tissue-mask downsample. Cached per slide file and parameters in ``cache_dir``. ``data``: the
-    data section of a task config or a checkpoint."""
+    data section of a task config or a checkpoint. With ``data.stain_normalization``, the slide's
+    stain matrix is estimated here too (:func:`~hsmla_med.data.stain.slide_stain`, cached beside the grid)."""
     params = _grid_params(data)
     slide_path = Path(case["slide"])
     stat = slide_path.stat()

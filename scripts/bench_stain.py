@@ -1,0 +1,188 @@
+"""Slide-level stain normalisation (``data.stain_normalization: macenko``) on two differently
+stained copies of the same synthetic CAMELYON16 slides (issue 30 targets).
+
+(a) Mean colour distance (RGB, grey levels) of the tissue pixels between the two copies of each
+    slide, as written and after each copy is normalised with its own slide's stain matrix
+    (target: at least 3 times smaller); the same on one slide for other second stains (hue only,
+    strength only, stains nearly collinear); the time to estimate a slide's matrix and to
+    normalise a 256 x 256 patch (MONAI's per-patch ``NormalizeHEStains`` beside it).
+(b) A patch classifier (HSMLA-B0, ``hsmla-med train --task camelyon16``) trained on the first
+    stain, normalisation off and on; patch AUC on the test slides of the same stain and of the
+    other (target: the drop on the other stain with normalisation at most half the drop without).
+
+    python scripts/bench_stain.py [--work /tmp/bench-stain] [--steps 200] [--seeds 0] [--size 4096 3072]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from monai.apps.pathology.transforms.stain.array import NormalizeHEStains
+
+from hsmla_med.cli import main as cli
+from hsmla_med.config import merge_config, task_config
+from hsmla_med.data.slides import open_slide, read_region, tissue_mask
+from hsmla_med.data.stain import normalize_stain, slide_stain
+from hsmla_med.data.synthetic.wsi import DEFAULT_STAIN, OTHER_STAIN, generate_camelyon16
+from hsmla_med.engine.classification import ClassificationModule, patch_images
+from hsmla_med.engine.run import load_module
+from hsmla_med.io import write_json, write_yaml
+from hsmla_med.metrics.pathology import auc
+from hsmla_med.pipelines import camelyon16
+
+COUNTS = {"num_normal": 4, "num_tumor": 4, "num_test": 4, "size": (4096, 3072), "seed": 0}
+DATA = {"level": 0, "patch_size": 128, "stride": 128, "num_workers": 1}
+MIN_AREA_UM2 = 15000.0  # the task default; the synthetic slides are 0.972 µm per pixel
+
+
+def _unit(v) -> np.ndarray:
+    return np.asarray(v, np.float64) / np.linalg.norm(v)
+
+
+# other second stains, (haematoxylin, eosin) optical densities: how the reduction depends on what differs
+VARIANTS = {
+    "hue only (OTHER_STAIN's directions, strengths 1)": tuple(_unit(v) for v in OTHER_STAIN),
+    "strength only (Ruifrok's directions, x1.25 / x0.8)": (1.25 * _unit(DEFAULT_STAIN[0]), 0.8 * _unit(DEFAULT_STAIN[1])),
+    "nearly collinear (12 degrees apart, x1.25 / x0.8)": ((0.576, 0.977, 0.526), (0.208, 0.671, 0.383)),
+}
+
+
+def colour_distances(first: Path, second: Path, cache: Path, slides: list[Path] | None = None) -> dict:
+    """Per slide of the two dataset copies (``slides``, relative paths: all of them by default):
+    mean RGB distance of the first copy's tissue pixels (its tissue mask at level 0) between the
+    copies, as written and normalised."""
+    rows = []
+    for path in [first / s for s in slides] if slides else sorted(first.rglob("*.tif")):
+        other = second / path.relative_to(first)
+        slide = open_slide(path)
+        tissue, downsample = tissue_mask(slide, min_area=MIN_AREA_UM2 / 0.972**2)
+        width, height = slide.dimensions
+        rows_, cols_ = (np.minimum((np.arange(n) / downsample).astype(int), m - 1) for n, m in ((height, tissue.shape[0]), (width, tissue.shape[1])))
+        mask = tissue[rows_[:, None], cols_[None, :]]  # the mask at level 0
+        images = [read_region(open_slide(p), 0, 0, 0, (width, height)) for p in (path, other)]
+        normalised = []
+        for image, p in zip(images, (path, other)):
+            started = time.perf_counter()
+            stain = slide_stain(p, cache, MIN_AREA_UM2)
+            estimate = time.perf_counter() - started
+            normalised.append(normalize_stain(torch.from_numpy(image).permute(2, 0, 1), stain).permute(1, 2, 0).numpy())
+        before = float(np.linalg.norm(images[0][mask].astype(np.float64) - images[1][mask], axis=1).mean())
+        after = float(np.linalg.norm(normalised[0][mask].astype(np.float64) - normalised[1][mask], axis=1).mean())
+        rows.append({"slide": path.stem, "tissue_pixels": int(mask.sum()), "before": before, "after": after, "estimate_s": estimate})
+        print(f"  {path.stem:<11} tissue {mask.sum():>8} px   before {before:6.2f}   after {after:6.2f}   x{before / after:5.2f}")
+    return {"slides": rows, "before": statistics.mean(r["before"] for r in rows), "after": statistics.mean(r["after"] for r in rows)}
+
+
+def variants(first: Path, work: Path, cache: Path, size: tuple[int, int]) -> list[dict]:
+    """:func:`colour_distances` of the first tumour slide (of ``size``) against copies in :data:`VARIANTS`' stains."""
+    rows = []
+    for name, stain in VARIANTS.items():
+        root = generate_camelyon16(work / f"variant-{len(rows)}", **{**COUNTS, "num_normal": 0, "num_tumor": 1, "num_test": 0,
+                                                                      "size": size}, stain=stain)
+        h, e = (_unit(v) for v in stain)
+        print(f"  {name}: stains {np.degrees(np.arccos(h @ e)):.0f} degrees apart")
+        row = colour_distances(first, root, cache, [Path("training/tumor/tumor_001.tif")])["slides"][0]
+        rows.append({"variant": name, "stain": [list(map(float, v)) for v in stain], **row})
+    return rows
+
+
+def patch_timing(path: Path, cache: Path, repeats: int = 50) -> dict:
+    """Median milliseconds to normalise one 256 x 256 uint8 patch of tissue: with the slide's
+    parameters (this module) and with MONAI's NormalizeHEStains (estimation per patch)."""
+    slide = open_slide(path)
+    tissue, downsample = tissue_mask(slide, min_area=MIN_AREA_UM2 / 0.972**2)
+    rows, cols = np.nonzero(tissue)
+    x, y = int(np.median(cols) * downsample) - 128, int(np.median(rows) * downsample) - 128
+    patch = read_region(slide, x, y, 0, 256)
+    stain, monai = slide_stain(path, cache, MIN_AREA_UM2), NormalizeHEStains()
+    tensor = torch.from_numpy(patch).permute(2, 0, 1)
+    times = {"slide_matrix_ms": [], "monai_per_patch_ms": []}
+    for _ in range(repeats):
+        for name, run in (("slide_matrix_ms", lambda: normalize_stain(tensor, stain)), ("monai_per_patch_ms", lambda: monai(patch))):
+            started = time.perf_counter()
+            run()
+            times[name].append(1000 * (time.perf_counter() - started))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def patch_auc(module: ClassificationModule, config: dict, root: Path) -> tuple[float, int, int]:
+    """Patch AUC (tumour by annotation coverage) over the test slides of ``root``, the patches
+    read and normalised by the task's validation chain."""
+    read = camelyon16.transforms(config)[1]
+    _, test = camelyon16.find_slides(root)
+    scores, labels = [], []
+    for case in test:
+        grid = camelyon16.slide_patches(case, config["data"])
+        items = [{"slide": case["slide"], "x": int(x), "y": int(y), "level": int(grid["level"]), "size": config["data"]["patch_size"]}
+                 for x, y in grid["coords"]]
+        for start in range(0, len(items), 64):
+            batch = torch.stack([read(item)["image"] for item in items[start : start + 64]])
+            with torch.no_grad():
+                logits = module.network(patch_images({"image": batch}))
+            scores += torch.softmax(logits.float(), dim=1)[:, 1].tolist()
+        labels += grid["labels"].tolist()
+    return auc(scores, labels), int(sum(labels)), len(labels)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, default=Path("/tmp/bench-stain"))
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--size", type=int, nargs=2, default=COUNTS["size"], help="slide width and height at level 0")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    started = time.perf_counter()
+    roots = {"first": args.work / "first-stain", "other": args.work / "other-stain"}
+    counts = {**COUNTS, "size": tuple(args.size)}
+    generate_camelyon16(roots["first"], **counts)
+    generate_camelyon16(roots["other"], stain=OTHER_STAIN, **counts)
+    cache = args.work / "cache"
+    print(f"(a) two copies of {sum(COUNTS[k] for k in ('num_normal', 'num_tumor', 'num_test'))} synthetic slides "
+          f"{counts['size'][0]} x {counts['size'][1]}, second stain {OTHER_STAIN}")
+    distances = colour_distances(roots["first"], roots["other"], cache / "camelyon16-patches")
+    print(f"  mean: before {distances['before']:.2f}, after {distances['after']:.2f}: x{distances['before'] / distances['after']:.2f}")
+    print("  tumor_001 against other second stains:")
+    distances["variants"] = variants(roots["first"], args.work, cache / "camelyon16-patches", counts["size"])
+    timing = patch_timing(roots["first"] / "training" / "tumor" / "tumor_001.tif", cache / "camelyon16-patches")
+    estimate = statistics.median(r["estimate_s"] for r in distances["slides"])
+    print(f"  a slide's matrix (cached after): {estimate:.2f} s; a 256 x 256 patch: {timing['slide_matrix_ms']:.2f} ms with the slide's "
+          f"matrix, {timing['monai_per_patch_ms']:.2f} ms MONAI NormalizeHEStains (per patch)")
+
+    print(f"(b) HSMLA-B0 trained {args.steps} steps on the first stain, patch AUC on the test slides")
+    arms = []
+    for seed in args.seeds:
+        for method in (None, "macenko"):
+            name = f"{method or 'off'}-seed{seed}"
+            data = {**DATA, "cache_dir": str(cache), "stain_normalization": method}
+            overrides = {"data": data, "trainer": {"accelerator": "cpu", "progress_bar": False}}
+            write_yaml(args.work / f"{name}.yaml", overrides)
+            run = args.work / name
+            clock = time.perf_counter()
+            code = cli(["train", "--task", "camelyon16", "--data-dir", str(roots["first"]), "--config", str(args.work / f"{name}.yaml"),
+                        "--max-steps", str(args.steps), "--seed", str(seed), "--output", str(run)])
+            if code != 0:
+                raise SystemExit(f"training {name} failed ({code})")
+            seconds = time.perf_counter() - clock
+            module, _ = load_module(run / "last.ckpt", ClassificationModule)
+            config = merge_config(task_config("camelyon16"), overrides)
+            same, tumour, patches = patch_auc(module, config, roots["first"])
+            other, _, _ = patch_auc(module, config, roots["other"])
+            arms.append({"arm": name, "same": same, "other": other, "drop": same - other, "train_s": seconds, "patches": patches, "tumour": tumour})
+            print(f"  normalisation {method or 'off':<8} seed {seed}: AUC same stain {same:.4f}, other stain {other:.4f}, "
+                  f"drop {same - other:+.4f} ({patches} test patches, {tumour} tumour; training {seconds:.0f} s)")
+    for seed in args.seeds:
+        off, on = (next(a for a in arms if a["arm"] == f"{m}-seed{seed}") for m in ("off", "macenko"))
+        print(f"  seed {seed}: drop with normalisation {on['drop']:+.4f} against {off['drop']:+.4f} without")
+    result = {"colour_distance": distances, "patch_timing_ms": timing, "classifier": arms, "wall_s": time.perf_counter() - started}
+    write_json(args.work / "result.json", result)
+    print(f"wall time {time.perf_counter() - started:.0f} s; {args.work / 'result.json'}")
+
+
+if __name__ == "__main__":
+    main()
