@@ -1,0 +1,24 @@
+"""Heatmap throughput of HSMLA-B0 on the dense slide alone (6400 tissue patches, the scale of a
+real CAMELYON16 slide at level 0): the ``bench --only wsi`` rows of that slide, without the
+smaller slides and the slower models (about 45 minutes on two cores).
+
+    python scripts/bench_heatmap_dense.py [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from hsmla_med.bench.common import markdown
+from hsmla_med.bench.wsi import bench_wsi
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args(argv)
+    print(markdown(bench_wsi(rounds=args.rounds, sizes=())))
+
+
+if __name__ == "__main__":
+    main()
