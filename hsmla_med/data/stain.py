@@ -71,9 +71,9 @@ REFERENCE_BACKGROUND = 240.0  # Macenko's transmitted light Io (MONAI's tli): th
 METHODS = ("macenko",)
 
 _VERSION = 1  # of the cached estimate, in its key
-# The picture the tissue mask is computed on (tissue_mask's defaults): the stains are estimated
-# from exactly the pixels it calls tissue.
-_PICTURE = {"min_size": 2048, "max_size": 4096}
+# (min_size, max_size) of the picture the tissue mask is computed on (tissue_mask's defaults): by
+# default the stains are estimated from exactly the pixels it calls tissue.
+_PICTURE = (2048, 4096)
 _MAX_PIXELS = 1 << 20  # tissue pixels used at most (evenly spaced): the estimate needs no more
 _MIN_PIXELS = 1000  # fewer stained tissue pixels than this: no estimate (the reference parameters)
 _GLASS_GREY = 200  # non-tissue pixels at least this bright (mean of RGB) are glass: black scanner margins and pen excluded
@@ -170,13 +170,13 @@ def _glass(picture: np.ndarray, tissue: np.ndarray) -> np.ndarray:
     return np.median(glass, axis=0).astype(np.float64) + 1.0
 
 
-def _estimate(path: Path, tissue_min_area_um2: float, alpha: float, beta: float) -> SlideStain:
+def _estimate(path: Path, tissue_min_area_um2: float, alpha: float, beta: float, size: tuple[int, int]) -> SlideStain:
     slide = open_slide(path)
     try:
-        picture, _ = thumbnail(slide, **_PICTURE)
+        picture, _ = thumbnail(slide, *size)
         # debris below the same physical area as the patch grid's mask (the task's tissue_min_area_um2)
         mpp = slide_mpp(slide)
-        tissue, _ = tissue_mask(slide, **_PICTURE, min_area=tissue_min_area_um2 / mpp**2 if mpp else 2.0**18)
+        tissue, _ = tissue_mask(slide, *size, min_area=tissue_min_area_um2 / mpp**2 if mpp else 2.0**18)
     finally:
         slide.close()
     background = _glass(picture, tissue)
@@ -210,10 +210,15 @@ def _cached(cache: Path) -> SlideStain | None:
 
 
 def slide_stain(slide: str | Path, cache_dir: str | Path | None, tissue_min_area_um2: float = 15000.0, alpha: float = 1.0,
-                beta: float = 0.15) -> SlideStain:
+                beta: float = 0.15, picture: tuple[int, int] = _PICTURE) -> SlideStain:
     """The Macenko stain parameters of a whole slide, from the tissue pixels of a low-resolution
-    picture of it (the one :func:`~hsmla_med.data.slides.tissue_mask` reads: about 2,000-4,000
-    pixels on the long side), glass brightness from the bright pixels outside the tissue.
+    picture of it (by default the one :func:`~hsmla_med.data.slides.tissue_mask` reads: about
+    2,000-4,000 pixels on the long side), glass brightness from the bright pixels outside the tissue.
+
+    The picture's resolution matters: its pixels average the slide's, nuclei with stroma, which
+    pulls the estimate away from the patches' statistics (on the synthetic 4096 x 3072 slides,
+    estimated from level 1 (the default picture) the colour distance between two stainings
+    shrinks 2.9 times, from level 0 4.1 times: docs/benchmarks.md).
 
     A slide with too little stain (fewer than 1000 tissue pixels with OD above ``beta``, or one
     colour only) gets the reference parameters (its pixels are taken as stained with the
@@ -226,16 +231,20 @@ def slide_stain(slide: str | Path, cache_dir: str | Path | None, tissue_min_area
         tissue_min_area_um2: tissue pieces (and holes) smaller than this are dropped (filled), as
             for the patch grid.
         alpha, beta: see :func:`estimate_stains`.
+        picture: ``(min_size, max_size)`` of the picture (:func:`~hsmla_med.data.slides.thumbnail`):
+            the coarsest pyramid level whose long side is at least ``min_size``, reduced by whole
+            blocks to at most ``max_size``.
     """
     path = Path(slide)
+    picture = tuple(int(n) for n in picture)
     if cache_dir is None:
-        return _estimate(path, tissue_min_area_um2, alpha, beta)
+        return _estimate(path, tissue_min_area_um2, alpha, beta, picture)
     stat = path.stat()
-    key = json.dumps([_VERSION, str(path.resolve()), stat.st_size, stat.st_mtime_ns, tissue_min_area_um2, alpha, beta, _PICTURE])
+    key = json.dumps([_VERSION, str(path.resolve()), stat.st_size, stat.st_mtime_ns, tissue_min_area_um2, alpha, beta, picture])
     cache = Path(cache_dir).expanduser() / f"{path.stem}-stain-{hashlib.sha1(key.encode()).hexdigest()[:12]}.npz"
     stain = _cached(cache)
     if stain is None:
-        stain = _estimate(path, tissue_min_area_um2, alpha, beta)
+        stain = _estimate(path, tissue_min_area_um2, alpha, beta, picture)
         cache.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(cache) as tmp:
             np.savez(tmp, stains=stain.stains, max_concentrations=stain.max_concentrations, background=stain.background)
