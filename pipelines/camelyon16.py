@@ -17,8 +17,6 @@ import json
 import logging
 import math
 import time
-import zipfile
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,7 +42,7 @@ from hsmla_med.engine.datamodule import CaseDataModule
 from hsmla_med.errors import DataError
 from hsmla_med.io.overlays import gate_overlay, heatmap_overlay
 from hsmla_med.io.annotations import asap_outlines, tumour_regions, write_asap_xml, write_geojson
-from hsmla_med.io import atomic_path, write_json
+from hsmla_med.io import atomic_path, read_npz_cache, write_json
 from hsmla_med.metrics.pathology import (GROW_UM, ITC_UM, auc, detect_lesions, evaluation_geometry, evaluation_mask, lesion_froc, slide_fp_tp,
                                          slide_score)
 from hsmla_med.pipelines.task import InferenceOptions, Task, input_files, predict_cases, synthetic_root
@@ -129,18 +127,7 @@ def _cached_grid(cache: Path) -> dict | None:
     """The patch grid cached in ``cache``, or ``None`` when there is none or it is damaged (a
     truncated or foreign file: then the grid is computed again and the file replaced, with a
     log line saying so)."""
-    if not cache.is_file():
-        return None
-    try:
-        with np.load(cache) as f:  # no pickles: a foreign file is refused, not run
-            grid = {k: f[k] for k in f.files}
-        if set(grid) == _GRID_KEYS:
-            return grid
-        problem = f"it holds {sorted(grid)}"
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as err:
-        problem = str(err) or type(err).__name__
-    log.warning("%s: damaged patch-grid cache (%s); computing the grid again", cache, problem)
-    return None
+    return read_npz_cache(cache, _GRID_KEYS, "patch-grid")
 
 
 def slide_patches(case: dict, data: dict) -> dict:

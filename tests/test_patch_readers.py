@@ -86,24 +86,6 @@ def test_auto_keeps_openslide_where_cucim_decodes_other_bytes(jpeg_slide, monkey
     assert isinstance(open_patches(jpeg_slide), CuCIMPatches)
 
 
-@needs_cucim
-def test_cucim_corrupt_tile_and_missing_file_name_the_slide(tmp_path):
-    path = write_slide(tmp_path / "cut.tif", synthetic_rgb()[:256, :256], (1,), compression="zlib")
-    with tifffile.TiffFile(path) as tif:
-        offset, count = tif.pages[0].dataoffsets[3], tif.pages[0].databytecounts[3]
-    data = bytearray(path.read_bytes())
-    data[offset : offset + count] = bytes(count)  # the last tile's deflate stream zeroed
-    path.write_bytes(data)
-    patches = CuCIMPatches(path)
-    assert patches.read(0, 0, 0, 8).shape == (8, 8, 3)
-    with pytest.raises(DataError, match=r"cut\.tif: cannot read region at \(200, 200\)"):
-        patches.read(200, 200, 0, 8)
-    with pytest.raises(DataError, match="level 3 out of range"):
-        patches.read(0, 0, 3, 8)
-    with pytest.raises(DataError, match=r"gone\.tif: slide file not found"):
-        CuCIMPatches(tmp_path / "gone.tif")
-
-
 def test_without_cucim_auto_reads_with_tifffile_and_forced_cucim_says_so(jpeg_slide, monkeypatch):
     monkeypatch.setitem(sys.modules, "cucim", None)  # import cucim raises ImportError
     monkeypatch.setenv("HSMLA_MED_SLIDE_READER", "auto")
@@ -132,21 +114,24 @@ def test_auto_keeps_openslide_where_tifffile_decodes_other_bytes_or_sees_another
         TiffPatches(flat)
 
 
-def test_tifffile_corrupt_tile_and_missing_file_name_the_slide(tmp_path):
-    path = write_slide(tmp_path / "cut.tif", synthetic_rgb()[:256, :256], (1,), compression="jpeg")
+# cuCIM's JPEG decoder returns a zeroed stream's tile without an error: deflate only there
+@pytest.mark.parametrize("reader, compression", [(TiffPatches, "zlib"), (TiffPatches, "jpeg"),
+                                                 pytest.param(CuCIMPatches, "zlib", marks=needs_cucim)])
+def test_corrupt_tile_and_missing_file_name_the_slide(tmp_path, reader, compression):
+    path = write_slide(tmp_path / "cut.tif", synthetic_rgb()[:256, :256], (1,), compression=compression)
     with tifffile.TiffFile(path) as tif:
         offset, count = tif.pages[0].dataoffsets[3], tif.pages[0].databytecounts[3]
     data = bytearray(path.read_bytes())
-    data[offset : offset + count] = bytes(count)  # the last tile's JPEG stream zeroed
+    data[offset : offset + count] = bytes(count)  # the last tile's compressed stream zeroed
     path.write_bytes(data)
-    patches = TiffPatches(path)
+    patches = reader(path)
     assert patches.read(0, 0, 0, 8).shape == (8, 8, 3)
-    with pytest.raises(DataError, match=r"cut\.tif: cannot read region at \(200, 200\) of level 0"):
+    with pytest.raises(DataError, match=r"cut\.tif: cannot read region at \(200, 200\)"):
         patches.read(200, 200, 0, 8)
     with pytest.raises(DataError, match="level 3 out of range"):
         patches.read(0, 0, 3, 8)
     with pytest.raises(DataError, match=r"gone\.tif: slide file not found"):
-        TiffPatches(tmp_path / "gone.tif")
+        reader(tmp_path / "gone.tif")
 
 
 def test_a_bad_reader_name_is_refused(jpeg_slide, monkeypatch):

@@ -39,8 +39,6 @@ import hashlib
 import json
 import logging
 import math
-import zipfile
-import zlib
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +52,7 @@ from skimage.color import rgb2hed, rgb_from_hed
 
 from hsmla_med.data.slides import open_slide, slide_mpp, thumbnail, tissue_mask
 from hsmla_med.errors import ConfigError
-from hsmla_med.io import atomic_path
+from hsmla_med.io import atomic_path, read_npz_cache
 
 __all__ = [
     "REFERENCE_STAINS", "REFERENCE_MAX_CONCENTRATIONS", "REFERENCE_BACKGROUND", "METHODS", "SlideStain", "optical_density",
@@ -193,19 +191,13 @@ def _estimate(path: Path, tissue_min_area_um2: float, alpha: float, beta: float,
 def _cached(cache: Path) -> SlideStain | None:
     """The estimate cached in ``cache``, or ``None`` when there is none or it is damaged (then it
     is estimated again and the file replaced, with a log line saying so)."""
-    if not cache.is_file():
+    values = read_npz_cache(cache, {"stains", "max_concentrations", "background"}, "stain")
+    if values is None:
         return None
-    try:
-        with np.load(cache) as f:  # no pickles: a foreign file is refused, not run
-            values = {k: f[k] for k in f.files}
-        if set(values) == {"stains", "max_concentrations", "background"}:
-            stain = SlideStain(**{k: v.astype(np.float64) for k, v in values.items()})
-            if stain.stains.shape == (3, 2) and stain.max_concentrations.shape == (2,) and stain.background.shape == (3,):
-                return stain
-        problem = f"it holds {sorted(values)}"
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as err:
-        problem = str(err) or type(err).__name__
-    log.warning("%s: damaged stain cache (%s); estimating the stains again", cache, problem)
+    stain = SlideStain(**{k: v.astype(np.float64) for k, v in values.items()})
+    if stain.stains.shape == (3, 2) and stain.max_concentrations.shape == (2,) and stain.background.shape == (3,):
+        return stain
+    log.warning("%s: damaged stain cache (arrays of other shapes); computing it again", cache)
     return None
 
 

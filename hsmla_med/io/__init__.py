@@ -4,6 +4,6 @@ tumour regions as QuPath GeoJSON and ASAP XML (:mod:`.annotations`); the one rea
 image series (:mod:`.dicom`). Those but :mod:`.atomic` are imported where used (pydicom,
 SimpleITK and scikit-image load slowly)."""
 
-from hsmla_med.io.atomic import atomic_path, is_temporary, remove_stale_temporaries, write_json, write_yaml
+from hsmla_med.io.atomic import atomic_path, is_temporary, read_npz_cache, remove_stale_temporaries, write_json, write_yaml
 
-__all__ = ["atomic_path", "is_temporary", "remove_stale_temporaries", "write_json", "write_yaml"]
+__all__ = ["atomic_path", "is_temporary", "read_npz_cache", "remove_stale_temporaries", "write_json", "write_yaml"]

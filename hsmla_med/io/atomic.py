@@ -10,13 +10,18 @@ temporary behind: :func:`is_temporary` recognises such files, and
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import zipfile
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["atomic_path", "is_temporary", "remove_stale_temporaries", "write_json", "write_yaml"]
+__all__ = ["atomic_path", "is_temporary", "read_npz_cache", "remove_stale_temporaries", "write_json", "write_yaml"]
+
+log = logging.getLogger("hsmla_med")
 
 # ``.<stem>.<pid>.tmp<suffixes>``, the names that :func:`atomic_path` writes to
 _TEMPORARY = re.compile(r"^\.(?P<stem>.+)\.(?P<pid>\d+)\.tmp(?P<suffixes>\..*)?$")
@@ -86,3 +91,23 @@ def remove_stale_temporaries(folder: str | Path) -> list[Path]:
         path.unlink(missing_ok=True)
         removed.append(path)
     return removed
+
+
+def read_npz_cache(cache: Path, keys: set[str], what: str) -> dict | None:
+    """The arrays of a cache file written with ``np.savez`` holding exactly ``keys``, or ``None``
+    when there is none or it is damaged (truncated, foreign, other keys): then the caller
+    computes it again and replaces the file, and a log line names the file and ``what`` it holds."""
+    import numpy as np  # here: the writers above are imported where NumPy is not needed
+
+    if not cache.is_file():
+        return None
+    try:
+        with np.load(cache) as f:  # no pickles: a foreign file is refused, not run
+            values = {k: f[k] for k in f.files}
+        if set(values) == keys:
+            return values
+        problem = f"it holds {sorted(values)}"
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as err:
+        problem = str(err) or type(err).__name__
+    log.warning("%s: damaged %s cache (%s); computing it again", cache, what, problem)
+    return None
