@@ -353,7 +353,46 @@ def grid_patches(index: int, slide: str, data: dict) -> tuple[dict, list[dict]]:
     return grid, patches
 
 
-class SlideHeatmaps:
+class _SlideSink:
+    """What heatmaps and features share: the patches of a process's slides for the loader (each
+    slide's grid from :func:`grid_patches`), a batch's predictions placed slide by slide, and a
+    slide finished when its last patch is in. Subclasses say what a slide holds (:meth:`_start`),
+    how a batch is placed (:meth:`_place`), what finishing writes (:meth:`_finish`) and when
+    (:meth:`_done`)."""
+
+    empty = ""  # what the warning for a slide without a tissue patch adds
+
+    def patches(self, slides: list[dict]) -> list[dict]:
+        """The patches of ``slides`` in order, for the loader (``expand`` of the DataModule)."""
+        patches = []
+        self.slides = []
+        for index, item in enumerate(slides):
+            grid, mine = grid_patches(index, item["slide"], self.data)
+            self.slides.append({**item, "grid": grid, "left": len(mine), **self._start(grid, mine)})
+            patches += mine
+            if not mine:
+                log.warning("%s: no %d-px patch at level %d holds enough tissue (min_tissue %s): %s",
+                            item["slide"], self.data["patch_size"], int(grid["level"]), self.data["min_tissue"], self.empty)
+                self._finish(self.slides[-1])
+        return patches
+
+    def write(self, prediction: dict) -> list[Path]:
+        """Place a batch's predictions; finish the slides it completes."""
+        written = []
+        index = prediction["slide_index"].numpy()
+        for s in np.unique(index):
+            slide, mine = self.slides[s], index == s
+            self._place(slide, prediction, mine)
+            slide["left"] -= int(mine.sum())
+            if slide["left"] == 0:
+                written += self._done(slide)
+        return written
+
+    def _done(self, slide: dict) -> list[Path]:
+        return self._finish(slide)
+
+
+class SlideHeatmaps(_SlideSink):
     """The whole-slide heatmaps of one process: each of its slides' patch grid (the tissue mask,
     computed once, in the main process), the probability and gate maps filled batch by batch as
     predictions arrive, and a slide's files written as soon as its last patch is in.
@@ -369,6 +408,8 @@ class SlideHeatmaps:
     the next slide's patches; :meth:`flush` waits for them at the end of the run.
     """
 
+    empty = "the heatmap is empty and the slide scores 0"
+
     def __init__(self, module: ClassificationModule, output: Path, data: dict, progress: Callable[[str], None]) -> None:
         self.module, self.output, self.data, self.progress = module, output, data, progress
         self.slides: list[dict] = []
@@ -377,39 +418,29 @@ class SlideHeatmaps:
         self._pending: list[Future] = []
 
     def patches(self, slides: list[dict]) -> list[dict]:
-        """The patches of ``slides`` in order, for the loader (``expand`` of the DataModule)."""
-        patches = []
-        self.slides, self.clock = [], time.perf_counter()
-        for index, item in enumerate(slides):
-            grid, mine = grid_patches(index, item["slide"], self.data)
-            level, size = int(grid["level"]), int(self.data["patch_size"])
-            step = self.data["stride"] * grid["downsample"]  # a grid cell in level-0 pixels
-            footprint = size * grid["downsample"]
-            width, height = grid["dimensions"]
-            prob = np.full((int(np.ceil(height / step)), int(np.ceil(width / step))), np.nan)
-            self.slides.append({**item, "grid": grid, "step": step, "footprint": footprint, "prob": prob, "alpha": prob.copy(),
-                                "left": len(grid["coords"])})
-            patches += mine
-            if not mine:
-                log.warning("%s: no %d-px patch at level %d holds enough tissue (min_tissue %s): the heatmap is empty and the slide scores 0",
-                            item["slide"], size, level, self.data["min_tissue"])
-                self._finish(self.slides[-1])
-        return patches
+        self.clock = time.perf_counter()
+        return super().patches(slides)
+
+    def _start(self, grid: dict, patches: list[dict]) -> dict:
+        step = self.data["stride"] * grid["downsample"]  # a grid cell in level-0 pixels
+        width, height = grid["dimensions"]
+        prob = np.full((int(np.ceil(height / step)), int(np.ceil(width / step))), np.nan)
+        return {"step": step, "footprint": self.data["patch_size"] * grid["downsample"], "prob": prob, "alpha": prob.copy()}
+
+    def _place(self, slide: dict, prediction: dict, mine: np.ndarray) -> None:
+        rows, cols = prediction["row"].numpy()[mine], prediction["col"].numpy()[mine]
+        slide["prob"][rows, cols] = prediction["prob"].numpy()[mine]
+        if prediction["alpha"] is not None:
+            slide["alpha"][rows, cols] = prediction["alpha"].numpy()[mine]
+
+    def _done(self, slide: dict) -> list[Path]:
+        self._pending.append(self._files.submit(self._finish, slide))
+        return []
 
     def write(self, prediction: dict) -> list[Path]:
-        """Place a batch's probabilities and gate shares; finish the slides it completes."""
-        written = []
-        index = prediction["slide_index"].numpy()
-        for s in np.unique(index):
-            slide, mine = self.slides[s], index == s
-            rows, cols = prediction["row"].numpy()[mine], prediction["col"].numpy()[mine]
-            slide["prob"][rows, cols] = prediction["prob"].numpy()[mine]
-            if prediction["alpha"] is not None:
-                slide["alpha"][rows, cols] = prediction["alpha"].numpy()[mine]
-            slide["left"] -= int(mine.sum())
-            if slide["left"] == 0:
-                self._pending.append(self._files.submit(self._finish, slide))
-        return written + self._written()
+        """Place a batch's probabilities and gate shares; finish the slides it completes (their
+        files written in the background: the paths of those done so far)."""
+        return super().write(prediction) + self._written()
 
     def flush(self) -> list[Path]:
         """Wait for every slide's files; the paths written since the last call."""
@@ -475,7 +506,7 @@ class SlideHeatmaps:
 FEATURES_H5, FEATURES_PT = "h5_files", "pt_files"  # CLAM's folders (extract_features_fp.py), which its training reads
 
 
-class SlideFeatures:
+class SlideFeatures(_SlideSink):
     """The patch features of one process's slides in CLAM's layout, filled batch by batch as
     predictions arrive (``features`` of :meth:`ClassificationModule.predict_step
     <hsmla_med.engine.classification.ClassificationModule.predict_step>`), a slide's files written
@@ -501,40 +532,21 @@ class SlideFeatures:
         progress: called with one line per slide done.
     """
 
+    empty = "its feature files hold no patch"
+
     def __init__(self, output: Path, data: dict, width: int, encoder: str, progress: Callable[[str], None]) -> None:
         self.output, self.data, self.width, self.encoder, self.progress = output, data, width, encoder, progress
         self.slides: list[dict] = []
 
-    def patches(self, slides: list[dict]) -> list[dict]:
-        """The patches of ``slides`` in order, for the loader (``expand`` of the DataModule)."""
-        patches = []
-        self.slides = []
-        for index, item in enumerate(slides):
-            grid, mine = grid_patches(index, item["slide"], self.data)
-            # a patch's row in the files, from its grid cell (every patch has its own: patch_grid)
-            order = np.zeros((int(grid["rows"].max(initial=-1)) + 1, int(grid["cols"].max(initial=-1)) + 1), np.int64)
-            order[grid["rows"], grid["cols"]] = np.arange(len(mine))
-            self.slides.append({**item, "grid": grid, "order": order, "features": np.zeros((len(mine), self.width), np.float32),
-                                "left": len(mine)})
-            patches += mine
-            if not mine:
-                log.warning("%s: no %d-px patch at level %d holds enough tissue (min_tissue %s): its feature files hold no patch",
-                            item["slide"], self.data["patch_size"], int(grid["level"]), self.data["min_tissue"])
-                self._finish(self.slides[-1])
-        return patches
+    def _start(self, grid: dict, patches: list[dict]) -> dict:
+        # a patch's row in the files, from its grid cell (every patch has its own: patch_grid)
+        order = np.zeros((int(grid["rows"].max(initial=-1)) + 1, int(grid["cols"].max(initial=-1)) + 1), np.int64)
+        order[grid["rows"], grid["cols"]] = np.arange(len(patches))
+        return {"order": order, "features": np.zeros((len(patches), self.width), np.float32)}
 
-    def write(self, prediction: dict) -> list[Path]:
-        """Place a batch's features; write the files of the slides it completes."""
-        written = []
-        index = prediction["slide_index"].numpy()
-        for s in np.unique(index):
-            slide, mine = self.slides[s], index == s
-            rows = slide["order"][prediction["row"].numpy()[mine], prediction["col"].numpy()[mine]]
-            slide["features"][rows] = prediction["features"].numpy()[mine]
-            slide["left"] -= int(mine.sum())
-            if slide["left"] == 0:
-                written += self._finish(slide)
-        return written
+    def _place(self, slide: dict, prediction: dict, mine: np.ndarray) -> None:
+        rows = slide["order"][prediction["row"].numpy()[mine], prediction["col"].numpy()[mine]]
+        slide["features"][rows] = prediction["features"].numpy()[mine]
 
     def _finish(self, slide: dict) -> list[Path]:
         import h5py  # here: every command imports this module, only wsi-features writes HDF5
