@@ -4,7 +4,7 @@ stained copies of the same synthetic CAMELYON16 slides (issue 30 targets).
 (a) Mean colour distance (RGB, grey levels) of the tissue pixels between the two copies of each
     slide, as written and after each copy is normalised with its own slide's stain matrix
     (target: at least 3 times smaller), the matrix estimated as the pipeline does (from the tissue
-    mask's picture) and from level 0; the same on one slide for other second stains (hue only,
+    mask's picture, and from all of level 0), the pipeline's tiles at the patch level beside them; the same on one slide for other second stains (hue only,
     strength only, stains nearly collinear); the time to estimate a slide's matrix and to
     normalise a 256 x 256 patch (MONAI's per-patch ``NormalizeHEStains`` beside it).
 (b) A patch classifier (HSMLA-B0, ``hsmla-med train --task camelyon16``) trained on the first
@@ -12,6 +12,7 @@ stained copies of the same synthetic CAMELYON16 slides (issue 30 targets).
     other (target: the drop on the other stain with normalisation at most half the drop without).
 
     python scripts/bench_stain.py [--work /tmp/bench-stain] [--steps 200] [--seeds 0] [--size 4096 3072] [--skip-training]
+                                  [--no-colour-augment]
 """
 
 from __future__ import annotations
@@ -53,10 +54,11 @@ VARIANTS = {
 }
 
 
-def colour_distances(first: Path, second: Path, cache: Path, slides: list[Path] | None = None, picture: tuple[int, int] = (2048, 4096)) -> dict:
+def colour_distances(first: Path, second: Path, cache: Path, slides: list[Path] | None = None, **how) -> dict:
     """Per slide of the two dataset copies (``slides``, relative paths: all of them by default):
     mean RGB distance of the first copy's tissue pixels (its tissue mask at level 0) between the
-    copies, as written and normalised (stain matrices from ``picture``: see :func:`slide_stain`)."""
+    copies, as written and normalised (stain matrices by :func:`slide_stain` with ``how``'s
+    ``picture`` / ``tiles``; its defaults, the pipeline's, without)."""
     rows = []
     for path in [first / s for s in slides] if slides else sorted(first.rglob("*.tif")):
         other = second / path.relative_to(first)
@@ -69,7 +71,7 @@ def colour_distances(first: Path, second: Path, cache: Path, slides: list[Path] 
         normalised = []
         for image, p in zip(images, (path, other)):
             started = time.perf_counter()
-            stain = slide_stain(p, cache, MIN_AREA_UM2, picture=picture)
+            stain = slide_stain(p, cache, MIN_AREA_UM2, **how)
             estimate = time.perf_counter() - started
             normalised.append(normalize_stain(torch.from_numpy(image).permute(2, 0, 1), stain).permute(1, 2, 0).numpy())
         before = float(np.linalg.norm(images[0][mask].astype(np.float64) - images[1][mask], axis=1).mean())
@@ -137,6 +139,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--size", type=int, nargs=2, default=COUNTS["size"], help="slide width and height at level 0")
     parser.add_argument("--skip-training", action="store_true", help="(a) only")
+    parser.add_argument("--no-colour-augment", action="store_true",
+                        help="(b) without the per-channel colour jitter (data.augment.colour_prob 0): a classifier that has seen one stain's colours only")
     args = parser.parse_args()
     torch.set_num_threads(2)
     started = time.perf_counter()
@@ -149,10 +153,11 @@ def main() -> None:
           f"{counts['size'][0]} x {counts['size'][1]}, second stain {OTHER_STAIN}")
     distances = colour_distances(roots["first"], roots["other"], cache / "camelyon16-patches")
     print(f"  mean: before {distances['before']:.2f}, after {distances['after']:.2f}: x{distances['before'] / distances['after']:.2f}")
-    print("  the same, each slide's matrix estimated from level 0 (a picture of at least 8192 px):")
-    distances["level0"] = colour_distances(roots["first"], roots["other"], cache / "camelyon16-patches", picture=(8192, 16384))
-    level0 = distances["level0"]
-    print(f"  mean: before {level0['before']:.2f}, after {level0['after']:.2f}: x{level0['before'] / level0['after']:.2f}")
+    for name, label, estimate in (("picture", "the tissue mask's picture (level 1 here)", {"tiles": 0}),
+                                  ("level0", "all of level 0 (a picture of at least 8192 px)", {"picture": (8192, 16384), "tiles": 0})):
+        print(f"  the same, each slide's matrix estimated from the tissue pixels of {label}:")
+        row = distances[name] = colour_distances(roots["first"], roots["other"], cache / "camelyon16-patches", **estimate)
+        print(f"  mean: before {row['before']:.2f}, after {row['after']:.2f}: x{row['before'] / row['after']:.2f}")
     print("  tumor_001 against other second stains:")
     distances["variants"] = variants(roots["first"], args.work, cache / "camelyon16-patches", counts["size"])
     timing = patch_timing(roots["first"] / "training" / "tumor" / "tumor_001.tif", cache / "camelyon16-patches")
@@ -167,6 +172,8 @@ def main() -> None:
         for method in (None, "macenko"):
             name = f"{method or 'off'}-seed{seed}"
             data = {**DATA, "cache_dir": str(cache), "stain_normalization": method}
+            if args.no_colour_augment:
+                data["augment"] = {"colour_prob": 0.0}
             overrides = {"data": data, "trainer": {"accelerator": "cpu", "progress_bar": False}}
             write_yaml(args.work / f"{name}.yaml", overrides)
             run = args.work / name

@@ -10,9 +10,9 @@ concentrations.
 MONAI's ``NormalizeHEStains`` (and torchstain) estimate the stain matrix of each patch from that
 patch alone, so two overlapping patches of one slide are normalised differently (MONAI #4015),
 and a patch of nuclei only, or of stroma only, gets a matrix fitted to one stain. Here the matrix
-is the slide's: estimated once from the tissue pixels of a low-resolution picture of the whole
-slide (:func:`slide_stain`, never level 0: a CAMELYON16 slide is 100,000 x 200,000 pixels),
-cached beside the slide's patch grid, and applied to every patch as a pointwise per-pixel map
+is the slide's: estimated once from tissue tiles read at the patches' level, spread over the
+tissue a low-resolution picture of the whole slide shows (:func:`slide_stain`; never all of
+level 0: a CAMELYON16 slide is 100,000 x 200,000 pixels), cached beside the slide's patch grid, and applied to every patch as a pointwise per-pixel map
 (:func:`normalize_stain`): a pixel value gives the same normalised value in every patch it is in.
 
 What comes from MONAI: the reference stain matrix and maximum concentrations
@@ -50,7 +50,7 @@ from monai.transforms import MapTransform, RandomizableTransform
 from monai.utils import convert_to_numpy, convert_to_tensor
 from skimage.color import rgb2hed, rgb_from_hed
 
-from hsmla_med.data.slides import open_slide, slide_mpp, thumbnail, tissue_mask
+from hsmla_med.data.slides import open_slide, read_region, select_level, slide_mpp, thumbnail, tissue_mask
 from hsmla_med.errors import ConfigError
 from hsmla_med.io import atomic_path, read_npz_cache
 
@@ -68,10 +68,12 @@ REFERENCE_MAX_CONCENTRATIONS = np.array([1.9705, 1.0308])
 REFERENCE_BACKGROUND = 240.0  # Macenko's transmitted light Io (MONAI's tli): the normalised glass
 METHODS = ("macenko",)
 
-_VERSION = 1  # of the cached estimate, in its key
+_VERSION = 2  # of the cached estimate, in its key
 # (min_size, max_size) of the picture the tissue mask is computed on (tissue_mask's defaults): by
 # default the stains are estimated from exactly the pixels it calls tissue.
 _PICTURE = (2048, 4096)
+_TILES = 64  # tiles read at the patches' level per slide (slide_stain's default)
+_TILE = 256  # their side, pixels of that level: 64 of them, 4 million pixels, a second's reading
 _MAX_PIXELS = 1 << 20  # tissue pixels used at most (evenly spaced): the estimate needs no more
 _MIN_PIXELS = 1000  # fewer stained tissue pixels than this: no estimate (the reference parameters)
 _GLASS_GREY = 200  # non-tissue pixels at least this bright (mean of RGB) are glass: black scanner margins and pen excluded
@@ -168,17 +170,45 @@ def _glass(picture: np.ndarray, tissue: np.ndarray) -> np.ndarray:
     return np.median(glass, axis=0).astype(np.float64) + 1.0
 
 
-def _estimate(path: Path, tissue_min_area_um2: float, alpha: float, beta: float, size: tuple[int, int]) -> SlideStain:
+def _tissue_tiles(slide, tissue: np.ndarray, tissue_ds: float, level: int, count: int, size: int) -> np.ndarray:
+    """The tissue pixels of up to ``count`` tiles of ``size`` x ``size`` pixels of ``level``, centred
+    on tissue-mask pixels evenly spaced through the mask's tissue (row-major order, so every piece
+    of tissue contributes in proportion to its area); a tile's pixels outside the mask are left out.
+
+    Returns:
+        uint8 ``(n, 3)``.
+    """
+    rows, cols = np.nonzero(tissue)
+    if not len(rows):
+        return np.empty((0, 3), np.uint8)
+    level_ds = float(slide.level_downsamples[level])
+    offsets = (np.arange(size) + 0.5) * level_ds  # a tile pixel's centre from the tile's corner, level 0
+    pixels = []
+    for i in np.unique(np.linspace(0, len(rows) - 1, min(count, len(rows))).round().astype(np.int64)):
+        x0 = int((cols[i] + 0.5) * tissue_ds - size * level_ds / 2)
+        y0 = int((rows[i] + 0.5) * tissue_ds - size * level_ds / 2)
+        tile = read_region(slide, x0, y0, level, size)
+        mask_rows = np.clip(((y0 + offsets) / tissue_ds).astype(np.int64), 0, tissue.shape[0] - 1)
+        mask_cols = np.clip(((x0 + offsets) / tissue_ds).astype(np.int64), 0, tissue.shape[1] - 1)
+        pixels.append(tile[tissue[np.ix_(mask_rows, mask_cols)]])
+    return np.concatenate(pixels)
+
+
+def _estimate(path: Path, tissue_min_area_um2: float, alpha: float, beta: float, size: tuple[int, int], level: int | None,
+              mpp: float | None, tiles: int) -> SlideStain:
     slide = open_slide(path)
     try:
         picture, _ = thumbnail(slide, *size)
         # debris below the same physical area as the patch grid's mask (the task's tissue_min_area_um2)
-        mpp = slide_mpp(slide)
-        tissue, _ = tissue_mask(slide, *size, min_area=tissue_min_area_um2 / mpp**2 if mpp else 2.0**18)
+        slide_res = slide_mpp(slide)
+        tissue, tissue_ds = tissue_mask(slide, *size, min_area=tissue_min_area_um2 / slide_res**2 if slide_res else 2.0**18)
+        if tiles:
+            pixels = _tissue_tiles(slide, tissue, tissue_ds, select_level(slide, None if mpp else level, mpp), tiles, _TILE)
+        else:
+            pixels = picture[tissue]
     finally:
         slide.close()
     background = _glass(picture, tissue)
-    pixels = picture[tissue]
     pixels = pixels[:: max(1, math.ceil(len(pixels) / _MAX_PIXELS))]
     try:
         stains, maxima = estimate_stains(pixels, background, alpha, beta)
@@ -202,15 +232,22 @@ def _cached(cache: Path) -> SlideStain | None:
 
 
 def slide_stain(slide: str | Path, cache_dir: str | Path | None, tissue_min_area_um2: float = 15000.0, alpha: float = 1.0,
-                beta: float = 0.15, picture: tuple[int, int] = _PICTURE) -> SlideStain:
-    """The Macenko stain parameters of a whole slide, from the tissue pixels of a low-resolution
-    picture of it (by default the one :func:`~hsmla_med.data.slides.tissue_mask` reads: about
-    2,000-4,000 pixels on the long side), glass brightness from the bright pixels outside the tissue.
+                beta: float = 0.15, picture: tuple[int, int] = _PICTURE, level: int | None = 0, mpp: float | None = None,
+                tiles: int = _TILES) -> SlideStain:
+    """The Macenko stain parameters of a whole slide: where the tissue is, and the glass brightness
+    (from the bright pixels outside it), from a low-resolution picture of the slide (by default the
+    one :func:`~hsmla_med.data.slides.tissue_mask` reads: about 2,000-4,000 pixels on the long
+    side); the stain vectors and maximum concentrations from the tissue pixels of ``tiles`` tiles of
+    256 x 256 pixels read at the patches' level (``level`` / ``mpp``, as the patch grid selects it),
+    centred on tissue evenly spread over the mask.
 
-    The picture's resolution matters: its pixels average the slide's, nuclei with stroma, which
-    pulls the estimate away from the patches' statistics (on the synthetic 4096 x 3072 slides,
-    estimated from level 1 (the default picture) the colour distance between two stainings
-    shrinks 2.9 times, from level 0 4.1 times: docs/benchmarks.md).
+    Why tiles and not the low-resolution picture itself: a picture pixel is a block mean of the
+    slide's, nuclei averaged with stroma, and Macenko's extremes and concentration percentiles
+    taken there are not the patches' (on the synthetic 4096 x 3072 slides the colour distance
+    between two stainings of one slide shrinks 2.9 times with the matrix from the level-1 picture,
+    4.1 times from level 0: docs/benchmarks.md); on a real CAMELYON16 slide the picture is level 6,
+    about 15 µm per pixel, where whole nuclei are averaged away. 64 tiles are a few dozen patch
+    reads per slide, once, cached. ``tiles=0`` estimates from the picture's tissue pixels.
 
     A slide with too little stain (fewer than 1000 tissue pixels with OD above ``beta``, or one
     colour only) gets the reference parameters (its pixels are taken as stained with the
@@ -226,17 +263,23 @@ def slide_stain(slide: str | Path, cache_dir: str | Path | None, tissue_min_area
         picture: ``(min_size, max_size)`` of the picture (:func:`~hsmla_med.data.slides.thumbnail`):
             the coarsest pyramid level whose long side is at least ``min_size``, reduced by whole
             blocks to at most ``max_size``.
+        level, mpp: the level the tiles are read at, by index or (when ``mpp`` is set, which
+            wins) by resolution (:func:`~hsmla_med.data.slides.select_level`).
+        tiles: tiles read (0: none, the picture's tissue pixels instead).
     """
     path = Path(slide)
     picture = tuple(int(n) for n in picture)
+    if tiles < 0:
+        raise ValueError(f"tiles must be >= 0, got {tiles}")
     if cache_dir is None:
-        return _estimate(path, tissue_min_area_um2, alpha, beta, picture)
+        return _estimate(path, tissue_min_area_um2, alpha, beta, picture, level, mpp, tiles)
     stat = path.stat()
-    key = json.dumps([_VERSION, str(path.resolve()), stat.st_size, stat.st_mtime_ns, tissue_min_area_um2, alpha, beta, picture])
+    key = json.dumps([_VERSION, str(path.resolve()), stat.st_size, stat.st_mtime_ns, tissue_min_area_um2, alpha, beta, picture,
+                      level, mpp, tiles])
     cache = Path(cache_dir).expanduser() / f"{path.stem}-stain-{hashlib.sha1(key.encode()).hexdigest()[:12]}.npz"
     stain = _cached(cache)
     if stain is None:
-        stain = _estimate(path, tissue_min_area_um2, alpha, beta, picture)
+        stain = _estimate(path, tissue_min_area_um2, alpha, beta, picture, level, mpp, tiles)
         cache.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(cache) as tmp:
             np.savez(tmp, stains=stain.stains, max_concentrations=stain.max_concentrations, background=stain.background)
@@ -304,20 +347,22 @@ class NormalizeStaind(MapTransform):
         keys: images ``(3, H, W)``, uint8 or float in 0..1.
         cache_dir: the stain cache's folder (:func:`slide_stain`).
         tissue_min_area_um2: as for the slide's patch grid.
+        level, mpp: the patches' level, by index or resolution (:func:`slide_stain`'s tiles are read there).
         slide_key: the item's key holding the slide path.
     """
 
-    def __init__(self, keys: KeysCollection, cache_dir: str | Path | None, tissue_min_area_um2: float, slide_key: str = "slide",
-                 allow_missing_keys: bool = False) -> None:
+    def __init__(self, keys: KeysCollection, cache_dir: str | Path | None, tissue_min_area_um2: float, level: int | None = 0,
+                 mpp: float | None = None, slide_key: str = "slide", allow_missing_keys: bool = False) -> None:
         super().__init__(keys, allow_missing_keys)
         self.cache_dir, self.tissue_min_area_um2, self.slide_key = cache_dir, tissue_min_area_um2, slide_key
+        self.level, self.mpp = level, mpp
         self._stains: dict[str, SlideStain] = {}
 
     def stain(self, slide: str | Path) -> SlideStain:
         """The parameters of ``slide`` (estimated, or read from the cache, on first use)."""
         key = str(slide)
         if key not in self._stains:
-            self._stains[key] = slide_stain(slide, self.cache_dir, self.tissue_min_area_um2)
+            self._stains[key] = slide_stain(slide, self.cache_dir, self.tissue_min_area_um2, level=self.level, mpp=self.mpp)
         return self._stains[key]
 
     def __call__(self, data: Mapping[Hashable, torch.Tensor]) -> dict:
@@ -388,7 +433,7 @@ def stain_normalization(data: Mapping, cache_dir: str | Path | None, keys: KeysC
         return []
     if method not in METHODS:
         raise ConfigError(f"data.stain_normalization must be null or one of {', '.join(METHODS)}, got {method!r}")
-    return [NormalizeStaind(keys, cache_dir, data["tissue_min_area_um2"])]
+    return [NormalizeStaind(keys, cache_dir, data["tissue_min_area_um2"], data.get("level", 0), data.get("mpp"))]
 
 
 def hed_jitter(aug: Mapping, keys: KeysCollection = "image") -> RandHEDJitterd:
