@@ -140,6 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--postprocessing", metavar="F", help="btcv: the postprocessing.json to apply to the label maps (largest connected "
                    "components, chosen on validation by cross-validate); default: the postprocessing.json in the folder that holds "
                    "the checkpoints, or above a cross-validate fold_K folder, if there is one; none: no post-processing")
+    from hsmla_med.inference.uncertainty import DEFAULT_THRESHOLD, KINDS  # loaded with the pipelines above
+
+    p.add_argument("--uncertainty", choices=KINDS, help="btcv: also write OUTPUT/uncertainty/<case>_uncertainty.nii.gz, "
+                   "the voxel-wise uncertainty on the label map's grid, normalised to [0, 1] (entropy: of the class probabilities; "
+                   "mutual-information: the disagreement of the mirrored copies of --tta and/or of several --checkpoint, which it needs), "
+                   "and OUTPUT/uncertainty.csv, a review queue: per case the mean uncertainty over the predicted foreground, the volume "
+                   "(mL) above --uncertainty-threshold and the foreground's volume, most uncertain first")
+    p.add_argument("--uncertainty-threshold", type=float, default=DEFAULT_THRESHOLD, metavar="U", help="with --uncertainty: voxels above U "
+                   f"count as uncertain in uncertainty.csv (default {DEFAULT_THRESHOLD}: half the largest possible entropy)")
     _add_prediction_options(p)
 
     p = sub.add_parser("evaluate", help="metrics of a checkpoint on a dataset's validation cases, or of any folder of predicted label maps",
@@ -369,9 +378,14 @@ def _output_formats(given: list[str] | None, task) -> tuple[str, ...]:
 
 
 def _infer(args) -> list[Path]:
+    from hsmla_med.errors import InputError
+
     task = get_task(args.task)
     formats = _output_formats(args.output_format, task)
+    if args.uncertainty is not None and task.name != "btcv":
+        raise InputError(f"--uncertainty: only --task btcv writes uncertainty maps, not {task.name}")
     options = _options(args, crop=args.crop, save_probabilities=args.save_probabilities, output_formats=formats, series_uid=args.series_uid,
+                       uncertainty=args.uncertainty, uncertainty_threshold=args.uncertainty_threshold,
                        series_rules=load_yaml(args.series_rules) if args.series_rules else None,
                        postprocessing=_postprocessing(task, args.postprocessing, args.checkpoint))
     _apart(args.input, args.output, "--input")

@@ -8,6 +8,7 @@ the generic engine's (:mod:`hsmla_med.engine`).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -29,10 +30,12 @@ from hsmla_med.engine.segmentation import SegmentationModule
 from hsmla_med.errors import ConfigError, DataError, InputError
 from hsmla_med.evaluation import DEFAULT_NSD_TOLERANCE, check_nsd_tolerance
 from hsmla_med.inference import geometry
-from hsmla_med.inference.geometry import UNCROPPED_BACKGROUND, write_labels, write_probabilities
+from hsmla_med.inference.ensemble import is_ensemble
+from hsmla_med.inference.geometry import UNCROPPED_BACKGROUND, write_labels, write_probabilities, write_uncertainty
+from hsmla_med.inference.uncertainty import case_row, uncertainty_map, write_review_queue
 from hsmla_med.metrics.summary import write_reports
 from hsmla_med.inference.postprocessing import apply_postprocessing
-from hsmla_med.io import is_temporary
+from hsmla_med.io import is_temporary, write_json
 from hsmla_med.io.dicom import DicomSeries, SeriesRules, find_series, is_dicom_file, select_series, series_of
 from hsmla_med.io.dicom_seg import SEG_SUFFIX, is_seg_file, write_seg
 from hsmla_med.pipelines.task import InferenceOptions, Task, input_files, predict_cases, synthetic_root
@@ -40,6 +43,8 @@ from hsmla_med.pipelines.task import InferenceOptions, Task, input_files, predic
 __all__ = ["TASK", "datalist", "check_config", "preprocessing_items", "UNCROPPED_BACKGROUND", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer", "score_predictions", "crossval_score"]
 
 OTSU_MARGIN = 2  # voxels around the Otsu foreground that the crop keeps
+UNCERTAINTY = "uncertainty"  # infer --uncertainty: the maps' folder under OUTPUT (evaluate --predictions OUTPUT pairs every NIfTI there)
+REVIEW_QUEUE = "uncertainty.csv"  # infer --uncertainty: OUTPUT's review queue
 
 
 def datalist(config: dict) -> Datalist:
@@ -256,6 +261,12 @@ def infer(
     and ``<case>.npz`` probabilities with ``options.save_probabilities``, in Lightning's predict loop (:func:`predict_cases`: cases
     split over processes and shards; cases with a label map are skipped).
 
+    With ``options.uncertainty`` also ``output/uncertainty/<case>_uncertainty.nii.gz``, the
+    voxel-wise uncertainty (:mod:`hsmla_med.inference.uncertainty`) on the label map's grid
+    (:func:`uncertainty_in_input_geometry`), each case's review-queue row beside it
+    (``<case>.json``), and at the end ``output/uncertainty.csv``, the rows of this run's cases
+    done so far, most uncertain first (:func:`~hsmla_med.inference.uncertainty.write_review_queue`).
+
     Each volume goes through the training preprocessing (RAS, resampling, intensity, foreground
     crop) in the loader; the class probabilities are mapped back through the inverse transforms
     (un-crop, resample to the original grid, original orientation: MONAI's inverses, with the
@@ -272,6 +283,8 @@ def infer(
     if cfg["in_channels"] > 1:
         sources = _channel_cases(sources, cfg["in_channels"])
     items = [_case(f, output, inference) for f in sources]
+    if options.uncertainty is not None:
+        _check_uncertainty(module, options)
     seg = "dicom-seg" in options.output_formats
     if seg:
         _seg_outputs(items, output)
@@ -280,7 +293,13 @@ def infer(
     def write(case: dict) -> list[Path]:
         source = Path(case["source"])
         # a series' grid is the one its reader gave (MONAI keeps it as original_affine / spatial_shape)
-        shape = tuple(int(n) for n in case["image"].meta["spatial_shape"]) if "dicom_files" in case else read_header(source)[0]
+        if "dicom_files" in case:
+            shape = tuple(int(n) for n in case["image"].meta["spatial_shape"])
+            reference = affine = np.asarray(case["image"].meta["original_affine"], dtype=np.float64)
+        else:
+            (shape, affine), reference = read_header(source), source
+        # before the labels: they may reuse the probabilities' memory
+        uncertainty = uncertainty_in_input_geometry(case, pre, options.uncertainty) if options.uncertainty is not None else None
         labels, probabilities = labels_in_input_geometry(case, pre, options.save_probabilities, cfg.get("regions_class_order"))
         labels = apply_postprocessing(labels, options.postprocessing)  # the probabilities stay as predicted
         if labels.shape != tuple(shape[:3]):
@@ -288,11 +307,12 @@ def infer(
         written = []
         if probabilities is not None:
             written.append(write_probabilities(output / f"{case['name']}.npz", probabilities))
+        if uncertainty is not None:
+            written.append(write_uncertainty(output / UNCERTAINTY / f"{case['name']}_uncertainty.nii.gz", uncertainty, reference))
+            write_json(_row_path(output, case["name"]), case_row(case["name"], uncertainty, labels, affine, options.uncertainty_threshold))
         nifti = output / f"{case['name']}.nii.gz"
-        if "nifti" in options.output_formats and "dicom_files" in case:
-            written.append(write_labels(nifti, labels, np.asarray(case["image"].meta["original_affine"], dtype=np.float64)))
-        elif "nifti" in options.output_formats:
-            written.append(write_labels(nifti, labels, source))
+        if "nifti" in options.output_formats:
+            written.append(write_labels(nifti, labels, reference))
         if seg and labels.any():  # last: it marks the case done
             written.append(write_seg(labels, case["dicom_files"], module.label_names, case["output"], algorithm))
         elif seg:
@@ -300,7 +320,44 @@ def infer(
         options.progress(f"{source.name} {tuple(shape)}: {', '.join(p.name for p in written)}")
         return written
 
-    return predict_cases(module, items, pre, write, options)
+    def review_queue() -> list[Path]:
+        """The run's review queue from the rows of its cases done so far (resumed ones too)."""
+        rows = [json.loads(path.read_text()) for item in items if (path := _row_path(output, item["name"])).is_file()]
+        if len(rows) < len(items):
+            options.progress(f"{REVIEW_QUEUE}: {len(rows)} of {len(items)} case(s) so far (the others are other shards')")
+        return [write_review_queue(output / REVIEW_QUEUE, rows)]
+
+    return predict_cases(module, items, pre, write, options, finish=review_queue if options.uncertainty is not None else None)
+
+
+def _row_path(output: Path, name: str) -> Path:
+    return output / UNCERTAINTY / f"{name}.json"
+
+
+def _check_uncertainty(module: SegmentationModule, options: InferenceOptions) -> None:
+    """Refuse an ``--uncertainty`` the run cannot measure: mutual information without several
+    predictions to compare, any uncertainty of a region-based (sigmoid) model, whose outputs
+    are not one distribution over classes."""
+    if options.uncertainty == "mutual-information" and not options.tta and not is_ensemble(module):
+        raise InputError("--uncertainty mutual-information: measures how much several predictions of a voxel disagree, and this run makes "
+                         "one; add --tta (mirrored copies) or give several --checkpoint (an ensemble), or use --uncertainty entropy")
+    if module.config.get("regions_class_order"):
+        raise InputError(f"--uncertainty {options.uncertainty}: the checkpoint predicts overlapping regions (one sigmoid each), "
+                         "not one probability per class; the entropy of a class distribution does not apply")
+
+
+def uncertainty_in_input_geometry(case: dict, transform: Compose, kind: str) -> np.ndarray:
+    """The ``kind`` uncertainty (:func:`~hsmla_med.inference.uncertainty.uncertainty_map`) of
+    ``case["probs"]`` (and ``case["mean_entropy"]``) on the grid of ``case["image"]``, where the
+    network predicted, mapped to the input's grid as one more probability channel is
+    (:func:`~hsmla_med.inference.geometry.invert`: the same resampling and un-crop; 0, certain
+    background, outside the foreground crop), float32 ``(*shape)``.
+
+    Computed before the mapping rather than from the mapped probabilities: resampling mixes
+    neighbouring voxels' probabilities, which would add entropy (and a mutual information that
+    no member's disagreement caused) wherever it interpolates across a boundary."""
+    measure = uncertainty_map(kind, case["probs"], case.get("mean_entropy"))
+    return geometry.invert(measure[None], case["image"], transform)[0].numpy()
 
 
 def labels_in_input_geometry(case: dict, transform: Compose, probabilities: bool = False,

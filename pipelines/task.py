@@ -25,6 +25,8 @@ from hsmla_med.data.datalist import Datalist
 from hsmla_med.engine.base import GatedModule
 from hsmla_med.engine.prediction import PredictionDataModule, Shard, claim_outputs, model_record, output_folder, run_prediction
 from hsmla_med.errors import DataError, InputError
+from hsmla_med.inference.uncertainty import DEFAULT_THRESHOLD
+from hsmla_med.inference.uncertainty import KINDS as UNCERTAINTY_KINDS
 
 __all__ = ["Task", "InferenceOptions", "input_files", "predict_cases", "synthetic_root"]
 
@@ -169,6 +171,11 @@ class InferenceOptions:
         series_rules: rules that pick the series of DICOM inputs by their attributes
             (:class:`~hsmla_med.io.dicom.SeriesRules`: MONAI Deploy's format), instead of the
             checkpoint's ``inference.series_selection``; ``series_uid`` overrides both.
+        uncertainty: also write a voxel-wise uncertainty map of each volume and the run's review
+            queue (btcv): ``entropy`` or ``mutual-information``
+            (:mod:`hsmla_med.inference.uncertainty`); ``None`` for none.
+        uncertainty_threshold: the uncertainty (normalised, in [0, 1]) above which a voxel counts
+            in the review queue's uncertain volume.
         progress: called with one line per input.
 
     The options that change what is written (:meth:`provenance`) are recorded with the outputs;
@@ -193,6 +200,8 @@ class InferenceOptions:
     overwrite: bool = False
     series_uid: str | None = None
     series_rules: dict | list | None = None
+    uncertainty: str | None = field(default=None, metadata=_SHAPES_OUTPUTS)
+    uncertainty_threshold: float = field(default=DEFAULT_THRESHOLD, metadata=_SHAPES_OUTPUTS)
     progress: Callable[[str], None] = field(default=print, compare=False)
 
     def __post_init__(self) -> None:
@@ -212,14 +221,25 @@ class InferenceOptions:
             raise InputError(f"--num-workers must be >= 0, got {self.num_workers}")
         if not self.output_formats or set(self.output_formats) - set(OUTPUT_FORMATS):
             raise InputError(f"--output-format must be one or both of {', '.join(OUTPUT_FORMATS)}, got {','.join(self.output_formats) or 'none'}")
+        if self.uncertainty is not None and self.uncertainty not in UNCERTAINTY_KINDS:
+            raise InputError(f"--uncertainty must be one of {', '.join(UNCERTAINTY_KINDS)}, got {self.uncertainty!r}")
+        if not 0.0 <= self.uncertainty_threshold < 1.0:
+            raise InputError(f"--uncertainty-threshold must lie in [0, 1) (uncertainty normalised by its maximum), got {self.uncertainty_threshold}")
 
     def provenance(self) -> dict:
-        """The options that shape the outputs, as recorded with them."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("shapes_outputs")}
+        """The options that shape the outputs, as recorded with them; the uncertainty's only
+        when one is asked for (the threshold shapes nothing else), so that folders written before
+        ``--uncertainty`` existed still resume."""
+        recorded = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("shapes_outputs")}
+        if self.uncertainty is None:
+            del recorded["uncertainty"], recorded["uncertainty_threshold"]
+        return recorded
 
     def apply(self, inference: dict) -> dict:
-        """A checkpoint's ``inference`` settings with this run's ``tta`` and ``overlap``."""
-        return {**inference, "tta": self.tta, **({"overlap": self.overlap} if self.overlap is not None else {})}
+        """A checkpoint's ``inference`` settings with this run's ``tta``, ``overlap`` and
+        ``uncertainty``."""
+        return {**inference, "tta": self.tta, **({"overlap": self.overlap} if self.overlap is not None else {}),
+                **({"uncertainty": self.uncertainty} if self.uncertainty is not None else {})}
 
 
 class Task(ABC):

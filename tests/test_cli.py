@@ -64,7 +64,7 @@ def test_readme_usage_is_what_the_parser_accepts(capsys):
             options = {o: a.choices for a in parsers[name]._actions for o in a.option_strings}
         for option in re.findall(r"--[a-z][a-z0-9-]*", line):
             assert option in options, f"README: hsmla-med {name} {option} is not an option of {name}"
-        for option, values in re.findall(r"(--[a-z][a-z0-9-]*) ([a-z0-9]+(?:\|[a-z0-9]+)+)", line):
+        for option, values in re.findall(r"(--[a-z][a-z0-9-]*) ([a-z0-9][a-z0-9-]*(?:\|[a-z0-9][a-z0-9-]*)+)", line):  # mutual-information
             if options[option] is not None:  # b0|b1|b2|M.yaml and 2d|3d are free values
                 assert sorted(values.split("|")) == sorted(options[option]), f"README: {name} {option} {values}"
 

@@ -115,10 +115,12 @@ class SegmentationModule(GatedModule):
         onehot = F.one_hot(torch.where(valid, label, 0)[:, 0].long(), logits.shape[1]).movedim(-1, 1).to(logits.dtype)
         return masked_dice_ce(logits, onehot, valid)
 
-    def predict_probabilities(self, image: torch.Tensor, inference: dict | None = None) -> torch.Tensor:
+    def predict_probabilities(self, image: torch.Tensor, inference: dict | None = None, mean_entropy: bool = False):
         """Class probabilities of whole volumes ``(B, C, H, W, D)`` by sliding windows, with the
         checkpoint's ``inference`` settings or the given ones; on the CPU where they would not
-        fit the GPU (:func:`~hsmla_med.inference.sliding.accumulation_device`)."""
+        fit the GPU (:func:`~hsmla_med.inference.sliding.accumulation_device`). With
+        ``mean_entropy``: ``(probabilities, the mirrored copies' mean entropy)``
+        (:func:`~hsmla_med.inference.sliding.predict_volume`)."""
         inference = inference or self.config["inference"]
         return predict_volume(
             self.network,
@@ -131,13 +133,21 @@ class SegmentationModule(GatedModule):
             slab=inference["slab"],
             device=accumulation_device(image, len(self.label_names)),
             sigmoid=bool(self.regions),
+            mean_entropy=mean_entropy,
         )
 
     def predict_step(self, batch: dict, batch_idx: int = 0) -> dict:
         """One case of :class:`~hsmla_med.engine.prediction.PredictionDataModule`: ``image``
         ``(C, *spatial)`` and ``inference`` (the run's settings) -> the case with ``probs``
-        ``(classes, *spatial)``, float32 on the CPU, where the task's writer maps them back."""
-        probs = self.predict_probabilities(plain(batch["image"])[None], batch["inference"])[0]
+        ``(classes, *spatial)``, float32 on the CPU, where the task's writer maps them back;
+        with ``inference["uncertainty"]`` ``mutual-information`` also ``mean_entropy``
+        ``(*spatial)``, the mean of the mirrored copies' entropies (an ensemble averages it over
+        its members as it averages ``probs``)."""
+        image = plain(batch["image"])[None]
+        if batch["inference"].get("uncertainty") == "mutual-information":
+            probs, entropy = self.predict_probabilities(image, batch["inference"], mean_entropy=True)
+            return {**batch, "probs": probs[0].float().cpu(), "mean_entropy": entropy[0].float().cpu()}
+        probs = self.predict_probabilities(image, batch["inference"])[0]
         return {**batch, "probs": probs.float().cpu()}
 
     def save_validation(self, folder: str | Path | None, probabilities: bool = False) -> None:

@@ -13,7 +13,10 @@ predicts as it would alone (its own sliding-window size and network; the run's s
   windows, mirrored copies), so the mean is the mean of the members' final probabilities and
   not a softmax of averaged logits;
 * whole-slide patches: ``prob``, the tumour probability of each patch (and ``alpha``, the share
-  of HSMLA tiles refined).
+  of HSMLA tiles refined);
+* ``mean_entropy`` (volumes with ``--uncertainty mutual-information``): each member's mean
+  entropy over its mirrored copies, so the mean is the mean entropy of all the members' copies,
+  the second term of their mutual information (:mod:`hsmla_med.inference.uncertainty`).
 
 Members must agree on what the average is taken over (:data:`AGREE`): task, label set, spatial
 dimensions, input channels and data preparation (the first member's preparation feeds all).
@@ -37,7 +40,7 @@ AGREE = ("task", "label_names", "spatial_dims", "in_channels", "data")
 #: ``data`` entries that do not change what a member sees (where the synthetic data is cached)
 _DATA_ASIDE = ("cache_dir",)
 #: the entries of a ``predict_step`` result that are averaged over the members
-MEAN_KEYS = ("probs", "prob", "alpha")
+MEAN_KEYS = ("probs", "prob", "alpha", "mean_entropy")
 
 
 class MeanProbabilities(nn.Module):

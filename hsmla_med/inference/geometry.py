@@ -32,7 +32,8 @@ from monai.utils import TraceKeys
 
 from hsmla_med.io import atomic_path
 
-__all__ = ["UNCROPPED_BACKGROUND", "invert", "separable_resample", "labels_in_input_geometry", "write_labels", "write_probabilities"]
+__all__ = ["UNCROPPED_BACKGROUND", "invert", "separable_resample", "labels_in_input_geometry", "write_labels", "write_uncertainty",
+           "write_probabilities"]
 
 AXIS_TOLERANCE = 1e-6  # off-diagonal voxel-map entries below this count as axis-aligned
 # The background's probability outside the foreground crop (nnU-Net's rule; MONAI's inverse of
@@ -172,27 +173,46 @@ def write_labels(path: Path, labels: np.ndarray, reference: Path | np.ndarray) -
     picks the same affine for both files (nibabel: sform if its code is set, else qform, else
     the voxel sizes alone); or a DICOM series (its folder) or its RAS affine, which has no NIfTI
     header to copy: the affine becomes qform and sform, code 1 (scanner)."""
+    with atomic_path(path) as tmp:
+        nib.save(_in_geometry(labels, reference), str(tmp))
+    return path
+
+
+def write_uncertainty(path: Path, uncertainty: np.ndarray, reference: Path | np.ndarray) -> Path:
+    """Write an uncertainty map (float, :mod:`hsmla_med.inference.uncertainty`) in the
+    reference's geometry as :func:`write_labels` writes a label map, atomically: stored as
+    16-bit integers with the NIfTI scale factor (``scl_slope``, ``scl_inter``; nibabel picks them
+    from the map's range), which every NIfTI reader applies. NIfTI-1 has no float16 type, and 16
+    bits over the map's range are finer than float16 in [0, 1] (steps of ~1.5e-5, float16's
+    ~5e-4 near 1) at half the size of float32."""
+    img = _in_geometry(np.asarray(uncertainty, dtype=np.float32), reference)
+    img.set_data_dtype(np.uint16)
+    with atomic_path(path) as tmp:
+        nib.save(img, str(tmp))
+    return path
+
+
+def _in_geometry(data: np.ndarray, reference: Path | np.ndarray) -> nib.Nifti1Image:
+    """``data`` as a NIfTI image with the reference's geometry (see :func:`write_labels`)."""
     if isinstance(reference, np.ndarray) or Path(reference).is_dir():
         if not isinstance(reference, np.ndarray):
             from hsmla_med.data.datalist import image_series
             from hsmla_med.io.dicom import series_geometry
 
             reference = series_geometry(image_series(reference))[1]
-        img = nib.Nifti1Image(labels, reference)
+        img = nib.Nifti1Image(data, reference)
         img.set_qform(reference, code=1)
         img.set_sform(reference, code=1)
     else:
         ref = nib.load(str(reference)).header
-        img = nib.Nifti1Image(labels, None)  # no affine: the header's fields below are kept on save
+        img = nib.Nifti1Image(data, None)  # no affine: the header's fields below are kept on save
         header = img.header
         for name in _GEOMETRY_FIELDS:
             header[name] = ref[name]
         pixdim = header["pixdim"].copy()
         pixdim[:4] = ref["pixdim"][:4]  # qfac and voxel sizes; the time step of a 4D input is not ours
         header["pixdim"] = pixdim
-    with atomic_path(path) as tmp:
-        nib.save(img, str(tmp))
-    return path
+    return img
 
 
 def write_probabilities(path: Path, probabilities: np.ndarray) -> Path:

@@ -17,6 +17,8 @@ import torch
 from monai.inferers import SliceInferer, SlidingWindowInferer
 from torch import nn
 
+from hsmla_med.inference.uncertainty import predictive_entropy
+
 __all__ = ["predict_volume", "accumulation_device"]
 
 log = logging.getLogger("hsmla_med")
@@ -37,9 +39,13 @@ def predict_volume(
     slab: int = 8,
     device: torch.device | str | None = None,
     sigmoid: bool = False,
-) -> torch.Tensor:
+    mean_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Class probabilities ``(B, classes, H, W, D)`` for volumes ``(B, C, H, W, D)`` (with
-    ``sigmoid``: each output's own probability, a region-based network's).
+    ``sigmoid``: each output's own probability, a region-based network's); with
+    ``mean_entropy`` also the mean over the mirrored copies of each copy's normalised
+    :func:`~hsmla_med.inference.uncertainty.predictive_entropy` ``(B, H, W, D)``, from which
+    the copies' mutual information follows (:func:`~hsmla_med.inference.uncertainty.mutual_information`).
 
     Args:
         network: a network from :mod:`hsmla_med.nn` (or any MONAI-style network) in eval mode.
@@ -58,6 +64,7 @@ def predict_volume(
         device: where the windows' outputs are accumulated (MONAI's ``device``; the network
             runs where ``image`` is, MONAI's ``sw_device``): ``cpu`` for a volume whose class
             maps do not fit the GPU (:func:`accumulation_device`); default ``image``'s device.
+        mean_entropy: return ``(probs, mean entropy)`` (softmax outputs only).
     """
     if spatial_dims == 2:
         # SliceInferer's windows are one slice of the last axis (spatial_dim=2: D) thick, so
@@ -75,14 +82,18 @@ def predict_volume(
     else:
         raise ValueError(f"spatial_dims must be 2 or 3, got {spatial_dims}")
     flips = [()] + [(a,) for a in axes] if tta else [()]
-    probs = None
+    probs = entropy = None
     for flip in flips:
         x = torch.flip(image, flip) if flip else image
         logits = inferer(x, network).float()
         p = logits.sigmoid_() if sigmoid else _softmax_(logits)
         p = torch.flip(p, flip) if flip else p
+        if mean_entropy:  # this copy's, before p becomes the running sum
+            h = predictive_entropy(p)
+            entropy = h if entropy is None else entropy.add_(h)
         probs = p if probs is None else probs.add_(p)
-    return probs.div_(len(flips)) if len(flips) > 1 else probs
+    probs = probs.div_(len(flips)) if len(flips) > 1 else probs
+    return (probs, entropy.div_(len(flips))) if mean_entropy else probs
 
 
 def _softmax_(logits: torch.Tensor) -> torch.Tensor:
