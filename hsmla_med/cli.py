@@ -207,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", required=True, choices=["onnx", "torchscript", "bundle"], help="onnx | torchscript | bundle")
     p.add_argument("--output", required=True, help="folder for the exported files")
     p.add_argument("--input-size", type=int, nargs="+", metavar="N", help="spatial size the graph is traced at (TorchScript's fixed size), H W (2D) or H W D (3D); default: the checkpoint's sliding-window size")
+    p.add_argument("--uncertainty", choices=["entropy"], help="also write <slide>_uncertainty.tif, each patch's binary entropy of the tumour "
+                   "probability (0..255 for 0..1 bit), on the heatmap's pixels: it registers to the slide as the heatmap does")
 
     # its options are the benchmark's own (hsmla-med bench --help), passed through unparsed
     sub.add_parser("bench", help="benchmarks of HSMLA networks vs SegFormer, SwinUNETR and UNet (CPU; --only gpu on a CUDA GPU)", add_help=False)
@@ -449,7 +451,7 @@ def _wsi(args, features: bool = False) -> list[Path]:
 
     requested_reader()  # a bad HSMLA_MED_SLIDE_READER is refused before any work
     task = get_task("camelyon16")
-    options = _options(args, batch_size=args.batch_size, level=args.level)
+    options = _options(args, batch_size=args.batch_size, level=args.level, uncertainty=getattr(args, "uncertainty", None))
     _apart(args.slide, args.output, "--slide")
     output = _writable_folder(args.output, "--output")
     module, _ = task.load(args.checkpoint)

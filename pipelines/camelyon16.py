@@ -39,7 +39,8 @@ from hsmla_med.io.tiff import write_pyramidal_tiff
 from hsmla_med.engine.base import hparams
 from hsmla_med.engine.classification import ClassificationModule, final_linear
 from hsmla_med.engine.datamodule import CaseDataModule
-from hsmla_med.errors import DataError
+from hsmla_med.errors import DataError, InputError
+from hsmla_med.inference.uncertainty import predictive_entropy
 from hsmla_med.io.overlays import gate_overlay, heatmap_overlay
 from hsmla_med.io.annotations import asap_outlines, tumour_regions, write_asap_xml, write_geojson
 from hsmla_med.io import atomic_path, read_npz_cache, write_json
@@ -404,14 +405,18 @@ class SlideHeatmaps(_SlideSink):
     ``<slide>.xml`` for ASAP and, last, ``<slide>.json`` (slide score,
     detections, patch count, tissue fraction, seconds since the previous slide of the process
     finished).
+    With ``uncertainty`` (``entropy``) also ``<slide>_uncertainty.tif``: each patch's binary
+    entropy (:func:`~hsmla_med.inference.uncertainty.predictive_entropy` of (1 - p, p), 0..255
+    for 0..1 bit; 0 where no patch was read) on the heatmap's pixels, pixel size and extent.
     A finished slide's files are written by a background thread while the network goes on with
     the next slide's patches; :meth:`flush` waits for them at the end of the run.
     """
 
     empty = "the heatmap is empty and the slide scores 0"
 
-    def __init__(self, module: ClassificationModule, output: Path, data: dict, progress: Callable[[str], None]) -> None:
-        self.module, self.output, self.data, self.progress = module, output, data, progress
+    def __init__(self, module: ClassificationModule, output: Path, data: dict, progress: Callable[[str], None],
+                 uncertainty: str | None = None) -> None:
+        self.module, self.output, self.data, self.progress, self.uncertainty = module, output, data, progress, uncertainty
         self.slides: list[dict] = []
         self.clock = time.perf_counter()
         self._files = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heatmap-files")
@@ -460,12 +465,16 @@ class SlideHeatmaps(_SlideSink):
         # that viewers get a pyramid even for small slides; the pixel size stays physical
         scale = 2 ** max(0, int(np.ceil(np.log2(1024 / max(prob.shape + (1,))))))
         mpp = slide_mpp(handle)
-        heat = np.nan_to_num(prob * 255, nan=0).round().astype(np.uint8).repeat(scale, 0).repeat(scale, 1)
         # cut to the slide: the last cell reaches past the slide's edge, and ASAP, which places an
         # overlay by the ratio of the two images' widths (not by pixel size), would squeeze the
         # map by that much; so the heatmap spans the slide within one of its pixels
         width, height = handle.dimensions
-        heat = heat[: math.ceil(height * scale / step), : math.ceil(width * scale / step)]
+
+        def pixels(cells: np.ndarray) -> np.ndarray:  # 0..1 per grid cell -> the heatmap's 0..255 pixels
+            return (np.nan_to_num(cells * 255, nan=0).round().astype(np.uint8).repeat(scale, 0).repeat(scale, 1)
+                    [: math.ceil(height * scale / step), : math.ceil(width * scale / step)])
+
+        heat = pixels(prob)
         stem = Path(slide["slide"]).stem
         paths = [self.output / f"{stem}_heatmap.tif", self.output / f"{stem}_overlay.png", self.output / f"{stem}_gates.png",
                  self.output / LESIONS / f"{stem}.csv", self.output / f"{stem}.geojson", self.output / f"{stem}.xml"]
@@ -478,6 +487,9 @@ class SlideHeatmaps(_SlideSink):
         write_geojson(paths[4], regions, mpp)
         write_asap_xml(paths[5], asap_outlines(regions))
         write_pyramidal_tiff(paths[0], heat, mpp * step / scale if mpp else None)
+        if self.uncertainty is not None:  # the heatmap's pixels, so it registers to the slide as the heatmap does
+            entropy = predictive_entropy(torch.from_numpy(np.stack([1 - prob, prob])), dim=0).numpy()
+            paths.append(write_pyramidal_tiff(self.output / f"{stem}_uncertainty.tif", pixels(entropy), mpp * step / scale if mpp else None))
         # thumbnail cut or padded with glass to the grid's extent (a part of a cell beyond the slide edge)
         thumb, thumb_ds = thumbnail(handle)
         handle.close()
@@ -586,7 +598,9 @@ def infer(module: ClassificationModule, inputs: str | Path | Iterable[str | Path
     JSON is written last)."""
     output = Path(output)
     slides, data = _run_slides(module, inputs, options, "heatmaps")
-    heatmaps = SlideHeatmaps(module, output, data, options.progress)
+    if options.uncertainty not in (None, "entropy"):
+        raise InputError(f"--uncertainty {options.uncertainty}: a slide's patches are predicted once; wsi-heatmap writes --uncertainty entropy")
+    heatmaps = SlideHeatmaps(module, output, data, options.progress, options.uncertainty)
     items = [{"name": slide.stem, "slide": str(slide), "output": output / f"{slide.stem}.json"} for slide in slides]
 
     def slide_csv() -> list[Path]:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from hsmla_med.errors import InputError
 from hsmla_med.inference.ensemble import ensemble
 from hsmla_med.inference.sliding import predict_volume
 from hsmla_med.inference.uncertainty import DEFAULT_THRESHOLD, mutual_information, predictive_entropy, write_review_queue
@@ -233,3 +234,47 @@ def test_mutual_information_needs_copies_or_members(tmp_path, capsys):
     assert not (tmp_path / "out" / "case0.nii.gz").exists()
     line = cli_error(capsys, [*argv[:-1], "entropy", "--uncertainty-threshold", "1.5"])
     assert "--uncertainty-threshold" in line
+
+
+# ------------------------------------------------------------------------------ slides
+
+
+class SoftDarkIsTumour(nn.Module):
+    """A stub patch classifier with a gentle slope, so the tumour probabilities spread over (0, 1)."""
+
+    def forward(self, x):
+        darkness = 1 - x.mean(dim=(1, 2, 3))
+        return torch.stack([torch.zeros_like(darkness), 12 * (darkness - 0.33)], dim=1)
+
+
+def test_slide_uncertainty_registers_to_the_slide_as_the_heatmap(tmp_path):
+    """``<slide>_uncertainty.tif`` has the heatmap's size and pixel size, and each of its pixels is
+    the binary entropy of the heatmap's probability there (float64, up to the two maps' 8 bits)."""
+    import openslide
+
+    from hsmla_med.config import merge_config, task_config
+    from hsmla_med.data.synthetic.wsi import generate_camelyon16
+    from hsmla_med.engine.classification import ClassificationModule
+    from hsmla_med.pipelines import camelyon16
+
+    root = generate_camelyon16(tmp_path / "data", num_normal=0, num_tumor=1, num_test=0, size=(1024, 768))
+    config = merge_config(task_config("camelyon16"), {"data": {"data_dir": str(root), "cache_dir": str(tmp_path / "cache"),
+                                                                "patch_size": 64, "stride": 64}})
+    module = ClassificationModule(camelyon16.module_config(config, {"variant": "b0"}, camelyon16.LABELS), network=SoftDarkIsTumour())
+    camelyon16.infer(module, root / "training" / "tumor" / "tumor_001.tif", tmp_path / "out", InferenceOptions(uncertainty="entropy", **QUIET))
+    heat_path, unc_path = tmp_path / "out" / "tumor_001_heatmap.tif", tmp_path / "out" / "tumor_001_uncertainty.tif"
+    assert unc_path.is_file() and not (tmp_path / "out" / "uncertainty.csv").exists()
+    with openslide.OpenSlide(heat_path) as heat, openslide.OpenSlide(unc_path) as unc:
+        assert unc.dimensions == heat.dimensions and unc.level_count == heat.level_count
+        assert unc.properties["openslide.mpp-x"] == heat.properties["openslide.mpp-x"]
+        p = np.asarray(heat.read_region((0, 0), 0, heat.dimensions))[..., 0] / 255
+        u = np.asarray(unc.read_region((0, 0), 0, unc.dimensions))[..., 0] / 255
+    reference = _entropy64(np.stack([1 - p, p]), 0)
+    spread = (p > 0.1) & (p < 0.9)
+    assert spread.mean() > 0.01 and u[spread].min() > 0.4  # unsure patches are there, and marked
+    # 8-bit p: the entropy's slope is steepest near 0 and 1 (a step of 1/255 there moves it by up to 0.04)
+    np.testing.assert_allclose(u, reference, atol=0.05)
+    assert np.abs(u - reference)[spread].max() <= 2 / 255 + 1e-9
+    with pytest.raises(InputError, match="--uncertainty mutual-information"):
+        camelyon16.infer(module, root / "training" / "tumor" / "tumor_001.tif", tmp_path / "mi",
+                         InferenceOptions(uncertainty="mutual-information", **QUIET))
