@@ -185,6 +185,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routing", choices=["gate", "off", "all"], help="override HSMLA routing: off = linear attention only, all = refine every tile")
     _add_trainer_options(p)
 
+    p = sub.add_parser("calibrate", help="fit a temperature to a checkpoint's probabilities on its validation cases",
+                       description="Temperature scaling: runs the checkpoint (btcv, camelyon16) on the validation cases of the split it "
+                       "recorded, as evaluate does, fits one temperature T (or one per class) by L-BFGS minimising the NLL of softmax(logits / T) "
+                       "on a uniform sample of the validation voxels or patches, and writes OUTPUT/<checkpoint name> (the calibrated checkpoint: "
+                       "the network divides its logits by T, so infer, --save-probabilities, wsi-heatmap, evaluate and export apply it), "
+                       "OUTPUT/calibration.json (T; ECE over 15 equal-mass bins, over all samples and over the foreground, Brier score and "
+                       "NLL, each before and after) and OUTPUT/reliability.png.")
+    p.add_argument("--checkpoint", required=True, metavar="CKPT", help="a checkpoint written by train")
+    p.add_argument("--data-dir", help="the dataset the checkpoint trained on (default: the synthetic dataset)")
+    p.add_argument("--config", help="YAML merged over the task's default config (configs/<task>.yaml)")
+    p.add_argument("--output", required=True, help="folder for the calibrated checkpoint, calibration.json and reliability.png")
+    p.add_argument("--per-class", action="store_true", help="one temperature per class (can change the argmax, hence the label maps); "
+                   "default: one temperature, which keeps every argmax")
+    from hsmla_med.engine.calibration import DEFAULT_SAMPLES  # loaded with the pipelines above
+
+    p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, metavar="N", help="fit and score on a uniform sample of at most N "
+                   f"validation voxels or patches (default {DEFAULT_SAMPLES})")
+    p.add_argument("--allow-training-cases", action="store_true", help="calibrate on validation cases the checkpoint trained on (refused by default)")
+    _add_trainer_options(p)
+
     p = sub.add_parser("wsi-heatmap", help="tumour heatmaps of whole slides (CAMELYON16 checkpoint)", description="Streams the tissue patches of each slide through the classifier and writes <slide>_heatmap.tif (pyramidal, OpenSlide/QuPath), <slide>_overlay.png, <slide>_gates.png, the predicted tumour regions as <slide>.geojson (QuPath: drag onto the slide) and <slide>.xml (ASAP: Load in the Annotations panel; ASAP loads it by itself from beside the slide file) (inference.region_threshold and region_sigma of the training config), the CAMELYON16 submission lesions/<slide>.csv and slides.csv, and <slide>.json into OUTPUT. Slides this checkpoint already did with the same options are skipped, so an interrupted run resumes; OUTPUT holding heatmaps of another checkpoint or other options is refused unless --overwrite.")
     _add_slide_options(p, "folder for the heatmaps")
 
@@ -207,8 +227,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", required=True, choices=["onnx", "torchscript", "bundle"], help="onnx | torchscript | bundle")
     p.add_argument("--output", required=True, help="folder for the exported files")
     p.add_argument("--input-size", type=int, nargs="+", metavar="N", help="spatial size the graph is traced at (TorchScript's fixed size), H W (2D) or H W D (3D); default: the checkpoint's sliding-window size")
-    p.add_argument("--uncertainty", choices=["entropy"], help="also write <slide>_uncertainty.tif, each patch's binary entropy of the tumour "
-                   "probability (0..255 for 0..1 bit), on the heatmap's pixels: it registers to the slide as the heatmap does")
 
     # its options are the benchmark's own (hsmla-med bench --help), passed through unparsed
     sub.add_parser("bench", help="benchmarks of HSMLA networks vs SegFormer, SwinUNETR and UNet (CPU; --only gpu on a CUDA GPU)", add_help=False)
@@ -451,7 +469,7 @@ def _wsi(args, features: bool = False) -> list[Path]:
 
     requested_reader()  # a bad HSMLA_MED_SLIDE_READER is refused before any work
     task = get_task("camelyon16")
-    options = _options(args, batch_size=args.batch_size, level=args.level, uncertainty=getattr(args, "uncertainty", None))
+    options = _options(args, batch_size=args.batch_size, level=args.level)
     _apart(args.slide, args.output, "--slide")
     output = _writable_folder(args.output, "--output")
     module, _ = task.load(args.checkpoint)
@@ -500,6 +518,7 @@ def _check_unseen(module, cases, args) -> None:
 
 
 def _evaluate(args) -> dict:
+    from hsmla_med.engine.calibration import CalibrationSample
     from hsmla_med.engine.run import evaluate
     from hsmla_med.errors import InputError
     from hsmla_med.io import write_json
@@ -514,7 +533,7 @@ def _evaluate(args) -> dict:
     output = _writable_folder(args.output, "--output")
     module, meta = task.load(args.checkpoint, tta=args.tta)
     if args.routing:
-        if not hasattr(module.network, "set_routing"):
+        if not hasattr(module.network, "set_routing") or not module.network.hsmla_layers():
             raise InputError(f"--routing: {' '.join(args.checkpoint)} holds a {type(module.network).__name__}, which has no HSMLA layers")
         module.network.set_routing(args.routing)
     config = task.evaluation_config(_config(args), module)
@@ -524,6 +543,7 @@ def _evaluate(args) -> dict:
         raise InputError(f"--checkpoint {' '.join(args.checkpoint)} predicts {len(module.label_names)} classes {module.label_names}, "
                          f"the dataset has {len(cases.label_names)} {cases.label_names}")
     task.evaluation_outputs(module, output, {"nsd_tolerance": args.nsd_tolerance, "save_probabilities": args.save_probabilities})
+    module.calibration_sample = CalibrationSample()  # ECE, Brier, NLL where the task draws one (btcv, camelyon16)
     summary = evaluate(module, task.datamodule(config, cases), config["trainer"], output)
     if not _first_process():  # every process holds the gathered summary; one writes and prints it
         return summary
@@ -535,6 +555,35 @@ def _evaluate(args) -> dict:
     if reports:
         print(f"per case: {', '.join(map(str, reports))}")
     return summary
+
+
+def _calibrate(args) -> dict | None:
+    from hsmla_med.engine.calibration import calibrate, check_calibratable
+    from hsmla_med.engine.checkpoint import read_hparams
+    from hsmla_med.errors import InputError
+
+    hparams = read_hparams(args.checkpoint)  # a missing or foreign file: one line, before any work
+    check_calibratable(hparams, args.checkpoint)
+    args.task = hparams["task"]
+    task = get_task(args.task)
+    output = _writable_folder(args.output, "--output")
+    module, _ = task.load(args.checkpoint)
+    config = task.evaluation_config(_config(args), module)
+    cases = task.datalist(config)
+    if not cases.validation:
+        raise InputError(f"--checkpoint {args.checkpoint}: the split it recorded leaves no validation cases in {config['data']['data_dir'] or 'the synthetic dataset'}")
+    _check_unseen(module, cases, argparse.Namespace(checkpoint=[args.checkpoint], allow_training_cases=args.allow_training_cases))
+    if cases.label_names != module.label_names:
+        raise InputError(f"--checkpoint {args.checkpoint} predicts {module.label_names}, the dataset has {cases.label_names}")
+    record = calibrate(task, module, task.datamodule(config, cases), config["trainer"], args.checkpoint, output, args.per_class, args.samples,
+                       cases.split)
+    if record is not None:
+        before, after = record["before"], record["after"]
+        fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
+        print(f"temperature {', '.join(f'{t:.4g}' for t in record['temperature'])} from {record['samples']} validation samples; "
+              + "; ".join(f"{k} {fmt(before[k])} -> {fmt(after[k])}" for k in ("ece", "ece_foreground", "brier", "nll")))
+        print(f"calibrated checkpoint: {output / Path(args.checkpoint).name}; {output / 'calibration.json'}, {output / 'reliability.png'}")
+    return record
 
 
 def _demo(args) -> int:
@@ -605,6 +654,7 @@ def main(argv: list[str] | None = None) -> int:
         "wsi-heatmap": lambda: _wsi(args),
         "wsi-features": lambda: _wsi(args, features=True),
         "export": lambda: _export(args),
+        "calibrate": lambda: _calibrate(args),
         "bench": lambda: _bench(args),
         "demo": lambda: _demo(args),
     }

@@ -13,6 +13,7 @@ from monai.data import MetaTensor
 from torch import nn
 
 from hsmla_med.config import build_network
+from hsmla_med.engine.calibration import CalibrationSample, with_temperature
 from hsmla_med.engine.schedule import WarmupCosine
 from hsmla_med.nn import GatedNetwork, calibrate_tau
 
@@ -85,6 +86,11 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
         network: use this network instead of building one from ``config["network"]``.
         kind: ``"segmentation"`` or ``"classification"`` (which network the config builds).
 
+    A ``calibration`` entry in ``config`` (written by ``hsmla-med calibrate``) wraps the built
+    network in its temperature (:func:`~hsmla_med.engine.calibration.with_temperature`), so
+    everything that runs ``network`` gets calibrated probabilities; a ``network`` handed in (an
+    exported graph, an ensemble's members) already carries its own.
+
     Subclasses implement ``task_loss(logits, batch)``, ``validation_records(batch)`` (one record
     per validated item: a dict with the item's ``"key"``, see :func:`gather_records`, and named
     fields) and ``summarize_records(records)``, and name in ``monitor`` the summary key that
@@ -94,7 +100,10 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
     After each validation, on every process: ``records`` holds what ``collect_records`` made of
     the records (by default the gathered records, each item once, in key order), ``summary``
     their metrics (JSON-friendly), and ``calibrated_tau`` the ``{layer: tau}`` that the
-    calibration before it set.
+    calibration before it set. With a :class:`~hsmla_med.engine.calibration.CalibrationSample`
+    in ``calibration_sample`` (``evaluate``, ``calibrate``), the tasks that draw one fill it
+    during validation, and ``summary`` adds its calibration metrics (``ece``, ``ece_foreground``,
+    ``brier``, ``nll``, ...).
     """
 
     monitor = "dice"
@@ -107,6 +116,9 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
         self.network = network or build_network(
             config["network"], config["spatial_dims"], config["in_channels"], len(self.label_names), kind
         )
+        if network is None and config.get("calibration"):
+            self.network = with_temperature(self.network, config["calibration"], len(self.label_names))
+        self.calibration_sample: CalibrationSample | None = None
         self._records: list[dict] = []  # this process's records of the running validation
         self._calibration_batch: torch.Tensor | None = None
         self.records: list[dict] | None = None  # the last validation's records, all processes'
@@ -165,6 +177,8 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
             if batch is not None:
                 self.calibrated_tau = calibrate_tau(self.network, batch.to(self.device), target)
         self._records = []
+        if self.calibration_sample is not None:
+            self.calibration_sample.clear()
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._records.extend(self.validation_records(batch))
@@ -173,6 +187,9 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
         self.records = self.collect_records(self._records)
         self._records = []
         self.summary = self.summarize_records(self.records)
+        if self.calibration_sample is not None:
+            self.calibration_sample.gather()
+            self.summary.update(self.calibration_sample.metrics())
         # every rank holds the same gathered summary, so logging needs no further reduction
         for key, value in self.summary.items():
             if key == self.monitor and value is None:

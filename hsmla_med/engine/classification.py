@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hsmla_med.engine.base import GatedModule, plain
+from hsmla_med.engine.base import GatedModule, item_keys, plain
+from hsmla_med.engine.calibration import TemperatureScaled
 from hsmla_med.errors import ConfigError
 from hsmla_med.nn import GatedNetwork
 from hsmla_med.metrics.pathology import auc, detect_lesions, lesion_froc, slide_fp_tp, slide_score
@@ -130,7 +131,10 @@ class ClassificationModule(GatedModule):
 
     def validation_records(self, batch: dict) -> np.ndarray:
         """``(B, 9)`` float64, a row per patch of the batch: :data:`COLUMNS`."""
-        columns = {"prob": torch.softmax(self.network(patch_images(batch)).float(), dim=1)[:, 1]}
+        logits = self.network(patch_images(batch)).float()
+        if self.calibration_sample is not None:
+            self.calibration_sample.add_logits(logits, plain(batch["label"]), item_keys(batch))
+        columns = {"prob": torch.softmax(logits, dim=1)[:, 1]}
         for name in COLUMNS[:3] + COLUMNS[4:]:
             columns[name] = torch.as_tensor(batch["slide_index" if name == "slide" else name]).reshape(-1)
         return torch.stack([columns[name].double().cpu() for name in COLUMNS], dim=1).numpy()
@@ -209,6 +213,9 @@ def penultimate(network: nn.Module, images: torch.Tensor) -> tuple[torch.Tensor,
         ConfigError: when the logits are not that layer's output (a layer after it changes
             them, so its input is not the features they are made of).
     """
+    if isinstance(network, TemperatureScaled):  # a calibrated network: its features are the wrapped one's
+        logits, features = penultimate(network.network, images)
+        return network.scale(logits), features
     name, layer = final_linear(network)
     seen: dict[str, torch.Tensor] = {}
     handle = layer.register_forward_hook(lambda _module, args, output: seen.update(features=args[0], output=output))

@@ -162,6 +162,8 @@ class SegmentationModule(GatedModule):
 
     def validation_records(self, batch: dict) -> list[dict]:
         probs = self.predict_probabilities(plain(batch["image"])).float().cpu()
+        if self.calibration_sample is not None and not self.regions:  # softmax voxels on the network's grid, as the labels are
+            self.calibration_sample.add_maps(probs, plain(batch["label"]).cpu(), item_keys(batch), self.ignore_label)
         transform = self._validation_transform()
         images, labels = decollate_batch(batch["image"]), decollate_batch(batch["label"])
         return [self._case_record(key, p, image, Path(source_file(label)), transform)

@@ -40,6 +40,16 @@ SCHEMA = "https://github.com/Project-MONAI/MONAI-extra-test-data/releases/downlo
 
 
 def _common(config: dict, size, extra_imports: list[str] | None = None) -> dict:
+    network = {
+        "_target_": "hsmla_med.config.build_network",
+        "config": copy.deepcopy(config["network"]),
+        "spatial_dims": config["spatial_dims"],
+        "in_channels": config["in_channels"],
+        "out_channels": len(config["label_names"]),
+    }
+    if config.get("calibration"):  # hsmla-med calibrate's temperature, whose wrapper models/model.pt holds
+        network = {"_target_": "hsmla_med.engine.calibration.TemperatureScaled", "network": network,
+                   "temperature": list(config["calibration"]["temperature"])}
     return {
         "imports": list(dict.fromkeys(["$import glob", "$import os", "$import numpy", "$import torch", *(extra_imports or [])])),
         "bundle_root": ".",
@@ -53,13 +63,7 @@ def _common(config: dict, size, extra_imports: list[str] | None = None) -> dict:
         # one case: the window logits of the whole input, on the CPU (no ignite evaluator needed)
         "predict": "$lambda item: {**item, 'pred': @inferer(item['image'][None].to(@device), @network)[0].cpu()}",
         # the same network rebuilt by hsmla_med (installed) from the state dict models/model.pt
-        "network_def_hsmla": {
-            "_target_": "hsmla_med.config.build_network",
-            "config": copy.deepcopy(config["network"]),
-            "spatial_dims": config["spatial_dims"],
-            "in_channels": config["in_channels"],
-            "out_channels": len(config["label_names"]),
-        },
+        "network_def_hsmla": network,
         "network_hsmla": "$[@network_def_hsmla.load_state_dict(torch.load(@bundle_root + '/models/model.pt', map_location='cpu', weights_only=True)), @network_def_hsmla.eval().to(@device)][1]",
     }
 
