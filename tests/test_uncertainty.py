@@ -6,6 +6,7 @@ give a mutual information of 0; ``infer --uncertainty`` writes the map on the la
 from __future__ import annotations
 
 import csv
+import json
 import math
 
 import nibabel as nib
@@ -234,6 +235,13 @@ def test_mutual_information_needs_copies_or_members(tmp_path, capsys):
     assert not (tmp_path / "out" / "case0.nii.gz").exists()
     line = cli_error(capsys, [*argv[:-1], "entropy", "--uncertainty-threshold", "1.5"])
     assert "--uncertainty-threshold" in line
+    # with mirrored copies it runs, and the options are recorded with the outputs
+    from hsmla_med.cli import main
+
+    assert main([*argv, "--tta", "--uncertainty-threshold", "0.2"]) == 0
+    assert (tmp_path / "out" / "uncertainty" / "case0_uncertainty.nii.gz").is_file() and (tmp_path / "out" / "uncertainty.csv").is_file()
+    recorded = json.loads((tmp_path / "out" / "provenance.json").read_text())["options"]
+    assert recorded["uncertainty"] == "mutual-information" and recorded["uncertainty_threshold"] == 0.2
 
 
 # ------------------------------------------------------------------------------ slides
