@@ -273,3 +273,32 @@ def test_calibrate_refuses_bad_input_in_one_line(tmp_path, capsys):
     torch.save({"hyper_parameters": {"task": "luna16"}, "state_dict": {}}, tmp_path / "luna.ckpt")
     line = cli_error(capsys, ["calibrate", "--checkpoint", str(tmp_path / "luna.ckpt"), "--output", str(tmp_path / "out")])
     assert "luna16" in line and "btcv, camelyon16" in line
+
+
+def test_calibrate_a_patch_classifier(tmp_path):
+    """camelyon16: every validation patch is a sample; the calibrated module's tumour
+    probabilities are softmax(logits / T) of the original's."""
+    from hsmla_med.cli import main
+    from hsmla_med.data.synthetic.wsi import generate_camelyon16
+    from hsmla_med.pipelines import get_task
+
+    generate_camelyon16(tmp_path / "data", num_normal=2, num_tumor=2, num_test=0, size=(1024, 768), seed=0)
+    config = tmp_path / "c16.yaml"
+    config.write_text(json.dumps({"data": {"cache_dir": str(tmp_path / "cache"), "patch_size": 32, "stride": 32, "level": 1,
+                                           "samples_per_epoch": 16, "batch_size": 16, "num_workers": 0},
+                                  "trainer": {"accelerator": "cpu", "progress_bar": False}}))
+    common = ["--data-dir", str(tmp_path / "data"), "--config", str(config)]
+    assert main(["train", "--task", "camelyon16", *common, "--max-steps", "2", "--output", str(tmp_path / "run")]) == 0
+    patches = json.loads((tmp_path / "run" / "metrics.json").read_text())["cases"]
+    assert main(["calibrate", "--checkpoint", str(tmp_path / "run" / "last.ckpt"), *common, "--output", str(tmp_path / "cal")]) == 0
+    report = json.loads((tmp_path / "cal" / "calibration.json").read_text())
+    assert report["samples"] == patches and report["after"]["nll"] <= report["before"]["nll"] + 1e-9
+    task = get_task("camelyon16")
+    original, _ = task.load(tmp_path / "run" / "last.ckpt")
+    module, _ = task.load(tmp_path / "cal" / "last.ckpt")
+    batch = {"image": torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8), "slide_index": torch.zeros(4), "row": torch.arange(4),
+             "col": torch.zeros(4)}
+    with torch.no_grad():
+        logits = original.network(batch["image"].float() / 255)
+        prob = module.predict_step(batch)["prob"]
+    assert torch.allclose(prob, torch.softmax(logits / report["temperature"][0], 1)[:, 1], atol=1e-6)
