@@ -208,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("wsi-heatmap", help="tumour heatmaps of whole slides (CAMELYON16 checkpoint)", description="Streams the tissue patches of each slide through the classifier and writes <slide>_heatmap.tif (pyramidal, OpenSlide/QuPath), <slide>_overlay.png, <slide>_gates.png, the predicted tumour regions as <slide>.geojson (QuPath: drag onto the slide) and <slide>.xml (ASAP: Load in the Annotations panel; ASAP loads it by itself from beside the slide file) (inference.region_threshold and region_sigma of the training config), the CAMELYON16 submission lesions/<slide>.csv and slides.csv, and <slide>.json into OUTPUT. Slides this checkpoint already did with the same options are skipped, so an interrupted run resumes; OUTPUT holding heatmaps of another checkpoint or other options is refused unless --overwrite.")
     _add_slide_options(p, "folder for the heatmaps")
+    p.add_argument("--uncertainty", choices=["entropy"], help="also write <slide>_uncertainty.tif, each patch's binary entropy of the tumour "
+                   "probability (0..255 for 0..1 bit), on the heatmap's pixels: it registers to the slide as the heatmap does")
 
     p = sub.add_parser("wsi-features", help="patch features of whole slides for multiple-instance learning (CLAM's layout)", description="Streams "
                        "the tissue patches of each slide (the heatmap's grid) through the classifier and writes its penultimate activations "
@@ -470,7 +472,7 @@ def _wsi(args, features: bool = False) -> list[Path]:
 
     requested_reader()  # a bad HSMLA_MED_SLIDE_READER is refused before any work
     task = get_task("camelyon16")
-    options = _options(args, batch_size=args.batch_size, level=args.level)
+    options = _options(args, batch_size=args.batch_size, level=args.level, uncertainty=getattr(args, "uncertainty", None))
     _apart(args.slide, args.output, "--slide")
     output = _writable_folder(args.output, "--output")
     module, _ = task.load(args.checkpoint)
