@@ -66,9 +66,10 @@ class TemperatureScaled(GatedNetwork):
         self.register_buffer("temperature", torch.as_tensor(temperature, dtype=torch.float32).detach().clone().reshape(-1))
 
     def scale(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` ``(B, C, *spatial)`` of the wrapped network divided by the temperature."""
-        shape = (1, -1) + (1,) * (logits.dim() - 2)
-        return logits / self.temperature.to(logits.dtype).reshape(shape)
+        """``logits`` ``(B, C, *spatial)`` of the wrapped network divided by the temperature, in
+        the temperature's float32 at least (half-precision logits under autocast are promoted,
+        rather than the temperature rounded to 8 bits of mantissa)."""
+        return logits / self.temperature.reshape((1, -1) + (1,) * (logits.dim() - 2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.scale(self.network(x))
