@@ -252,6 +252,18 @@ class ReadPatchd(MapTransform):
         return {**item, "image": image if self.uint8 else image.float().div_(255.0)}
 
 
+def patch_collate(items: list[dict]) -> dict:
+    """MONAI's ``list_data_collate`` with the patches' ``image`` stacked channels-last, as the
+    networks run: :class:`ReadPatchd`'s images are channels-last views of the bytes read, which
+    ``torch.stack`` (``default_collate``) copies into a contiguous NCHW batch by a strided copy
+    that the network then undoes (25-40 ms per 32 patches of 256 px against 1.3 ms for stacking
+    the pixel rows as read, on this project's 2-vCPU host: docs/benchmarks.md). Hand-written:
+    neither MONAI's nor PyTorch's collate takes a memory format."""
+    rest = list_data_collate([{k: v for k, v in item.items() if k != "image"} for item in items])
+    rest["image"] = torch.stack([torch.as_tensor(item["image"]).permute(1, 2, 0) for item in items]).permute(0, 3, 1, 2)
+    return rest
+
+
 def _items(cases: list[dict], config: dict) -> list[dict]:
     """One dict per patch of every slide (the DataModule adds the index ``case``)."""
     items = []
@@ -309,10 +321,11 @@ class PatchDataModule(CaseDataModule):
             log.warning("training patches of one class only (%d normal, %d tumour): sampling without balance", *counts)
             weights = np.ones(len(labels))
         sampler = WeightedRandomSampler(torch.as_tensor(weights, dtype=torch.double), self.samples_per_epoch, replacement=True)
-        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers,
+                          persistent_workers=self.num_workers > 0, collate_fn=patch_collate)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers)
+        return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers, collate_fn=patch_collate)
 
 
 def datamodule(config: dict, cases: Datalist) -> PatchDataModule:
@@ -663,7 +676,7 @@ def _predict_patches(module: ClassificationModule, items: list[dict], sink: Slid
     :class:`ReadPatchd` per loader worker) in batches of ``options.batch_size`` (else the
     checkpoint's), each batch's predictions handed to ``sink.write``."""
     read = Compose([ReadPatchd(keep=1, uint8=True), *_stain(sink.data)])  # normalised bytes, rounded, as validation saw them
-    return predict_cases(module, items, read, sink.write, options, collate=list_data_collate, expand=sink.patches,
+    return predict_cases(module, items, read, sink.write, options, collate=patch_collate, expand=sink.patches,
                          batch_size=options.batch_size or module.config["inference"]["batch_size"], **extra)
 
 

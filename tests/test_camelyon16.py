@@ -335,6 +335,24 @@ def test_patches_read_as_bytes_reach_the_network_as_the_float_patches(slides):
         assert torch.equal(patch_images({"image": scaled[None]})[0], scaled)  # floats pass unchanged
 
 
+def test_patch_batches_are_stacked_channels_last_with_the_default_collates_values(slides):
+    """``patch_collate`` (every camelyon16 loader) gives the batch MONAI's ``list_data_collate``
+    gives, value for value, with the images channels-last as read (no strided NCHW copy that the
+    network undoes), for bytes and for augmented floats alike."""
+    from monai.data import list_data_collate
+
+    path = str(next((slides / "data" / "training" / "tumor").glob("*.tif")))
+    items = [{"slide": path, "x": 64 * i, "y": 128, "level": 0, "size": 32, "label": i % 2, "row": 2, "col": i} for i in range(5)]
+    for read in (camelyon16.ReadPatchd(uint8=True), camelyon16.transforms(_config(slides))[0]):
+        batch = [read(dict(item)) for item in items]
+        got, expected = camelyon16.patch_collate(batch), list_data_collate(batch)
+        assert got.keys() == expected.keys()
+        assert got["image"].is_contiguous(memory_format=torch.channels_last) and got["image"].dtype == expected["image"].dtype
+        assert torch.equal(got["image"], torch.as_tensor(expected["image"]))
+        for key in expected.keys() - {"image"}:
+            assert got[key] == expected[key] if isinstance(expected[key], list) else torch.equal(got[key], expected[key]), key
+
+
 @pytest.mark.parametrize("device, precision", [
     ("cpu", "bf16-mixed"),
     pytest.param("cuda", "16-mixed", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")),
