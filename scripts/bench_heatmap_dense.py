@@ -2,7 +2,7 @@
 real CAMELYON16 slide at level 0): the ``bench --only wsi`` rows of that slide, without the
 smaller slides and the slower models (about 45 minutes on two cores).
 
-    python scripts/bench_heatmap_dense.py [--rounds 2]
+    python scripts/bench_heatmap_dense.py [--rounds 2] [--modes forward loop-0-cucim]
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from hsmla_med.bench.wsi import bench_wsi
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--modes", nargs="+", help="of bench_wsi (default: forward, each reader in the main process, one worker)")
     args = p.parse_args(argv)
-    print(markdown(bench_wsi(rounds=args.rounds, sizes=())))
+    print(markdown(bench_wsi(rounds=args.rounds, sizes=(), modes=tuple(args.modes) if args.modes else None)))
 
 
 if __name__ == "__main__":

@@ -112,13 +112,13 @@ def _child(model: str, slide: str, cache: str, patch: int, batch: int, mode: str
     with torch.inference_mode():
         module.network(torch.rand(batch, 3, patch, patch))  # thread pools, oneDNN primitives
     if mode == "forward":
-        # uint8, as the loop's patches travel (float32 would be 5 GB on the dense slide), scaled
-        # per batch inside the timed part as the module scales them
+        # uint8 and channels-last, as the loop's patches travel (float32 would be 5 GB on the
+        # dense slide), scaled per batch inside the timed part as the module scales them
         read = camelyon16.ReadPatchd(keep=1, uint8=True)
         grid = camelyon16.slide_patches({"slide": slide, "annotation": None, "label": 0}, module.config["data"])
-        patches = torch.stack([
-            read({"slide": slide, "x": x, "y": y, "level": int(grid["level"]), "size": patch})["image"] for x, y in grid["coords"]
-        ])
+        patches = camelyon16.patch_collate([
+            read({"slide": slide, "x": x, "y": y, "level": int(grid["level"]), "size": patch}) for x, y in grid["coords"]
+        ])["image"]
     with tempfile.TemporaryDirectory() as out:
         base = status_kib("VmRSS")
         with open("/proc/self/clear_refs", "w") as f:
