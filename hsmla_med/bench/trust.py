@@ -49,7 +49,7 @@ from hsmla_med.metrics.calibration import calibration_metrics, flatten_maps
 from hsmla_med.nn.attention import HSMLA
 from hsmla_med.nn.functional import tile_average
 
-__all__ = ["NETWORK", "boundary_distance", "tile_samples", "correlations", "gate_signal", "run_seed", "summary", "bench_trust"]
+__all__ = ["NETWORK", "boundary_distance", "tile_samples", "correlations", "gate_signal", "run_seed", "measure", "summary", "bench_trust"]
 
 #: the learning benchmark's default 2D arm
 NETWORK = "hsmla-b0-unet"
@@ -211,30 +211,41 @@ def run_seed(seed: int, folder: Path, data: Path, meta: dict, inputs: Path, step
         write_json(saved, settings)
     _cli(["calibrate", "--checkpoint", train / "last.ckpt", "--data-dir", data, "--output", calibrated, "--accelerator", "cpu"],
          folder / "calibrate.log")
-    runs = {  # name -> (checkpoint, extra infer options)
-        "raw": (train / "last.ckpt", ["--uncertainty", "entropy"]),
-        "calibrated": (calibrated / "last.ckpt", ["--uncertainty", "entropy"]),
-        "calibrated_tta": (calibrated / "last.ckpt", ["--tta", "--uncertainty", "mutual-information"]),
-    }
-    for name, (checkpoint, extra) in runs.items():
+    for name, (checkpoint, extra) in _runs(folder).items():
         _cli(["infer", "--task", "btcv", "--checkpoint", checkpoint, "--input", inputs, "--output", folder / name, "--save-probabilities",
               *extra, "--device", "cpu"], folder / f"infer_{name}.log")
-    fitted = json.loads((calibrated / "calibration.json").read_text())
+    row = measure(seed, steps, folder, data, meta)
+    write_json(result, {"settings": settings, "row": row})
+    return row
+
+
+def _runs(folder: Path) -> dict[str, tuple[Path, list[str]]]:
+    """The infer runs of a seed: output folder name -> (checkpoint, infer options)."""
+    return {
+        "raw": (folder / "train" / "last.ckpt", ["--uncertainty", "entropy"]),
+        "calibrated": (folder / "calibrated" / "last.ckpt", ["--uncertainty", "entropy"]),
+        "calibrated_tta": (folder / "calibrated" / "last.ckpt", ["--tta", "--uncertainty", "mutual-information"]),
+    }
+
+
+def measure(seed: int, steps: int, folder: Path, data: Path, meta: dict) -> dict:
+    """A seed's row from the outputs of :func:`run_seed`'s commands in ``folder``."""
+    runs = _runs(folder)
+    fitted = json.loads((folder / "calibrated" / "calibration.json").read_text())
     row = {"seed": seed, "steps": steps, "commit": machine()["commit"], "temperature": fitted["temperature"],
            "calibrate_validation": {"before": fitted["before"], "after": fitted["after"]}, "cases": {}}
     queues = {name: _review_queue(folder / name) for name in runs}
     for prefix, split in SPLITS.items():
         entry = meta[split][0]
         case = Path(entry["image"]).name.removesuffix(".nii.gz")
-        result = {f"dice_{name}": scores(data, [entry], folder / name)["dice"] for name in runs}
+        measured = {f"dice_{name}": scores(data, [entry], folder / name)["dice"] for name in runs}
         for name in runs:
-            result[f"calibration_{name}"] = _case_calibration(folder / name / f"{case}.npz", data / entry["label"])
-        result["uncertainty_entropy_raw"] = queues["raw"][case]
-        result["uncertainty_entropy"] = queues["calibrated"][case]
-        result["uncertainty_mutual_information"] = queues["calibrated_tta"][case]
-        result["gate"] = gate_signal(calibrated / "last.ckpt", data / entry["image"], data / entry["label"])
-        row["cases"][prefix.rstrip("_") or "clean"] = {"case": case, **result}
-    write_json(result, {"settings": settings, "row": row})
+            measured[f"calibration_{name}"] = _case_calibration(folder / name / f"{case}.npz", data / entry["label"])
+        measured["uncertainty_entropy_raw"] = queues["raw"][case]
+        measured["uncertainty_entropy"] = queues["calibrated"][case]
+        measured["uncertainty_mutual_information"] = queues["calibrated_tta"][case]
+        measured["gate"] = gate_signal(runs["calibrated"][0], data / entry["image"], data / entry["label"])
+        row["cases"][prefix.rstrip("_") or "clean"] = {"case": case, **measured}
     return row
 
 
