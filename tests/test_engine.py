@@ -293,15 +293,18 @@ def test_progress_bar_rate_counts_this_epochs_steps_over_this_epochs_time(monkey
     assert [rate for _, _, rate in rates] == pytest.approx([1.0] * 10)
 
 
-@pytest.mark.parametrize("written", ["refine", "light"])
-def test_3d_checkpoint_of_an_earlier_default_loads(tmp_path, written):
+@pytest.mark.parametrize("written, calibrated", [("refine", False), ("light", False), ("light", True)])
+def test_3d_checkpoint_of_an_earlier_default_loads(tmp_path, written, calibrated):
     """A 3D checkpoint whose hyper-parameters lack ``full_res`` (written when the 3D default was
     ``refine``, before commit 242743b, or ``light``, until session 17) loads with the level its
-    weights hold and gives the same logits."""
+    weights hold and gives the same logits, also after ``hsmla-med calibrate`` (its weights
+    under the temperature wrapper's ``network.network.`` prefix)."""
     torch.manual_seed(0)
     config = tiny_config(tmp_path, tmp_path / "out")
     config["mode"] = "3d"
     hparams = btcv.module_config(config, {**model_config("b0"), "full_res": written}, ["bg", "a", "b"])
+    if calibrated:
+        hparams["calibration"] = {"temperature": [2.0]}
     old = SegmentationModule(hparams).eval()
     hparams = {**hparams, "network": {k: v for k, v in hparams["network"].items() if k != "full_res"}}
     torch.save({"hyper_parameters": hparams, "state_dict": old.state_dict()}, tmp_path / "old.ckpt")

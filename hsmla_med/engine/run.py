@@ -197,10 +197,14 @@ def evaluate(module: L.LightningModule, datamodule: L.LightningDataModule, train
 
 
 def _full_res_of(state: dict) -> str:
-    """The ``full_res`` level (:data:`~hsmla_med.nn.hsmla_net.FULL_RES`) a unet decoder's weights hold."""
-    if "network.decoder.refine.0.0.0.weight" in state:
-        return "refine"  # a 3x3 convolution, then the DSConv
-    return "light" if "network.decoder.refine.0.0.body.0.0.weight" in state else "sum"
+    """The ``full_res`` level (:data:`~hsmla_med.nn.hsmla_net.FULL_RES`) a unet decoder's weights
+    hold (``network.network.``: inside a calibrated checkpoint's temperature wrapper)."""
+    for prefix in ("network.", "network.network."):
+        if f"{prefix}decoder.refine.0.0.0.weight" in state:
+            return "refine"  # a 3x3 convolution, then the DSConv
+        if f"{prefix}decoder.refine.0.0.body.0.0.weight" in state:
+            return "light"
+    return "sum"
 
 
 def load_module(
