@@ -196,15 +196,17 @@ def evaluate(module: L.LightningModule, datamodule: L.LightningDataModule, train
     return module.summary
 
 
-def _full_res_of(state: dict) -> str:
+def _full_res_of(state: dict) -> str | None:
     """The ``full_res`` level (:data:`~hsmla_med.nn.hsmla_net.FULL_RES`) a unet decoder's weights
-    hold (``network.network.``: inside a calibrated checkpoint's temperature wrapper)."""
+    hold; ``None`` when they hold no unet decoder. The weights sit under ``network.``, or
+    ``network.network.`` inside a calibrated checkpoint's temperature wrapper."""
     for prefix in ("network.", "network.network."):
+        if f"{prefix}decoder.refine.1.0.0.weight" not in state:
+            continue
         if f"{prefix}decoder.refine.0.0.0.weight" in state:
             return "refine"  # a 3x3 convolution, then the DSConv
-        if f"{prefix}decoder.refine.0.0.body.0.0.weight" in state:
-            return "light"
-    return "sum"
+        return "light" if f"{prefix}decoder.refine.0.0.body.0.0.weight" in state else "sum"
+    return None
 
 
 def load_module(
@@ -239,11 +241,12 @@ def load_module(
         raise DataError(f"{path}: checkpoint hyper-parameters are incomplete (missing {', '.join(missing)})")
     config = {**config, "inference": {**config["inference"], **(inference or {})}}
     network = config.get("network")
-    if isinstance(network, dict) and "full_res" not in network and "network.decoder.refine.1.0.0.weight" in state:
+    level = _full_res_of(state) if isinstance(network, dict) and "full_res" not in network else None
+    if level is not None:
         # A unet decoder whose hyper-parameters leave its full-resolution level to the default,
         # which changed for 3D (refine until commit 242743b, then light, sum since session 17):
         # the level its weights hold.
-        config["network"] = {**network, "full_res": _full_res_of(state)}
+        config["network"] = {**network, "full_res": level}
     try:
         module = module_class(config)
     except (KeyError, TypeError, ValueError) as err:
