@@ -68,7 +68,16 @@ class TemperatureScaled(GatedNetwork):
     def scale(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` ``(B, C, *spatial)`` of the wrapped network divided by the temperature, in
         the temperature's float32 at least (half-precision logits under autocast are promoted,
-        rather than the temperature rounded to 8 bits of mantissa)."""
+        rather than the temperature rounded to 8 bits of mantissa).
+
+        One temperature per class divides ``log_softmax(logits)`` instead, the log-probabilities
+        :func:`fit_temperature` was fitted on (:class:`CalibrationSample` keeps those): the
+        per-voxel constant ``logsumexp(logits)`` that separates them from the logits cancels in the
+        softmax only when every class is divided by the same T. (Divided raw logits were another
+        model than the fitted one: on the real MRI it cost 9 Dice points where the fit promised a
+        higher accuracy, docs/benchmarks.md.)"""
+        if self.temperature.numel() > 1:
+            logits = torch.log_softmax(logits.float(), 1)
         return logits / self.temperature.reshape((1, -1) + (1,) * (logits.dim() - 2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -94,7 +103,8 @@ def fit_temperature(logits, labels, per_class: bool = False, max_iter: int = 100
 
     Args:
         logits: ``(N, C)`` logits, or log-probabilities (the same up to a constant per sample,
-            which the softmax ignores).
+            which the softmax ignores with one temperature; per class it does not, and
+            :class:`TemperatureScaled` divides the log-probabilities, as calibrate fits them).
         labels: ``(N,)`` class indices.
         per_class: one temperature per class (which can move the argmax) instead of one.
         max_iter: L-BFGS iterations.
