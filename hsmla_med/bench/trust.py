@@ -4,8 +4,8 @@
 Per seed, the learning benchmark's default 2D arm (``hsmla-b0-unet``: HSMLA-B0, U-shaped decoder,
 its :func:`~hsmla_med.bench.learning.overlay`, steps and crops) is trained through ``hsmla-med
 train --task btcv`` on the MNI152 grey/white-matter slabs, calibrated with ``hsmla-med calibrate``
-(one temperature, fitted on the validation case of the recorded split: the held-out slab), and
-both checkpoints segment the held-out slab and its perturbed "other scanner" copy with ``hsmla-med
+(one temperature, fitted on the validation case of the recorded split: the held-out slab; and,
+opt-in, one per class), and the checkpoints segment the held-out slab and its perturbed "other scanner" copy with ``hsmla-med
 infer --save-probabilities --uncertainty entropy`` (the calibrated one also ``--tta --uncertainty
 mutual-information``). Then, in the labels' own geometry:
 
@@ -53,6 +53,9 @@ __all__ = ["NETWORK", "boundary_distance", "tile_samples", "correlations", "gate
 
 #: the learning benchmark's default 2D arm
 NETWORK = "hsmla-b0-unet"
+#: ``hsmla-med calibrate`` runs: folder under ``calibrate/`` -> options (the default one temperature;
+#: one per class, opt-in as it may change the argmax)
+TEMPERATURES = {"single": [], "per_class": ["--per-class"]}
 #: the signals compared with the error rate of the gate's tiles (larger = more likely wrong)
 SIGNALS = ("gate", "entropy", "boundary")
 
@@ -198,9 +201,10 @@ def run_seed(seed: int, folder: Path, data: Path, meta: dict, inputs: Path, step
     """Train (unless ``folder/train/last.ckpt`` exists with the same overlay and steps), calibrate,
     infer and measure one seed; the row, also saved as ``folder/result.json``."""
     settings = {"overlay": overlay(NETWORKS[NETWORK], roi, crops), "steps": steps, "slices": meta["slices"]}
-    train, calibrated = folder / "train", folder / "calibrated"
+    train = folder / "train"
     result = folder / "result.json"
-    if result.is_file() and (done := json.loads(result.read_text())).get("settings") == settings:
+    wanted = {**settings, "runs": list(_runs(folder))}  # a result without one of today's runs is measured again
+    if result.is_file() and (done := json.loads(result.read_text())).get("settings") == wanted:
         print(f"  seed {seed}: done before ({result}, commit {done['row']['commit']})", flush=True)
         return done["row"]
     saved = folder / "settings.json"
@@ -209,13 +213,14 @@ def run_seed(seed: int, folder: Path, data: Path, meta: dict, inputs: Path, step
         _cli(["train", "--task", "btcv", "--data-dir", data, "--config", folder / "overlay.yaml", "--max-steps", steps, "--seed", seed,
               "--output", train, "--accelerator", "cpu"], folder / "train.log")
         write_json(saved, settings)
-    _cli(["calibrate", "--checkpoint", train / "last.ckpt", "--data-dir", data, "--output", calibrated, "--accelerator", "cpu"],
-         folder / "calibrate.log")
+    for name, extra in TEMPERATURES.items():
+        _cli(["calibrate", "--checkpoint", train / "last.ckpt", "--data-dir", data, "--output", folder / "calibrate" / name, "--accelerator",
+              "cpu", *extra], folder / f"calibrate_{name}.log")
     for name, (checkpoint, extra) in _runs(folder).items():
         _cli(["infer", "--task", "btcv", "--checkpoint", checkpoint, "--input", inputs, "--output", folder / name, "--save-probabilities",
-              *extra, "--device", "cpu"], folder / f"infer_{name}.log")
+              *extra, "--device", "cpu", "--overwrite"], folder / f"infer_{name}.log")  # a seed measured again replaces its outputs
     row = measure(seed, steps, folder, data, meta)
-    write_json(result, {"settings": settings, "row": row})
+    write_json(result, {"settings": wanted, "row": row})
     return row
 
 
@@ -223,18 +228,21 @@ def _runs(folder: Path) -> dict[str, tuple[Path, list[str]]]:
     """The infer runs of a seed: output folder name -> (checkpoint, infer options)."""
     return {
         "raw": (folder / "train" / "last.ckpt", ["--uncertainty", "entropy"]),
-        "calibrated": (folder / "calibrated" / "last.ckpt", ["--uncertainty", "entropy"]),
-        "calibrated_tta": (folder / "calibrated" / "last.ckpt", ["--tta", "--uncertainty", "mutual-information"]),
+        "calibrated": (folder / "calibrate" / "single" / "last.ckpt", ["--uncertainty", "entropy"]),
+        "calibrated_tta": (folder / "calibrate" / "single" / "last.ckpt", ["--tta", "--uncertainty", "mutual-information"]),
+        "calibrated_per_class": (folder / "calibrate" / "per_class" / "last.ckpt", []),
     }
 
 
 def measure(seed: int, steps: int, folder: Path, data: Path, meta: dict) -> dict:
     """A seed's row from the outputs of :func:`run_seed`'s commands in ``folder``."""
     runs = _runs(folder)
-    fitted = json.loads((folder / "calibrated" / "calibration.json").read_text())
-    row = {"seed": seed, "steps": steps, "commit": machine()["commit"], "temperature": fitted["temperature"],
-           "calibrate_validation": {"before": fitted["before"], "after": fitted["after"]}, "cases": {}}
-    queues = {name: _review_queue(folder / name) for name in runs}
+    row = {"seed": seed, "steps": steps, "commit": machine()["commit"], "cases": {}}
+    for name in TEMPERATURES:
+        fitted = json.loads((folder / "calibrate" / name / "calibration.json").read_text())
+        row[f"temperature_{name}"] = fitted["temperature"]
+        row[f"validation_{name}"] = {"before": fitted["before"], "after": fitted["after"]}  # calibrate's own sample
+    queues = {name: _review_queue(folder / name) for name, (_, extra) in runs.items() if "--uncertainty" in extra}
     for prefix, split in SPLITS.items():
         entry = meta[split][0]
         case = Path(entry["image"]).name.removesuffix(".nii.gz")
@@ -257,14 +265,16 @@ def summary(rows: list[dict]) -> list[dict]:
                 "sd": statistics.stdev(known) if len(known) > 1 else 0.0,
                 "seeds": ", ".join("n/a" if v is None else f"{v:.4g}" for v in values)}
 
-    table = [line("temperature", [r["temperature"][0] for r in rows])]
+    table = [line("temperature", [r["temperature_single"][0] for r in rows])]
+    table += [line(f"temperature per class {c}", [r["temperature_per_class"][c] for r in rows]) for c in range(3)]
     for case in ("clean", "perturbed"):
         pick = [r["cases"][case] for r in rows]
         for metric in ("ece", "ece_foreground", "nll", "brier"):
-            for name in ("raw", "calibrated"):
+            for name in ("raw", "calibrated", "calibrated_per_class"):
                 table.append(line(f"{case} {metric} {name}", [p[f"calibration_{name}"][metric] for p in pick]))
-        table.append(line(f"{case} ece ratio raw/calibrated", [p["calibration_raw"]["ece"] / p["calibration_calibrated"]["ece"] for p in pick]))
-        for name in ("raw", "calibrated", "calibrated_tta"):
+        for name in ("calibrated", "calibrated_per_class"):
+            table.append(line(f"{case} ece ratio raw/{name}", [p["calibration_raw"]["ece"] / p[f"calibration_{name}"]["ece"] for p in pick]))
+        for name in ("raw", "calibrated", "calibrated_tta", "calibrated_per_class"):
             table.append(line(f"{case} dice {name}", [p[f"dice_{name}"] for p in pick]))
         for measure in ("uncertainty_entropy_raw", "uncertainty_entropy", "uncertainty_mutual_information"):
             table.append(line(f"{case} {measure}", [p[measure] for p in pick]))
