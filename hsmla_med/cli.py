@@ -505,19 +505,27 @@ def _evaluate_predictions(args) -> dict:
     return summary
 
 
-def _check_unseen(module, cases, args) -> None:
-    """Refuse to score cases the checkpoint trained on (its ``split`` record) unless asked."""
+def _scored_cases(task, module, args, checkpoints: list[str]):
+    """The config and the validation cases of the split the checkpoint recorded, which
+    ``evaluate`` and ``calibrate`` run it on; refused (one line) when it trained on them (unless
+    ``--allow-training-cases``) or predicts other classes than the dataset has."""
     from hsmla_med.errors import InputError
 
+    config = task.evaluation_config(_config(args), module)
+    cases = task.datalist(config)
+    named = " ".join(checkpoints)
     trained = set((module.config.get("split") or {}).get("train") or [])
-    if not trained:
-        log.warning("%s records no split (written before splits_final.json): cannot check that its validation cases are unseen", " ".join(args.checkpoint))
-        return
     seen = sorted(trained & set((cases.split or {}).get("val") or []))
-    if seen and not args.allow_training_cases:
-        raise InputError(f"--checkpoint {' '.join(args.checkpoint)} trained on {len(seen)} of the {len(cases.validation)} cases to score "
+    if not trained:
+        log.warning("%s records no split (written before splits_final.json): cannot check that its validation cases are unseen", named)
+    elif seen and not args.allow_training_cases:
+        raise InputError(f"--checkpoint {named} trained on {len(seen)} of the {len(cases.validation)} cases to score "
                          f"(fold {cases.split['fold']} of {cases.split['file']}: {', '.join(seen[:5])}{' ...' if len(seen) > 5 else ''}); "
                          "their scores would not be held-out scores; pass --allow-training-cases to score them anyway")
+    if cases.label_names != module.label_names:
+        raise InputError(f"--checkpoint {named} predicts {len(module.label_names)} classes {module.label_names}, "
+                         f"the dataset has {len(cases.label_names)} {cases.label_names}")
+    return config, cases
 
 
 def _evaluate(args) -> dict:
@@ -539,12 +547,7 @@ def _evaluate(args) -> dict:
         if not hasattr(module.network, "set_routing") or not module.network.hsmla_layers():
             raise InputError(f"--routing: {' '.join(args.checkpoint)} holds a {type(module.network).__name__}, which has no HSMLA layers")
         module.network.set_routing(args.routing)
-    config = task.evaluation_config(_config(args), module)
-    cases = task.datalist(config)
-    _check_unseen(module, cases, args)
-    if cases.label_names != module.label_names:
-        raise InputError(f"--checkpoint {' '.join(args.checkpoint)} predicts {len(module.label_names)} classes {module.label_names}, "
-                         f"the dataset has {len(cases.label_names)} {cases.label_names}")
+    config, cases = _scored_cases(task, module, args, [str(c) for c in args.checkpoint])
     task.evaluation_outputs(module, output, {"nsd_tolerance": args.nsd_tolerance, "save_probabilities": args.save_probabilities})
     module.calibration_sample = CalibrationSample()  # ECE, Brier, NLL where the task draws one (btcv, camelyon16)
     summary = evaluate(module, task.datamodule(config, cases), config["trainer"], output)
@@ -571,13 +574,9 @@ def _calibrate(args) -> dict | None:
     task = get_task(args.task)
     output = _writable_folder(args.output, "--output")
     module, _ = task.load(args.checkpoint)
-    config = task.evaluation_config(_config(args), module)
-    cases = task.datalist(config)
+    config, cases = _scored_cases(task, module, args, [args.checkpoint])
     if not cases.validation:
         raise InputError(f"--checkpoint {args.checkpoint}: the split it recorded leaves no validation cases in {config['data']['data_dir'] or 'the synthetic dataset'}")
-    _check_unseen(module, cases, argparse.Namespace(checkpoint=[args.checkpoint], allow_training_cases=args.allow_training_cases))
-    if cases.label_names != module.label_names:
-        raise InputError(f"--checkpoint {args.checkpoint} predicts {module.label_names}, the dataset has {cases.label_names}")
     record = calibrate(task, module, task.datamodule(config, cases), config["trainer"], args.checkpoint, output, args.per_class, args.samples,
                        cases.split)
     if record is not None:
