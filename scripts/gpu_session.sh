@@ -5,6 +5,7 @@
 # hang leaves the rest measured. Logs and CSVs go to $OUT (log.txt, results.tgz).
 #
 #   bash scripts/gpu_session.sh [DEADLINE_SECONDS]    # on the device machine, from the checkout
+#   STEPS="bench_gpu train_bf16" bash scripts/gpu_session.sh   # only the steps named
 #
 # Wheels (here, once): pip download --no-deps for Python 3.12 of monai, nibabel, pydicom,
 # highdicom, pyjpegls, openslide-python and openslide-bin into .whl/ (ignored; README of the
@@ -20,6 +21,7 @@ py=${PYTHON:-python3}
 
 step() {  # step NAME CAP_SECONDS COMMAND...: runs COMMAND under min(CAP, time left - 15 s)
   local name=$1 cap=$2; shift 2
+  [ -z "${STEPS:-}" ] || [[ " $STEPS " == *" $name "* ]] || return 0
   local left=$(( deadline - SECONDS - 15 ))
   (( left < cap )) && cap=$left
   if (( cap < 10 )); then echo "### $name: skipped, out of time" | tee -a "$log"; return; fi
@@ -45,7 +47,9 @@ step bench_gpu 200 "$hm" bench --only gpu --warmup 5 --reps 20 --out bench_out/g
 # kernel tables, 2D then 3D
 step bench_kernels_2d 80 $py scripts/bench_kernels.py --out bench_out/gpu/kernels_2d.csv
 # 1. the kernel tests natively (float32/float16/bfloat16, 2D and 3D)
-step test_kernels 150 $py -m pytest -q -x -p no:cacheprovider tests/test_kernels.py
+# (one process per 2 cores where pytest-xdist is there: the Triton compiles dominate)
+parallel=$($py -c "import xdist, os; print('-n', max(1, os.cpu_count() // 2))" 2>/dev/null)
+step test_kernels 150 $py -m pytest -q -x -p no:cacheprovider $parallel tests/test_kernels.py
 step bench_kernels_3d 80 $py scripts/bench_kernels.py --spatial-dims 3 --out bench_out/gpu/kernels_3d.csv
 # 2. training in bf16 with validation, then infer on CUDA: precision auto against float32
 run=bench_out/gpu/btcv_run

@@ -28,7 +28,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-import SimpleITK as sitk
 import torch
 from monai.data import MetaTensor
 from monai.transforms import MapTransform
@@ -133,6 +132,8 @@ def read_geometry(path: str | Path) -> Geometry:
     """The voxel grid of a MetaImage scan, from its header only."""
     path = Path(path)
     _check_mhd(path)
+    import SimpleITK as sitk  # here, not at the top: every CLI command imports this module, only LUNA16 scans need SimpleITK
+
     reader = sitk.ImageFileReader()
     reader.SetFileName(str(path))
     try:
@@ -256,6 +257,8 @@ def voxel_to_lps(index: np.ndarray, affine) -> np.ndarray:
 def _read_mhd(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """The voxels ``(x, y, z)`` (float32) and RAS affine of a MetaImage scan (SimpleITK)."""
     _check_mhd(path)
+    import SimpleITK as sitk
+
     try:
         image = sitk.ReadImage(str(path))
     except RuntimeError as err:

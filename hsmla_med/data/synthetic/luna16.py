@@ -34,7 +34,6 @@ import math
 from pathlib import Path
 
 import numpy as np
-import SimpleITK as sitk
 from scipy import ndimage
 
 from hsmla_med.data.luna16 import COLUMNS, LUNG_MASKS, Geometry, voxel_to_world
@@ -184,6 +183,8 @@ def _write_csv(path: Path, header, rows) -> None:
 
 
 def _write_image(path: Path, voxels_zyx: np.ndarray, geometry: Geometry, compress: bool = False) -> None:
+    import SimpleITK as sitk  # imported when writing only: the CLI loads this module for every task
+
     path.parent.mkdir(parents=True, exist_ok=True)
     image = sitk.GetImageFromArray(voxels_zyx)
     image.SetSpacing(geometry.spacing.tolist())
