@@ -118,3 +118,31 @@ def test_3d_network_trains_channels_last(one_thread):
     net(torch.randn(2, 1, 16, 16, 16)).sum().backward()
     assert len(layouts) > 10
     assert [name for name, channels_last in layouts if not channels_last] == []
+
+
+@pytest.mark.parametrize("kernel, groups", [(1, 1), (3, 6)])
+def test_training_forms_under_bfloat16_autocast(kernel, groups):
+    """Under autocast (Lightning's ``bf16-mixed``; the first native GPU run of ``train
+    --precision bf16-mixed`` failed in the depthwise backward with 'Input type BFloat16 and weight
+    type Float'): the pointwise and depthwise forms give the output and gradients of nn.Conv3d's
+    own convolution under the same autocast, in the parameters' and input's dtypes."""
+    g = torch.Generator().manual_seed(1)
+    out_channels = 7 if groups == 1 else 6
+    conv = Conv3d(6, out_channels, kernel, padding=kernel // 2, groups=groups).to(memory_format=CL).train()
+    reference = copy.deepcopy(conv)
+    x = torch.randn(2, 6, 6, 5, 4, generator=g).contiguous(memory_format=CL)
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = conv(xs[0])
+        ref = F.conv3d(xs[1], reference.weight, reference.bias, padding=reference.padding, groups=groups)
+    assert conv._training_form(xs[0]) == ("pointwise" if groups == 1 else "depthwise")
+    assert out.dtype == ref.dtype == torch.bfloat16
+    grad = torch.randn(out.shape, generator=g).to(torch.bfloat16)
+    out.backward(grad)
+    ref.backward(grad)
+    assert xs[0].grad.dtype == x.dtype and conv.weight.grad.dtype == conv.bias.grad.dtype == torch.float32
+    tol = {"rtol": 2e-2, "atol": 2e-2}  # bfloat16 operands (8 bits of mantissa)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, **tol)
+    torch.testing.assert_close(conv.weight.grad, reference.weight.grad, **tol)
+    torch.testing.assert_close(conv.bias.grad, reference.bias.grad, **tol)

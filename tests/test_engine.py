@@ -126,6 +126,24 @@ def test_short_run_outputs_and_resume(tmp_path, dataset):
     assert all(math.isfinite(v) for v in metrics["hd95_per_class"].values() if v is not None)
 
 
+@pytest.mark.parametrize("mode", ["2d", "3d"])
+def test_bf16_mixed_run_trains_and_validates(tmp_path, dataset, mode):
+    """``--precision bf16-mixed`` (autocast) through a short run with validation, 2D and 3D: the
+    3D depthwise training convolution's backward (hsmla_med/nn/conv.py) and MONAI's surface
+    distances in the validation scores used to fail under autocast (the first native GPU run;
+    the CPU's autocast fails the same way)."""
+    torch.manual_seed(0)
+    config = tiny_config(dataset, tmp_path / "run", max_steps=2, precision="bf16-mixed")
+    config["mode"] = mode
+    cases = btcv.datalist(config)
+    module = SegmentationModule(btcv.module_config(config, model_config("b0"), cases.label_names))
+    fit(module, btcv.datamodule(config, cases), tmp_path / "run", config["trainer"])
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["step"] == 2 and set(metrics["dice_per_class"]) == {"disc", "bar"}
+    assert all(math.isfinite(v) for v in metrics["dice_per_class"].values())
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in module.parameters())
+
+
 def test_resume_with_a_larger_max_steps_follows_the_new_schedule(tmp_path, dataset, monkeypatch):
     """``train --max-steps 20`` then ``--resume --max-steps 40``: step 21 trains at the 40-step
     curve's rate, not at the 20-step curve's floor (the total used to be restored from the checkpoint)."""

@@ -166,8 +166,12 @@ class SegmentationModule(GatedModule):
             self.calibration_sample.add_maps(probs, plain(batch["label"]).cpu(), item_keys(batch), self.ignore_label)
         transform = self._validation_transform()
         images, labels = decollate_batch(batch["image"]), decollate_batch(batch["label"])
-        return [self._case_record(key, p, image, Path(source_file(label)), transform)
-                for key, p, image, label in zip(item_keys(batch), probs, images, labels, strict=True)]
+        # The inverse transforms and the scores run on CPU tensors after the network: under a
+        # mixed-precision run on the CPU, autocast would cast their resampling to bfloat16 and
+        # MONAI's surface distances would fail ('Unexpected floating ScalarType').
+        with torch.autocast("cpu", enabled=False):
+            return [self._case_record(key, p, image, Path(source_file(label)), transform)
+                    for key, p, image, label in zip(item_keys(batch), probs, images, labels, strict=True)]
 
     def _validation_transform(self) -> Compose:
         """The transform that made the validation batches, whose inverse brings predictions back."""

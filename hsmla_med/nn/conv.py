@@ -19,6 +19,14 @@ class _DepthwiseSame(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, padding):
+        # Under autocast (bf16-mixed / 16-mixed) the convolution runs on the autocast dtype's
+        # copies of x and weight; the backward runs outside autocast, so it is given those copies
+        # and casts its gradients back to the dtypes of the tensors they belong to.
+        ctx.dtypes = x.dtype, weight.dtype, None if bias is None else bias.dtype
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
         ctx.save_for_backward(x, weight)
         ctx.padding, ctx.has_bias = padding, bias is not None
         return F.conv3d(x, weight, bias, padding=padding, groups=weight.shape[0])
@@ -38,8 +46,9 @@ class _DepthwiseSame(torch.autograd.Function):
                 grad, x, weight, None, ones, list(ctx.padding), ones, False, [0] * 3, groups, [False, True, False]
             )[1]
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad.sum(dim=(0, 2, 3, 4))
-        return grad_x, grad_w, grad_b, None
+            grad_b = grad.sum(dim=(0, 2, 3, 4), dtype=ctx.dtypes[2])  # accumulated in the bias dtype, not bf16
+        grads = [None if g is None else g.to(d) for g, d in zip((grad_x, grad_w, grad_b), ctx.dtypes)]
+        return *grads, None
 
 
 class Conv3d(nn.Conv3d):
