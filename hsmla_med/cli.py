@@ -16,7 +16,8 @@ import warnings
 from pathlib import Path
 
 from hsmla_med.config import load_yaml, task_config
-from hsmla_med.pipelines import TASKS, get_task
+from hsmla_med.defaults import CALIBRATION_SAMPLES, UNCERTAINTY_KINDS, UNCERTAINTY_THRESHOLD
+from hsmla_med.pipelines import ALIASES, CARDS, TASKS, get_task, task_name
 
 __all__ = ["main", "build_parser"]
 
@@ -40,8 +41,9 @@ _EPILOG = """examples:
 """
 
 
-def _add_task_options(p: argparse.ArgumentParser, data: bool = True, required: bool = True) -> None:
-    p.add_argument("--task", required=required, help=f"task pipeline: {' | '.join(TASKS)}")
+def _add_task_options(p: argparse.ArgumentParser, data: bool = True, required: bool = True, help: str = "") -> None:
+    generic = "; ".join(f"{alias}: your own data through the {task} pipeline (needs --data-dir)" for alias, task in ALIASES.items())
+    p.add_argument("--task", required=required, help=f"task pipeline: {' | '.join(TASKS)} ({generic}){help}")
     if data:
         p.add_argument("--data-dir", help="dataset folder (MSD/nnU-Net layout with dataset.json); default: the synthetic dataset")
         p.add_argument("--config", help="YAML merged over the task's default config (configs/<task>.yaml)")
@@ -100,8 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks for input errors too")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    tasks = {name: get_task(name) for name in TASKS}
-    monitors = ", ".join(f"{n} {t.module_class.monitor}" for n, t in tasks.items())
+    monitors = ", ".join(f"{n} {card.monitor}" for n, card in CARDS.items())
     p = sub.add_parser("train", help="train a network on a task", description="Train with Lightning; writes last.ckpt, best.ckpt (highest "
                        f"validation score: {monitors}), metrics.json, metrics.csv, logs/ and training_curve.png into --output.")
     _add_training_options(p, "run folder (config: output, default runs/<task>)")
@@ -118,13 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_training_options(p, "cross-validation folder (default runs/<task>-cv)")
     p.add_argument("--folds", help="only these folds, e.g. 0,2 (default: all); the pooled summary needs all of them")
 
-    p = sub.add_parser("infer", help="run a checkpoint on new inputs", description="Run a checkpoint on new inputs. " + "; ".join(f"{n}: {t.outputs}" for n, t in tasks.items()) + ".")
-    _add_task_options(p, data=False)
+    p = sub.add_parser("infer", help="run a checkpoint on new inputs", description="Run a checkpoint on new inputs. " + "; ".join(f"{n}: {card.outputs}" for n, card in CARDS.items()) + ".")
+    _add_task_options(p, data=False, required=False, help="; default: the task the checkpoint was trained for")
     p.add_argument("--checkpoint", required=True, nargs="+", metavar="CKPT", help="a checkpoint written by train (best.ckpt or last.ckpt), or a "
                    "network of hsmla-med export: model.ts or a bundle folder; several (the folds of cross-validate): their ensemble, the "
                    "mean of their class probabilities (float32) before the argmax (checkpoints of one task, label set, spatial dims and "
                    "data preparation)")
-    p.add_argument("--input", required=True, help="a file or a folder: " + "; ".join(f"{t.inputs} ({n})" for n, t in tasks.items()))
+    p.add_argument("--input", required=True, help="a file or a folder: " + "; ".join(f"{card.inputs} ({n})" for n, card in CARDS.items()))
     p.add_argument("--output", required=True, help="folder for the predictions")
     p.add_argument("--series-uid", metavar="UID", help="btcv, luna16: the DICOM series (SeriesInstanceUID) to read in an --input folder "
                    "that holds files of several series (refused without it, listing them)")
@@ -141,15 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--postprocessing", metavar="F", help="btcv: the postprocessing.json to apply to the label maps (largest connected "
                    "components, chosen on validation by cross-validate); default: the postprocessing.json in the folder that holds "
                    "the checkpoints, or above a cross-validate fold_K folder, if there is one; none: no post-processing")
-    from hsmla_med.inference.uncertainty import DEFAULT_THRESHOLD, KINDS  # loaded with the pipelines above
-
-    p.add_argument("--uncertainty", choices=KINDS, help="btcv: also write OUTPUT/uncertainty/<case>_uncertainty.nii.gz, "
+    p.add_argument("--uncertainty", choices=UNCERTAINTY_KINDS, help="btcv: also write OUTPUT/uncertainty/<case>_uncertainty.nii.gz, "
                    "the voxel-wise uncertainty on the label map's grid, normalised to [0, 1] (entropy: of the class probabilities; "
                    "mutual-information: the disagreement of the mirrored copies of --tta and/or of several --checkpoint, which it needs), "
                    "and OUTPUT/uncertainty.csv, a review queue: per case the mean uncertainty over the predicted foreground, the volume "
                    "(mL) above --uncertainty-threshold and the foreground's volume, most uncertain first")
-    p.add_argument("--uncertainty-threshold", type=float, default=DEFAULT_THRESHOLD, metavar="U", help="with --uncertainty: voxels above U "
-                   f"count as uncertain in uncertainty.csv (default {DEFAULT_THRESHOLD}: half the largest possible entropy)")
+    p.add_argument("--uncertainty-threshold", type=float, default=UNCERTAINTY_THRESHOLD, metavar="U", help="with --uncertainty: voxels above U "
+                   f"count as uncertain in uncertainty.csv (default {UNCERTAINTY_THRESHOLD}: half the largest possible entropy)")
     _add_prediction_options(p)
 
     p = sub.add_parser("evaluate", help="metrics of a checkpoint on a dataset's validation cases, or of any folder of predicted label maps",
@@ -161,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "Or, with --predictions DIR --labels DIR, scores label maps from any tool (ours, nnU-Net's, MONAI's) against the "
                        "reference label maps of the same file names, as nnU-Net's compute_metrics_on_folder does, plus HD95 and NSD in mm "
                        "and bootstrap 95%% intervals; writes summary.json and metrics_per_case.csv into --output (default: DIR).")
-    _add_task_options(p, required=False)
+    _add_task_options(p, required=False, help="; default with --checkpoint: the task it was trained for; with --predictions: btcv")
     p.add_argument("--checkpoint", nargs="+", metavar="CKPT", help="a checkpoint written by train; several: their ensemble (probabilities "
                    "averaged as infer does), which has trained on every member's training cases")
     p.add_argument("--output", help="folder for metrics.json (default runs/evaluate), or for summary.json with --predictions (default: that folder)")
@@ -199,10 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="folder for the calibrated checkpoint, calibration.json and reliability.png")
     p.add_argument("--per-class", action="store_true", help="one temperature per class (can change the argmax, hence the label maps); "
                    "default: one temperature, which keeps every argmax")
-    from hsmla_med.engine.calibration import DEFAULT_SAMPLES  # loaded with the pipelines above
-
-    p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, metavar="N", help="fit and score on a uniform sample of at most N "
-                   f"validation voxels or patches (default {DEFAULT_SAMPLES})")
+    p.add_argument("--samples", type=int, default=CALIBRATION_SAMPLES, metavar="N", help="fit and score on a uniform sample of at most N "
+                   f"validation voxels or patches (default {CALIBRATION_SAMPLES})")
     p.add_argument("--allow-training-cases", action="store_true", help="calibrate on validation cases the checkpoint trained on (refused by default)")
     _add_trainer_options(p)
 
@@ -246,7 +243,6 @@ def _config(args) -> dict:
     from hsmla_med.config import merge_config, validate_config
     from hsmla_med.engine.run import check_trainer_config
 
-    get_task(args.task)  # unknown task: a clear error before anything else
     config = task_config(args.task)
     if getattr(args, "config", None):
         config = validate_config(merge_config(config, load_yaml(args.config), source=args.config), args.config)
@@ -266,6 +262,14 @@ def _config(args) -> dict:
             trainer[key] = int(value) if key == "devices" and str(value).isdigit() else value
     config = validate_config(config, source="command-line options")
     check_trainer_config(config["trainer"])  # before any data is read
+    alias = getattr(args, "task_alias", None)
+    if alias is not None and not config["data"].get("data_dir"):
+        from hsmla_med.errors import InputError
+
+        raise InputError(f"--task {alias}: give your dataset with --data-dir (an MSD or nnU-Net folder with dataset.json); "
+                         f"--task {args.task} without it trains on the synthetic {args.task} stand-in")
+    if alias is not None and getattr(args, "output", None) is None:
+        config["output"] = f"runs/{alias}"
     return config
 
 
@@ -304,7 +308,7 @@ def _cross_validate(args) -> dict:
     from hsmla_med.pipelines.task import InferenceOptions
 
     if args.output is None:
-        args.output = f"runs/{args.task}-cv"
+        args.output = f"runs/{args.task_alias or args.task}-cv"
     config = _config(args)
     folds = None
     if args.folds is not None:
@@ -403,6 +407,7 @@ def _output_formats(given: list[str] | None, task) -> tuple[str, ...]:
 def _infer(args) -> list[Path]:
     from hsmla_med.errors import InputError
 
+    args.task = _checkpoint_task(args)
     task = get_task(args.task)
     formats = _output_formats(args.output_format, task)
     if args.uncertainty is not None and task.name != "btcv":
@@ -419,6 +424,34 @@ def _infer(args) -> list[Path]:
     _report(f"{len(written)} output file(s) in {output} ({time.perf_counter() - started:.1f} s): "
             + ", ".join(p.name for p in written[:3]) + (", ..." if len(written) > 3 else ""))
     return written
+
+
+def _resolve_task(args) -> None:
+    """``args.task`` as its pipeline's name (a clear error for an unknown one), the generic name
+    given, if any, in ``args.task_alias``."""
+    given = getattr(args, "task", None)
+    args.task_alias = given if given in ALIASES else None
+    if given is not None and args.command != "demo":  # demo's choices include 'all'
+        args.task = task_name(given)
+
+
+def _checkpoint_task(args) -> str:
+    """The task of ``infer`` / ``evaluate``: the one the first ``--checkpoint`` was trained for
+    (a checkpoint of train or a network of hsmla-med export records it), or ``--task``; one
+    line when they differ, or when neither says."""
+    from hsmla_med.engine.checkpoint import written_task
+    from hsmla_med.errors import InputError
+
+    first = args.checkpoint[0]
+    written = written_task(first)
+    if args.task is None:
+        if written is None:
+            raise InputError(f"--checkpoint {first}: does not record its task; pass --task ({' | '.join(TASKS)})")
+        return task_name(written)
+    if written is not None and written != args.task:
+        raise InputError(f"--task {args.task_alias or args.task}: --checkpoint {first} was trained for task {written}; "
+                         f"leave --task out or pass --task {written}")
+    return args.task
 
 
 def _postprocessing(task, given: str | None, checkpoints: list[str]) -> list[dict] | None:
@@ -536,8 +569,9 @@ def _evaluate(args) -> dict:
 
     if args.predictions is not None:
         return _evaluate_predictions(args)
-    if args.task is None or args.checkpoint is None:
-        raise InputError("evaluate needs --task and --checkpoint, or --predictions DIR --labels DIR")
+    if args.checkpoint is None:
+        raise InputError("evaluate needs --checkpoint, or --predictions DIR --labels DIR")
+    args.task = _checkpoint_task(args)  # the config of the cases to score is this task's
     task = get_task(args.task)
     if args.output is None:  # the default of this mode (predictions mode writes beside the predictions)
         args.output = "runs/evaluate"
@@ -662,6 +696,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         tune_cpu_allocator()  # a bad HSMLA_MED_MALLOC_TOP_PAD is an input error like any other
+        _resolve_task(args)
         result = commands[args.command]()
     except KeyboardInterrupt:
         print("hsmla-med: interrupted", file=sys.stderr)

@@ -7,10 +7,11 @@ from importlib import resources
 from pathlib import Path
 
 import yaml
-from torch import nn
 
 from hsmla_med.errors import ConfigError
-from hsmla_med.nn import HSMLA, VARIANTS, HSMLAClassifier, HSMLASegNet
+
+# torch, MONAI and the networks are imported where a network is built, not here: the command
+# line reads its configs through this module and answers --help without loading them.
 
 __all__ = ["ConfigError", "load_yaml", "model_config", "build_network", "task_config", "merge_config", "validate_config"]
 
@@ -40,6 +41,8 @@ def load_yaml(path: str | Path) -> dict:
 def model_config(name_or_path: str | Path | dict) -> dict:
     """A model config: a packaged size (``"b0"``, ``"b1"``, ``"b2"``), a YAML file path, or the
     mapping itself (a task config may give the model inline)."""
+    from hsmla_med.nn import VARIANTS
+
     if isinstance(name_or_path, dict):
         return dict(name_or_path)
     if str(name_or_path) in VARIANTS:
@@ -49,7 +52,6 @@ def model_config(name_or_path: str | Path | dict) -> dict:
     return load_yaml(name_or_path)
 
 
-_ATTENTION_KEYS = set(inspect.signature(HSMLA).parameters) - {"spatial_dims", "in_channels"}
 _MODEL_KEYS = {
     "segmentation": {"variant", "attention", "decoder", "head_stride", "attention_strides", "norm", "full_res"},
     "classification": {"variant", "attention", "attention_strides"},
@@ -76,10 +78,13 @@ def build_network(config: dict, spatial_dims: int, in_channels: int, out_channel
         raise ConfigError(f"model config must be a mapping, got {type(config).__name__}")
     if "monai" in config:
         return _monai_network(config, spatial_dims, in_channels, out_channels)
+    from hsmla_med.nn import HSMLA, HSMLAClassifier, HSMLASegNet
+
     attention = dict(config.get("attention") or {})
-    unknown = sorted(set(attention) - _ATTENTION_KEYS)
+    known = set(inspect.signature(HSMLA).parameters) - {"spatial_dims", "in_channels"}
+    unknown = sorted(set(attention) - known)
     if unknown:
-        raise ConfigError(f"unknown attention option(s) {unknown}; known: {sorted(_ATTENTION_KEYS)}")
+        raise ConfigError(f"unknown attention option(s) {unknown}; known: {sorted(known)}")
     if "scales" in attention:
         attention["scales"] = tuple(attention["scales"])
     unknown = sorted(set(config) - _MODEL_KEYS[kind])
@@ -98,6 +103,7 @@ def build_network(config: dict, spatial_dims: int, in_channels: int, out_channel
 def _monai_network(config: dict, spatial_dims: int, in_channels: int, out_channels: int) -> nn.Module:
     """``monai.networks.nets.<config["monai"]>(**args)`` with the task's dims and channels."""
     from monai.networks import nets
+    from torch import nn
 
     name, args = config["monai"], config.get("args") or {}
     unknown = sorted(set(config) - {"monai", "args"})

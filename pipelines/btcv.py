@@ -403,8 +403,6 @@ class BTCV(Task):
     name = "btcv"
     module_class = SegmentationModule
     in_channels = 1
-    inputs = "NIfTI volumes (.nii, .nii.gz) or DICOM series (a series folder, or a folder of series folders)"
-    outputs = "OUTPUT/<case>.nii.gz label maps with each input's shape and affine (a DICOM series: also or instead <case>.seg.dcm, --output-format)"
     postprocesses = True
 
     def dataset_config(self, cases: Datalist) -> dict:

@@ -873,9 +873,7 @@ class CAMELYON16(Task):
     name = "camelyon16"
     module_class = ClassificationModule
     in_channels = 3
-    inputs = "whole slides (any format OpenSlide opens) or a folder of them"
     input_key = "slide"
-    outputs = "OUTPUT/<slide>_heatmap.tif (pyramidal), _overlay.png, _gates.png, <slide>.geojson (QuPath), <slide>.xml (ASAP), <slide>.json, lesions/<slide>.csv and slides.csv"
 
     def score_lines(self, summary: dict, output: Path) -> list[str]:
         fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731

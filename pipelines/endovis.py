@@ -365,8 +365,6 @@ class EndoVis(Task):
     name = "endovis"
     module_class = FrameSegmentationModule
     in_channels = 3
-    inputs = "PNG frames, video folders or an EndoVis 2017 root"
-    outputs = "one PNG mask per frame at the frame's size"
 
     def score_lines(self, summary: dict, output: Path) -> list[str]:
         fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731

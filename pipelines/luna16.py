@@ -407,9 +407,6 @@ class LUNA16(Task):
     name = "luna16"
     module_class = NoduleModule
     in_channels = 1
-    inputs = ("MetaImage scans (.mhd), a folder searched recursively, or DICOM series (a series folder, a folder of series folders, "
-              "a DICOM file for its series; seriesuid: the SeriesInstanceUID)")
-    outputs = "OUTPUT/submission.csv (seriesuid,coordX,coordY,coordZ,probability)"
 
     def score_lines(self, summary: dict, output: Path) -> list[str]:
         """CPM, the seven sensitivities with their bootstrap band, the counts."""

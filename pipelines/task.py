@@ -246,8 +246,8 @@ class Task(ABC):
     """One benchmark pipeline.
 
     Class attributes: ``name`` (the ``--task`` value and ``config["task"]``), ``module_class``
-    (its LightningModule), ``in_channels``, ``inputs`` (what ``infer --input`` takes) and
-    ``outputs`` (what ``infer`` writes), the last two for the command line's help.
+    (its LightningModule) and ``in_channels``; what the help says of it (``inputs``,
+    ``outputs``) is its :data:`~hsmla_med.pipelines.CARDS` entry.
 
     A subclass that does not define one of :data:`MODULE_FUNCTIONS` gets the function of that
     name in its own module (``predict``: the module's ``infer``), so a pipeline module keeps
@@ -270,8 +270,6 @@ class Task(ABC):
     name: ClassVar[str]
     module_class: ClassVar[type[GatedModule]]
     in_channels: ClassVar[int]
-    inputs: ClassVar[str]
-    outputs: ClassVar[str]
     #: the key of a case dict (:class:`~hsmla_med.data.datalist.Datalist`) that :meth:`predict` takes
     input_key: ClassVar[str] = "image"
     #: whether :meth:`predict` applies ``options.postprocessing`` (``postprocessing.json``) to its label maps

@@ -222,13 +222,61 @@ def test_monai_network_trains_evaluates_and_infers_through_the_pipeline(capsys, 
     assert type(module.network).__name__ == "UNet"
     metrics = json.loads((run / "metrics.json").read_text())
     # evaluate on the same checkpoint and validation case reproduces the training run's final score
-    assert main(["evaluate", "--task", "btcv", "--checkpoint", str(run / "last.ckpt"), "--data-dir", str(dataset),
+    # (evaluate and infer without --task: the checkpoint says which task it was trained for)
+    assert main(["evaluate", "--checkpoint", str(run / "last.ckpt"), "--data-dir", str(dataset),
                  "--config", str(overlay), "--output", str(tmp_path / "ev0")]) == 0
     assert json.loads((tmp_path / "ev0" / "metrics.json").read_text())["dice"] == pytest.approx(metrics["dice"], abs=1e-6)
-    assert main(["infer", "--task", "btcv", "--checkpoint", str(run / "last.ckpt"), "--input", str(dataset / "imagesTr"),
+    assert main(["infer", "--checkpoint", str(run / "last.ckpt"), "--input", str(dataset / "imagesTr"),
                  "--output", str(tmp_path / "pred"), "--device", "cpu"]) == 0
     preds = sorted((tmp_path / "pred").glob("*.nii.gz"))
     assert len(preds) == 4 and nib.load(str(preds[0])).shape == nib.load(str(dataset / "imagesTr" / preds[0].name)).shape
     line = _error(capsys, ["evaluate", "--task", "btcv", "--checkpoint", str(run / "last.ckpt"), "--data-dir", str(dataset),
                            "--config", str(overlay), "--routing", "off", "--output", str(tmp_path / "ev")])
     assert "--routing" in line and "UNet" in line
+
+
+def test_help_and_argument_errors_load_no_framework():
+    """``hsmla-med --help`` and the parser load neither torch, MONAI, Lightning nor the task
+    pipelines (seconds of imports; issue 33: 6 s for --help): a fresh interpreter builds the
+    parser and prints help with none of them in sys.modules."""
+    import subprocess
+    import sys
+
+    code = ("import sys, contextlib, io\n"
+            "from hsmla_med.cli import build_parser\n"
+            "p = build_parser()\n"
+            "for argv in (['--help'], ['infer', '--help'], ['train']):\n"
+            "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+            "        p.parse_args(argv)\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'monai', 'lightning', 'numpy'}),"
+            " sorted(m for m in sys.modules if m.startswith('hsmla_med.pipelines.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[] []"
+
+
+def test_task_from_the_checkpoint_and_the_generic_task_name(capsys, tmp_path, tiny_btcv_checkpoint):
+    """infer/evaluate: a --task other than the checkpoint's is one line naming both; the generic
+    --task segmentation is the btcv pipeline and needs a dataset; an exported TorchScript network
+    tells its task from the metadata it carries."""
+    import torch
+
+    from hsmla_med.cli import _config, build_parser
+    from hsmla_med.engine.checkpoint import EXPORT_META, written_task
+
+    ckpt = tiny_btcv_checkpoint
+    line = _error(capsys, ["infer", "--task", "luna16", "--checkpoint", ckpt, "--input", "x", "--output", str(tmp_path / "o")])
+    assert f"--checkpoint {ckpt} was trained for task btcv" in line and "--task luna16" in line
+    line = _error(capsys, ["evaluate", "--task", "endovis", "--checkpoint", ckpt, "--output", str(tmp_path / "e")])
+    assert "trained for task btcv" in line
+    assert "--task segmentation: give your dataset with --data-dir" in _error(capsys, ["train", "--task", "segmentation", "--max-steps", "1"])
+    assert "unknown task 'nope'; available: btcv, camelyon16, endovis, luna16, segmentation" in _error(capsys, ["infer", "--task", "nope", "--checkpoint", ckpt, "--input", "x", "--output", "y"])
+    args = build_parser().parse_args(["train", "--task", "segmentation", "--data-dir", str(tmp_path)])
+    from hsmla_med.cli import _resolve_task
+
+    _resolve_task(args)
+    config = _config(args)
+    assert (args.task, config["task"], config["output"], config["data"]["data_dir"]) == ("btcv", "btcv", "runs/segmentation", str(tmp_path))
+    ts = tmp_path / "net.ts"
+    meta = {"format_version": 1, "hparams": {"task": "endovis"}}
+    torch.jit.save(torch.jit.script(torch.nn.Identity()), str(ts), _extra_files={EXPORT_META: json.dumps(meta)})
+    assert written_task(ts) == "endovis" and written_task(ckpt) == "btcv"

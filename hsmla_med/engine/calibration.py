@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hsmla_med.defaults import CALIBRATION_SAMPLES as DEFAULT_SAMPLES
 from hsmla_med.errors import ConfigError, DataError, InputError
 from hsmla_med.metrics.calibration import BINS, NLL_FLOOR, calibration_metrics, foreground, reliability
 from hsmla_med.nn import GatedNetwork
@@ -40,9 +41,6 @@ __all__ = ["CALIBRATED_TASKS", "DEFAULT_SAMPLES", "CalibrationSample", "Temperat
 
 #: tasks whose validation loop draws a calibration sample (softmax voxels, patches)
 CALIBRATED_TASKS = ("btcv", "camelyon16")
-#: samples (voxels or patches) kept for fitting and scoring: 250k x 14 classes is 14 MB of
-#: float32, and a 1-parameter fit or a 15-bin ECE gains nothing from more
-DEFAULT_SAMPLES = 250_000
 #: fitted temperatures are kept within [1 / LIMIT, LIMIT]: on separable samples the NLL falls
 #: for ever as T -> 0
 LIMIT = 100.0

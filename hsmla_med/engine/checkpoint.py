@@ -158,3 +158,24 @@ def load_exported(path: str | Path, module_class, task: str | None = None, infer
         raise DataError(f"{ts}: its hyper-parameters are incomplete or invalid ({type(err).__name__}: {err})") from None
     module.eval()
     return module, {"epoch": None, "step": None, "exported": str(ts)}
+
+
+def written_task(path: str | Path) -> str | None:
+    """The task that ``path`` was made for, as ``infer`` and ``evaluate`` take it when ``--task``
+    is left out: ``config["task"]`` of a checkpoint of ``train``, or of the hyper-parameters an
+    exported network of ``hsmla-med export`` carries (:data:`EXPORT_META`, read from the archive
+    without loading the network); ``None`` where the file records none. A missing or unreadable
+    checkpoint is a :class:`~hsmla_med.errors.DataError` naming it."""
+    ts = exported_file(path)
+    if ts is None:
+        config = read_hparams(path)
+        return config.get("task") if isinstance(config, dict) else None
+    try:
+        with zipfile.ZipFile(ts) as archive:
+            # TorchScript keeps _extra_files under <archive>/extra/<name>
+            entry = next((n for n in archive.namelist() if n.split("/")[1:] == ["extra", EXPORT_META]), None)
+            meta = json.loads(archive.read(entry)) if entry is not None else None
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return None
+    config = meta.get("hparams") if isinstance(meta, dict) else None
+    return config.get("task") if isinstance(config, dict) else None

@@ -31,16 +31,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hsmla_med.defaults import UNCERTAINTY_KINDS as KINDS
+from hsmla_med.defaults import UNCERTAINTY_THRESHOLD as DEFAULT_THRESHOLD
 from hsmla_med.io import atomic_path
 
 __all__ = ["KINDS", "DEFAULT_THRESHOLD", "REVIEW_COLUMNS", "predictive_entropy", "mutual_information", "uncertainty_map", "case_row",
            "write_review_queue"]
 
-#: the values of ``infer --uncertainty``
-KINDS = ("entropy", "mutual-information")
-#: voxels above this uncertainty count as uncertain in the review queue: half the largest
-#: possible entropy (the normalised measures' maximum is 1)
-DEFAULT_THRESHOLD = 0.5
 #: the columns of ``uncertainty.csv``
 REVIEW_COLUMNS = ("case", "mean_foreground_uncertainty", "uncertain_volume_ml", "foreground_volume_ml")
 
