@@ -1,14 +1,16 @@
 """Callbacks of a training run: its result files (``metrics.json``, ``metrics.csv`` and the
 training-curve PNG, all owned by :class:`MetricsWriter`), the validation of the final step
-(:class:`ValidateFinalStep`) and a progress bar that counts steps (:class:`StepProgressBar`)."""
+(:class:`ValidateFinalStep`) and a progress bar that counts the run's steps (:class:`StepProgressBar`)."""
 
 from __future__ import annotations
 
 import csv
+import sys
 from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm, convert_inf
 
 from hsmla_med.io import atomic_path, write_json
 
@@ -83,29 +85,101 @@ class ValidateFinalStep(L.Callback):
             trainer.check_val_every_n_epoch = None
 
 
-class StepProgressBar(TQDMProgressBar):
-    """Lightning's tqdm progress bar; training by ``max_steps``, its training bar counts optimizer
-    steps up to ``max_steps`` (``Epoch 7: 120/300 step``) instead of an epoch's batches."""
+class _Lines:
+    """A text stream for tqdm that turns its redraws into plain lines: tqdm always draws by
+    carriage return (``\\r`` + text + blank padding, and ``\\r`` again on close), which a pipe or
+    log file shows as one endless line; each non-blank drawing here becomes a line of its own."""
 
-    def on_train_epoch_start(self, trainer: L.Trainer, *args) -> None:
-        if self._train_progress_bar is not None:
-            self._train_progress_bar.initial = 0  # Lightning's reset shows n = 0: no negative rate
-        super().on_train_epoch_start(trainer, *args)
-        if trainer.max_steps > 0:
-            bar = self.train_progress_bar
-            bar.total, bar.unit = trainer.max_steps, "step"
-            # counted from here: the rate is this epoch's steps over this epoch's time
-            bar.initial = bar.n = bar.last_print_n = trainer.global_step
-            bar.last_print_t = bar.start_t = bar._time()
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        line = text.replace("\r", "").strip()
+        if line:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+class StepProgressBar(TQDMProgressBar):
+    """Lightning's tqdm progress bar with one training bar for the whole run and one bar per
+    validation.
+
+    Lightning's bar counts each epoch's batches: it resets at every epoch (``Epoch 3: 0/5``, its
+    elapsed time and rate restart, so right after an epoch's slow first batch the ETA reads
+    hours), draws ``Training: 0/?`` and ``Validation: 0/?`` before it knows the totals, and writes
+    terminal redraws (``\\r``, cursor moves) into a pipe. Here the training bar counts optimizer
+    steps up to the run's total (``max_steps``, or the steps of ``max_epochs``:
+    ``trainer.estimated_stepping_batches``), created once with that total and never reset, so its
+    rate and ETA average over the run (tqdm's ``smoothing=0``; a resumed run counts from its
+    resumed step). The validation bar counts the batches of all validation loaders. When
+    ``plain`` (default: standard output is not a terminal) each bar prints plain lines instead,
+    at most one every ``interval`` seconds plus its final count.
+    """
+
+    PLAIN_FORMAT = "{desc}: {percentage:3.0f}% {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_noinv_fmt}{postfix}]"
+
+    def __init__(self, plain: bool | None = None, interval: float = 30.0) -> None:
+        super().__init__()
+        self.plain = plain
+        self.interval = interval
+
+    def _bar(self, desc: str, total: float | None, position: int, leave: bool, **kwargs) -> Tqdm:
+        plain = not sys.stdout.isatty() if self.plain is None else self.plain
+        total = convert_inf(total) if total and total > 0 else None  # -1, 0 or inf: unknown
+        common = {"desc": desc, "total": total, "disable": self.is_disabled, "miniters": 1, "smoothing": 0, **kwargs}
+        if plain:  # one position (nested bars move the cursor); the final count is forced by _advance
+            return Tqdm(position=0, leave=False, file=_Lines(sys.stdout), mininterval=self.interval, bar_format=self.PLAIN_FORMAT, **common)
+        return Tqdm(position=position, leave=leave, file=sys.stdout, dynamic_ncols=True, bar_format=self.BAR_FORMAT, **common)
+
+    @staticmethod
+    def _advance(bar: Tqdm | None, n: int) -> None:
+        """Move ``bar`` to ``n``, drawn as tqdm's ``mininterval`` allows, and always at its total."""
+        if bar is None or bar.disable:
+            return
+        if not bar.update(n - bar.n) and n == bar.total:
             bar.refresh()
 
+    def init_train_tqdm(self) -> Tqdm:
+        trainer = self.trainer
+        return self._bar(f"Epoch {trainer.current_epoch}", trainer.estimated_stepping_batches, 2 * self.process_position,
+                         leave=True, initial=trainer.global_step, unit="step")
+
+    def init_validation_tqdm(self) -> Tqdm:
+        trainer = self.trainer
+        has_main_bar = trainer.state.fn != "validate"  # trainer.validate() draws no training bar
+        batches = trainer.num_val_batches
+        return self._bar(self.validation_description, sum(batches) if isinstance(batches, list) else batches,
+                         2 * self.process_position + has_main_bar, leave=not has_main_bar)
+
+    def on_train_epoch_start(self, trainer: L.Trainer, *_) -> None:
+        self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}", refresh=False)
+
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
-        if trainer.max_steps <= 0:
-            return super().on_train_batch_end(trainer, module, outputs, batch, batch_idx)
-        bar, n = self.train_progress_bar, trainer.global_step
-        if bar is not None and self._should_update(n, bar.total):
-            bar.n = n
-            bar.set_postfix(self.get_metrics(trainer, module))
+        if self._train_progress_bar is not None:
+            self.train_progress_bar.set_postfix(self.get_metrics(trainer, module), refresh=False)
+            self._advance(self.train_progress_bar, trainer.global_step)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.train_progress_bar.set_postfix(self.get_metrics(trainer, module), refresh=False)  # shown at the next drawing
+
+    def on_validation_batch_start(self, trainer: L.Trainer, *args, **kwargs) -> None:
+        if trainer.sanity_checking:  # Lightning's sanity bar learns its total here; ours knows it from the start
+            super().on_validation_batch_start(trainer, *args, **kwargs)
+
+    def on_validation_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if trainer.sanity_checking:
+            return super().on_validation_batch_end(trainer, module, outputs, batch, batch_idx, dataloader_idx)
+        batches = trainer.num_val_batches
+        before = sum(batches[:dataloader_idx]) if isinstance(batches, list) else 0
+        self._advance(self._val_progress_bar, before + batch_idx + 1)
+
+    def get_metrics(self, trainer: L.Trainer, module: L.LightningModule) -> dict:
+        metrics = super().get_metrics(trainer, module)
+        metrics.pop("v_num", None)  # the logger's version number: noise on the bar
+        return metrics
 
 
 def training_curve(csv_logs: list[Path], path: str | Path, monitor: str = "dice") -> None:
