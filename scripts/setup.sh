@@ -22,7 +22,7 @@ want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 has_nvidia_gpu() { command -v nvidia-smi >/dev/null 2>&1 || [ -e /proc/driver/nvidia ]; }
 
 install_torch() {
-  local build=${HSMLA_MED_TORCH:-} why log
+  local build=${HSMLA_MED_TORCH:-} why
   if [ -n "$build" ]; then
     why="HSMLA_MED_TORCH=$build"
   elif has_nvidia_gpu; then
@@ -34,13 +34,12 @@ install_torch() {
     cpu)
       # no retries and a short timeout: where the index is unreachable (offline, a firewall) this
       # attempt fails in seconds and the package index's build is installed below
-      log=$(mktemp)
-      if .venv/bin/python -m pip install -q --retries 0 --timeout 15 --index-url "$cpu_index" "$torch_pin" >"$log" 2>&1; then
-        rm -f "$log"
+      # (its errors are not shown: pip says "no matching distribution" or "conflicting
+      # dependencies" for an index it could not reach, the line below says what happens instead)
+      if .venv/bin/python -m pip install -q --retries 0 --timeout 15 --index-url "$cpu_index" "$torch_pin" >/dev/null 2>&1; then
         return
       fi
-      echo "hsmla-med setup: $why, but no CPU build of $torch_pin at $cpu_index or among pip's local wheels ($(sed -n 's/^ERROR: //p' "$log" | head -n1)); installing the package index's build"
-      rm -f "$log" ;;
+      echo "hsmla-med setup: $why, but pip reaches no CPU build of $torch_pin (PyTorch's CPU index $cpu_index, pip's local wheels): installing the package index's build" ;;
     cuda) echo "hsmla-med setup: $why: $torch_pin from the package index (its CUDA build)" ;;
     *) echo "hsmla-med setup: HSMLA_MED_TORCH=$build: use cpu or cuda" >&2; exit 2 ;;
   esac
