@@ -6,15 +6,19 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from pathlib import Path
 
+import lightning as L
 import numpy as np
 import pytest
 import torch
+import tqdm.std
 
 from hsmla_med.config import model_config
 from hsmla_med.engine import SegmentationModule
 from hsmla_med.engine.base import gather_records, item_keys
+from hsmla_med.engine.callbacks import StepProgressBar
 from hsmla_med.engine.checkpoint import AtomicCheckpointIO
 from hsmla_med.engine.run import build_trainer, fit, load_module
 from hsmla_med.engine.schedule import WarmupCosine
@@ -271,44 +275,80 @@ def test_best_checkpoint_is_written_by_model_checkpoint_alone(tmp_path, dataset,
         assert "5/5" in bar and "/-" not in bar
 
 
-def test_progress_bar_rate_counts_this_epochs_steps_over_this_epochs_time(monkeypatch):
-    """With ``max_steps`` the training bar counts optimizer steps; its rate (tqdm's
-    ``(n - initial) / (now - start_t)``) must be the true step rate in every epoch. A fake clock
-    advances one second per training step, so the rate is exactly 1 step/s; before the fix the
-    second epoch read a negative or inflated rate (Lightning's reset kept the old start)."""
-    import lightning as L
-    import tqdm.std
+class _Tiny(L.LightningModule):
+    """A one-layer module for progress-bar tests; ``clock`` (a one-item list), when given, is
+    advanced by ``step`` seconds per training step plus ``start`` at each epoch's first batch (the
+    wait for a loader's first batch)."""
 
-    from hsmla_med.engine.callbacks import StepProgressBar
+    def __init__(self, clock: list[float] | None = None, step: float = 1.0, start: float = 0.0):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+        self.clock, self.step, self.start = clock, step, start
 
+    def training_step(self, batch, batch_idx):
+        if self.clock is not None:
+            self.clock[0] += self.step + (self.start if batch_idx == 0 else 0.0)
+        loss = self.layer(batch).pow(2).mean()
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _seconds(interval: str) -> int:
+    """``MM:SS`` or ``H:MM:SS`` (tqdm's ``format_interval``) in seconds."""
+    return sum(int(part) * 60**i for i, part in enumerate(reversed(interval.split(":"))))
+
+
+def test_progress_bar_eta_after_step_100_of_600_is_the_remaining_time(monkeypatch):
+    """A 600-step run of 33-step epochs: each step takes 1 s, each epoch's first batch 10 s more.
+    After step 100 (the first step of the fourth epoch) the training bar's ETA is within 25% of
+    the remaining time of this schedule, and its elapsed time is the run's. Before the fix the bar
+    restarted its clock at every epoch: it read 00:11 elapsed and an ETA of 1:31:40."""
     clock = [1000.0]
-    monkeypatch.setattr(tqdm.std, "time", lambda: clock[0])
-    rates = []
+    monkeypatch.setattr(tqdm.std, "time", lambda: clock[0])  # tqdm's clock, read when a bar starts
+    shown = []
 
     class Probe(StepProgressBar):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             super().on_train_batch_end(trainer, module, outputs, batch, batch_idx)
-            bar = self.train_progress_bar
-            rates.append((trainer.current_epoch, bar.total, (bar.n - bar.initial) / (bar._time() - bar.start_t)))
+            if trainer.global_step == 100:
+                shown.append(str(self.train_progress_bar))
+                trainer.should_stop = True
 
-    class Tiny(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.layer = torch.nn.Linear(2, 1)
+    steps, per_epoch, step, start = 600, 33, 1.0, 10.0
+    data = torch.utils.data.DataLoader(torch.randn(per_epoch, 2), batch_size=1)
+    trainer = L.Trainer(max_steps=steps, callbacks=[Probe()], logger=False, enable_checkpointing=False, enable_model_summary=False, accelerator="cpu")
+    trainer.fit(_Tiny(clock, step, start), data)
+    [line] = shown
+    elapsed, eta = (_seconds(t) for t in re.search(r"\[([\d:]+)<([\d:]+),", line).groups())
+    epochs_begun = 100 // per_epoch + 1
+    assert " 100/600 " in line and elapsed == 100 * step + epochs_begun * start
+    remaining = (steps - 100) * step + (math.ceil(steps / per_epoch) - epochs_begun) * start
+    assert abs(eta - remaining) <= 0.25 * remaining, line
 
-        def training_step(self, batch, batch_idx):
-            clock[0] += 1.0
-            return self.layer(batch).pow(2).mean()
 
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01)
+def test_progress_bar_writes_plain_lines_to_a_pipe(capfd):
+    """Output that is not a terminal (here pytest's capture) gets plain lines: no carriage
+    returns or escape codes, no ``0/?`` bars; the training count never goes back at an epoch
+    and ends at the run's total; each validation ends in one full count."""
+
+    class Validated(_Tiny):
+        def validation_step(self, batch, batch_idx):
+            self.log("val/score", 0.5, prog_bar=True)
 
     data = torch.utils.data.DataLoader(torch.randn(8, 2), batch_size=2)  # 4 steps per epoch
-    trainer = L.Trainer(max_steps=10, callbacks=[Probe()], logger=False, enable_checkpointing=False, enable_model_summary=False, accelerator="cpu")
-    trainer.fit(Tiny(), data)
-    assert {epoch for epoch, _, _ in rates} == {0, 1, 2}
-    assert all(total == 10 for _, total, _ in rates)
-    assert [rate for _, _, rate in rates] == pytest.approx([1.0] * 10)
+    trainer = L.Trainer(max_steps=10, callbacks=[StepProgressBar()], logger=False, enable_checkpointing=False, enable_model_summary=False,
+                        accelerator="cpu", num_sanity_val_steps=0)
+    trainer.fit(Validated(), data, data)  # validates after epochs 0 and 1
+    printed = capfd.readouterr()
+    log = printed.out + printed.err
+    assert "\r" not in log and "\x1b[" not in log and "/?" not in log
+    counts = [tuple(map(int, m.groups())) for m in re.finditer(r"^Epoch \d+: +\d+% (\d+)/(\d+) ", log, re.M)]
+    assert counts and {total for _, total in counts} == {10} and counts[-1][0] == 10
+    assert [n for n, _ in counts] == sorted(n for n, _ in counts)
+    assert len(re.findall(r"^Validation: 100% 4/4 ", log, re.M)) == 2
 
 
 @pytest.mark.parametrize("written, calibrated", [("refine", False), ("light", False), ("light", True)])

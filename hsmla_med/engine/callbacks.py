@@ -85,6 +85,12 @@ class ValidateFinalStep(L.Callback):
             trainer.check_val_every_n_epoch = None
 
 
+def _val_batches(trainer: L.Trainer) -> list:
+    """The batch count of each loader of the running validation (or sanity check)."""
+    batches = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
+    return batches if isinstance(batches, list) else [batches]
+
+
 class _Lines:
     """A text stream for tqdm that turns its redraws into plain lines: tqdm always draws by
     carriage return (``\\r`` + text + blank padding, and ``\\r`` again on close), which a pipe or
@@ -149,13 +155,12 @@ class StepProgressBar(TQDMProgressBar):
 
     def init_validation_tqdm(self) -> Tqdm:
         trainer = self.trainer
-        has_main_bar = trainer.state.fn != "validate"  # trainer.validate() draws no training bar
-        batches = trainer.num_val_batches
-        return self._bar(self.validation_description, sum(batches) if isinstance(batches, list) else batches,
-                         2 * self.process_position + has_main_bar, leave=not has_main_bar)
+        has_main_bar = trainer.state.fn == "fit" and not trainer.sanity_checking  # below the training bar
+        desc = self.sanity_check_description if trainer.sanity_checking else self.validation_description
+        return self._bar(desc, sum(_val_batches(trainer)), 2 * self.process_position + has_main_bar, leave=not has_main_bar)
 
     def on_train_epoch_start(self, trainer: L.Trainer, *_) -> None:
-        self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}", refresh=False)
+        self.train_progress_bar.set_description_str(f"Epoch {trainer.current_epoch}", refresh=False)
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         if self._train_progress_bar is not None:
@@ -165,16 +170,23 @@ class StepProgressBar(TQDMProgressBar):
     def on_train_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.train_progress_bar.set_postfix(self.get_metrics(trainer, module), refresh=False)  # shown at the next drawing
 
-    def on_validation_batch_start(self, trainer: L.Trainer, *args, **kwargs) -> None:
-        if trainer.sanity_checking:  # Lightning's sanity bar learns its total here; ours knows it from the start
-            super().on_validation_batch_start(trainer, *args, **kwargs)
+    # Lightning draws the sanity check's bar before its loaders (and so its total) are known and
+    # closes it again at the check's end; here the validation hooks, which run in the check too,
+    # draw and close it like any validation bar.
+    def on_sanity_check_start(self, *_) -> None:
+        pass
+
+    def on_sanity_check_end(self, *_) -> None:
+        pass
+
+    def on_validation_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.val_progress_bar = self.init_validation_tqdm()
+
+    def on_validation_batch_start(self, *_, **__) -> None:
+        pass  # Lightning resets its bar here, per loader, to learn that loader's total
 
     def on_validation_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
-        if trainer.sanity_checking:
-            return super().on_validation_batch_end(trainer, module, outputs, batch, batch_idx, dataloader_idx)
-        batches = trainer.num_val_batches
-        before = sum(batches[:dataloader_idx]) if isinstance(batches, list) else 0
-        self._advance(self._val_progress_bar, before + batch_idx + 1)
+        self._advance(self._val_progress_bar, sum(_val_batches(trainer)[:dataloader_idx]) + batch_idx + 1)
 
     def get_metrics(self, trainer: L.Trainer, module: L.LightningModule) -> dict:
         metrics = super().get_metrics(trainer, module)

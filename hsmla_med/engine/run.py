@@ -90,7 +90,8 @@ def build_trainer(trainer_cfg: dict, output: Path, callbacks: list | None = None
     Training lasts ``max_steps`` optimizer steps or ``max_epochs`` epochs (100 when neither is
     set); a value below 1 raises :class:`~hsmla_med.errors.ConfigError`. Checkpoints are written
     atomically (:class:`~hsmla_med.engine.checkpoint.AtomicCheckpointIO`); the progress bar, when
-    enabled, counts steps when training by steps (:class:`StepProgressBar`).
+    enabled, counts the run's optimizer steps, and prints plain lines where standard output is not
+    a terminal (:class:`StepProgressBar`).
     """
     max_steps, max_epochs = _limit(trainer_cfg, "max_steps"), _limit(trainer_cfg, "max_epochs")
     check_trainer_config(trainer_cfg)
