@@ -680,7 +680,10 @@ def main(argv: list[str] | None = None) -> int:
                     "Checkpoint directory .* exists and is not empty"):
         warnings.filterwarnings("ignore", message=message)
     from hsmla_med.errors import find_input_error
-    from hsmla_med.runtime import tune_cpu_allocator
+    from hsmla_med.runtime import configure_cpu_threads, tune_cpu_allocator
+
+    if "torch" not in sys.modules:  # (main() called again in one process, by tests or a notebook: too late)
+        configure_cpu_threads()  # OpenMP's waiting and thread count, which it reads once, when torch loads
 
     commands = {
         "train": lambda: _train(_config(args), args.resume),

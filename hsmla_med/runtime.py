@@ -1,5 +1,16 @@
 """Process-wide CPU settings that the command line applies before it runs a network.
 
+Threads and waiting (:func:`configure_cpu_threads`, applied by ``hsmla-med`` before torch
+loads). PyTorch's CPU build runs its parallel regions on GNU OpenMP (``libgomp``), whose
+threads spin at every barrier before they sleep. An HSMLA network runs many short regions, so
+when other processes use the cores a spinning thread waits for one the kernel has descheduled,
+and every barrier costs a time slice (issue 34: HSMLA-B2 at 512^2 took 2.2-4.0 s beside other
+PyTorch work instead of 107 ms). The spin is bounded with ``GOMP_SPINCOUNT``, and the thread
+count follows the CPUs the process may use (its affinity and its cgroup's CPU quota, which
+OpenMP ignores). libgomp reads its environment once, when torch loads it: a library user who
+imports torch first sets these variables in the shell or calls :func:`configure_cpu_threads`
+before ``import torch``.
+
 PyTorch's CPU allocator keeps no cache: every tensor is a fresh ``malloc``. glibc serves large
 blocks (above a threshold that adapts up to 32 MiB) with new ``mmap`` regions and gives freed
 memory back to the system, so every forward pass page-faults and zero-fills its large maps again.
@@ -12,11 +23,15 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import os
+import sys
+import warnings
+from pathlib import Path
 
 from hsmla_med.errors import ConfigError
 
-__all__ = ["tune_cpu_allocator"]
+__all__ = ["tune_cpu_allocator", "available_cpus", "configure_cpu_threads", "SPIN_COUNT", "APPLIED"]
 
 # glibc mallopt parameters
 _M_TOP_PAD, _M_MMAP_THRESHOLD = -2, -3
@@ -62,3 +77,71 @@ def tune_cpu_allocator(top_pad: int | None = None) -> bool:
         return bool(libc.mallopt(_M_TOP_PAD, pad) and libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(_MMAP_THRESHOLD_MAX)))
     except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS): leave the allocator alone
         return False
+
+
+#: ``GOMP_SPINCOUNT`` that hsmla-med sets where the environment leaves OpenMP's waiting to its
+#: default (libgomp's 300000 spins, a few hundred microseconds): chosen from
+#: ``hsmla-med bench --only contention`` (docs/benchmarks.md, "CPU contention")
+SPIN_COUNT = 10000
+#: variables through which a user (or a launcher) already decided how OpenMP threads wait
+_WAIT_VARIABLES = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "KMP_BLOCKTIME")
+#: what :func:`configure_cpu_threads` set in this process's environment (the contention
+#: benchmark starts its neighbours without it)
+APPLIED: dict[str, str] = {}
+_CGROUP = Path("/sys/fs/cgroup")
+
+
+def _cgroup_quota(root: Path = _CGROUP) -> float | None:
+    """CPUs allowed by the process's cgroup quota: cgroup v2 ``cpu.max`` ("QUOTA PERIOD" or
+    "max PERIOD"), else v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``; ``None`` when
+    unlimited or unreadable. (Read by hand: neither os nor PyTorch reads cgroup quotas.)"""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def available_cpus(root: Path = _CGROUP) -> int:
+    """The CPUs this process can use: those of its affinity mask, capped by its cgroup's CPU
+    quota (rounded up: a quota of 1.5 CPUs keeps two threads busy part of the time), at least 1."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = _cgroup_quota(root)
+    return max(1, min(cpus, math.ceil(quota)) if quota is not None else cpus)
+
+
+def configure_cpu_threads(environ=None, root: Path = _CGROUP) -> dict[str, str]:
+    """Set, where ``environ`` (default ``os.environ``) does not already, how OpenMP threads wait
+    (``GOMP_SPINCOUNT`` = :data:`SPIN_COUNT`, unless ``GOMP_SPINCOUNT``, ``OMP_WAIT_POLICY`` or
+    ``KMP_BLOCKTIME`` is set) and how many there are (``OMP_NUM_THREADS`` = :func:`available_cpus`,
+    only when a cgroup quota or the affinity mask leaves fewer CPUs than the machine has and
+    ``OMP_NUM_THREADS`` is unset). ``HSMLA_MED_CPU_DEFAULTS=0`` turns both off.
+
+    Effective only before torch (libgomp) loads; called later it warns and changes nothing.
+
+    Returns:
+        the variables it set.
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get("HSMLA_MED_CPU_DEFAULTS", "1") == "0":
+        return {}
+    if environ is os.environ and "torch" in sys.modules:
+        warnings.warn("hsmla_med.runtime.configure_cpu_threads: torch is already loaded, so OpenMP keeps its settings; "
+                      "call it before importing torch", RuntimeWarning, stacklevel=2)
+        return {}
+    applied = {}
+    if not any(name in environ for name in _WAIT_VARIABLES):
+        applied["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
+    cpus = available_cpus(root)
+    if "OMP_NUM_THREADS" not in environ and cpus < (os.cpu_count() or cpus):
+        applied["OMP_NUM_THREADS"] = str(cpus)
+    environ.update(applied)
+    if environ is os.environ:
+        APPLIED.update(applied)
+    return applied

@@ -40,3 +40,103 @@ def test_a_non_numeric_top_pad_is_one_line(capsys, monkeypatch, tmp_path, value)
     monkeypatch.setenv("HSMLA_MED_MALLOC_TOP_PAD", value)
     line = cli_error(capsys, ["export", "--checkpoint", str(tmp_path / "none.ckpt"), "--format", "onnx", "--output", str(tmp_path / "out")])
     assert line == f"hsmla-med: error: HSMLA_MED_MALLOC_TOP_PAD={value!r}: not a whole number of bytes (0 keeps glibc's behaviour)"
+
+
+def _cgroup(tmp_path, files: dict) -> "Path":
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+@pytest.mark.parametrize("files, quota", [
+    ({"cpu.max": "150000 100000\n"}, 1.5),  # cgroup v2: 1.5 CPUs
+    ({"cpu.max": "max 100000\n"}, None),  # v2, unlimited
+    ({"cpu/cpu.cfs_quota_us": "50000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 0.5),  # v1
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),  # v1, unlimited
+    ({"cpu.max": "garbage\n"}, None),
+    ({}, None),
+])
+def test_cpus_follow_the_affinity_and_the_cgroup_quota(tmp_path, files, quota):
+    import math
+    import os
+
+    from hsmla_med.runtime import _cgroup_quota, available_cpus
+
+    root = _cgroup(tmp_path, files)
+    assert _cgroup_quota(root) == quota
+    affinity = len(os.sched_getaffinity(0))
+    assert available_cpus(root) == (affinity if quota is None else max(1, min(affinity, math.ceil(quota))))
+
+
+def test_cpu_thread_settings_respect_the_users_environment(tmp_path, monkeypatch):
+    import os
+
+    from hsmla_med.runtime import SPIN_COUNT, configure_cpu_threads
+
+    one_cpu = _cgroup(tmp_path / "one", {"cpu.max": "100000 100000"})
+    unlimited = _cgroup(tmp_path / "max", {"cpu.max": "max 100000"})
+    env = {}
+    expected = {"GOMP_SPINCOUNT": str(SPIN_COUNT), **({"OMP_NUM_THREADS": "1"} if (os.cpu_count() or 1) > 1 else {})}
+    assert configure_cpu_threads(env, one_cpu) == expected and env == expected
+    assert configure_cpu_threads(env := {}, unlimited) == {"GOMP_SPINCOUNT": str(SPIN_COUNT)} or len(os.sched_getaffinity(0)) < os.cpu_count()
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "KMP_BLOCKTIME"):  # the user decided how threads wait
+        env = {name: "7", "OMP_NUM_THREADS": "3"}
+        assert configure_cpu_threads(env, one_cpu) == {} and env == {name: "7", "OMP_NUM_THREADS": "3"}
+    assert configure_cpu_threads({"HSMLA_MED_CPU_DEFAULTS": "0"}, one_cpu) == {}
+    import torch  # noqa: F401 - loaded: too late for OpenMP's settings
+
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    with pytest.warns(RuntimeWarning, match="torch is already loaded"):
+        assert configure_cpu_threads() == {}
+    assert "GOMP_SPINCOUNT" not in os.environ
+
+
+_CLI_CHILD = """
+import os, sys
+import hsmla_med.runtime as runtime
+seen = []
+original = runtime.configure_cpu_threads
+runtime.configure_cpu_threads = lambda *a, **k: seen.append("torch" in sys.modules) or original(*a, **k)
+from hsmla_med.cli import main
+code = main(["infer", "--checkpoint", sys.argv[1], "--input", "x", "--output", sys.argv[2]])  # reads the file with torch
+print(code, seen, os.environ.get("GOMP_SPINCOUNT"), "torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("user", [None, "123"])
+def test_the_cli_sets_openmp_before_torch_loads(tmp_path, user):
+    """``hsmla-med`` applies the thread settings before torch (libgomp) loads, and keeps a
+    user's own GOMP_SPINCOUNT."""
+    import os
+
+    from hsmla_med.runtime import SPIN_COUNT
+
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "KMP_BLOCKTIME")}
+    if user is not None:
+        env["GOMP_SPINCOUNT"] = user
+    out = subprocess.run([sys.executable, "-c", _CLI_CHILD, str(tmp_path / "missing.ckpt"), str(tmp_path / "out")], env=env,
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["2", "[False]", user or str(SPIN_COUNT), "True"]
+
+
+def test_cpu_processes_share_the_cpus(monkeypatch):
+    """ShareCPUs: N CPU processes of one node run available_cpus() // N threads each."""
+    import types
+
+    import torch
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    from hsmla_med.engine import distributed
+
+    threads = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(distributed, "available_cpus", lambda: 8)
+    try:
+        distributed.ShareCPUs().setup(types.SimpleNamespace(accelerator=CPUAccelerator(), num_devices=3), None, "predict")
+        assert torch.get_num_threads() == 2
+        torch.set_num_threads(5)
+        distributed.ShareCPUs().setup(types.SimpleNamespace(accelerator=CPUAccelerator(), num_devices=1), None, "fit")
+        assert torch.get_num_threads() == 5  # one process keeps the threads it has
+    finally:
+        torch.set_num_threads(threads)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from hsmla_med.bench import gpu, learning
+from hsmla_med.bench import contention, gpu, learning
 from hsmla_med.bench.common import Parser, markdown, out_folder, positive_int, write_csv
 from hsmla_med.bench.layers import LAYER_KINDS, bench_layer
 from hsmla_med.bench.models import bench_endovis, bench_models
@@ -63,6 +63,8 @@ _TABLES = {
     "volume": ("btcv inference on one 512x512x300 CT, 14 classes, HSMLA-B0 (peak resident memory); the same CT as a DICOM series into a DICOM SEG:", _volume),
     "processes": ("btcv inference of 8 synthetic volumes, one process vs two DDP processes (CPU, gloo):", _processes),
     "endovis": ("EndoVis 2017 frames, 1024x1280 RGB (the standard crop), batch 1, 3 -> 8 channels:", lambda args: bench_endovis(args.runs)),
+    "contention": ("networks at --size^2, batch 1, quiet and beside 1 and 2 neighbouring PyTorch processes (2 threads each, matrix products), per OpenMP wait setting:",
+                   lambda args: contention.bench_contention(args)),
     "export": ("exported ONNX under onnxruntime (CPU) vs PyTorch eager with the C kernels, batch 1, 1 -> 14 channels:", lambda args: __import__("hsmla_med.bench.export", fromlist=["bench_export"]).bench_export(args.size, args.runs, args.threads)),
 }
 
@@ -103,12 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layer-channels", type=positive_int, default=128, help="channels of the benchmarked layer (a multiple of --head-dim)")
     parser.add_argument("--head-dim", type=positive_int, default=32, help="head width of the benchmarked layer")
     parser.add_argument(
-        "--only", choices=["models", "layers", "wsi", "endovis", "learning", "gpu", "volume", "processes", "export"],
-        help="run one table (gpu: networks on a CUDA GPU, inference 2D/3D and training (scripts/bench_kernels.py: the Triton kernels); wsi: whole-slide heatmap throughput against the forward passes alone; volume: peak memory of infer on a 512x512x300 CT, and as a 300-file DICOM series into a DICOM SEG against NIfTI; processes: infer of 8 volumes in one vs two DDP processes; endovis: frames/s of HSMLA-B0 vs SegFormer-B0 on 1024x1280 RGB frames; learning: networks trained and scored on MNI152 grey/white matter; none of these is part of the default run)",
+        "--only", choices=["models", "layers", "wsi", "endovis", "learning", "gpu", "volume", "processes", "export", "contention"],
+        help="run one table (contention: HSMLA-B0/B2, SegFormer-B2, SwinUNETR-2D and UNet quiet and beside 1 and 2 busy PyTorch processes, per OpenMP wait setting; gpu: networks on a CUDA GPU, inference 2D/3D and training (scripts/bench_kernels.py: the Triton kernels); wsi: whole-slide heatmap throughput against the forward passes alone; volume: peak memory of infer on a 512x512x300 CT, and as a 300-file DICOM series into a DICOM SEG against NIfTI; processes: infer of 8 volumes in one vs two DDP processes; endovis: frames/s of HSMLA-B0 vs SegFormer-B0 on 1024x1280 RGB frames; learning: networks trained and scored on MNI152 grey/white matter; none of these is part of the default run)",
     )
     parser.add_argument("--threads", type=positive_int, default=os.cpu_count(), help="torch CPU threads")
     learning.add_arguments(parser)
     gpu.add_arguments(parser)
+    contention.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.layer_channels % args.head_dim:
         parser.error(f"--layer-channels {args.layer_channels} is not a multiple of --head-dim {args.head_dim}")
@@ -122,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:  # (python -m hsmla_med.bench: hsmla-med itself reports it first)
         parser.error(str(err))
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-          f"{args.threads} threads, heap top pad {'on' if tuned else 'off'} (hsmla_med.runtime)")
+          f"{args.threads} threads, heap top pad {'on' if tuned else 'off'} (hsmla_med.runtime), "
+          f"OpenMP {', '.join(f'{k}={os.environ[k]}' for k in ('GOMP_SPINCOUNT', 'OMP_WAIT_POLICY', 'OMP_NUM_THREADS') if k in os.environ) or 'defaults'}, "
+          f"load average {os.getloadavg()[0]:.2f} (1 min) at the start")
     if args.only in _TABLES:
         title, table = _TABLES[args.only]
         print(title, flush=True)
@@ -148,6 +153,6 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + markdown(layers) + "\n")
     if models and layers:
         plot(args.out / "benchmarks.png", models, layers)
-    print(f"wrote CSV/PNG files into {args.out}")
+    print(f"wrote CSV/PNG files into {args.out}; load average {os.getloadavg()[0]:.2f} (1 min) at the end")
     return 0
 

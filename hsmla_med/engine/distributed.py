@@ -20,12 +20,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
+import lightning as L
 import torch
 import torch.distributed as dist
 
 from hsmla_med.errors import ConfigError
+from hsmla_med.runtime import available_cpus
 
-__all__ = ["START_TIMEOUT_ENV", "check_cpu_processes", "start_up_deadline"]
+__all__ = ["START_TIMEOUT_ENV", "check_cpu_processes", "start_up_deadline", "ShareCPUs"]
 
 #: seconds the processes of a run wait for each other to start (default 300)
 START_TIMEOUT_ENV = "HSMLA_MED_START_TIMEOUT"
@@ -41,10 +43,25 @@ def check_cpu_processes(accelerator: str, devices, option: str = "--devices") ->
     before they ever meet. ``accelerator``: as configured (``auto`` is the CPU without CUDA).
     """
     on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = available_cpus()
     if on_cpu and isinstance(devices, int) and not isinstance(devices, bool) and devices > cores:
         raise ConfigError(f"{option} {devices}: on the CPU each device is one process, and this machine has {cores} CPU core(s); "
                           f"give {option} {cores} or fewer")
+
+
+class ShareCPUs(L.Callback):
+    """Several CPU processes on one node (``--devices N --strategy ddp`` on the CPU) share its
+    CPUs: each runs ``available_cpus() // N`` threads, not PyTorch's default of one per CPU, so
+    that processes x threads does not exceed the CPUs (N processes each spinning on every CPU
+    slow all of them: issue 34). Applied in every process when the trainer sets up; an
+    ``OMP_NUM_THREADS`` of the user's is left alone. DataLoader workers run one thread each
+    (PyTorch's default in workers) beside them."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        from lightning.pytorch.accelerators import CPUAccelerator
+
+        if isinstance(trainer.accelerator, CPUAccelerator) and trainer.num_devices > 1 and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, available_cpus() // trainer.num_devices))
 
 
 def _timeout() -> float:

@@ -308,7 +308,7 @@ def run_prediction(
     Returns the paths this process wrote, those ``finish`` wrote (on the first process; else
     none) and whether this is the first process (the one that reports).
     """
-    from hsmla_med.engine.distributed import check_cpu_processes, start_up_deadline
+    from hsmla_med.engine.distributed import ShareCPUs, check_cpu_processes, start_up_deadline
     from hsmla_med.engine.run import _precision
 
     accelerator, devices = _accelerator(device, devices)
@@ -321,7 +321,7 @@ def run_prediction(
             num_nodes=num_nodes,
             precision=_precision({"precision": precision, "accelerator": accelerator}),
             logger=False,
-            callbacks=[writer := PredictionWriter(write, flush)],
+            callbacks=[writer := PredictionWriter(write, flush), ShareCPUs()],
             use_distributed_sampler=False,  # whole cases per process: PredictionDataModule splits them
             enable_progress_bar=False,
             enable_model_summary=False,

@@ -15,7 +15,7 @@ from lightning_utilities.core.imports import module_available
 
 from hsmla_med.engine.callbacks import MetricsWriter, StepProgressBar, ValidateFinalStep
 from hsmla_med.engine.checkpoint import AtomicCheckpointIO, exported_file, load_exported, read_hparams
-from hsmla_med.engine.distributed import check_cpu_processes, start_up_deadline
+from hsmla_med.engine.distributed import ShareCPUs, check_cpu_processes, start_up_deadline
 from hsmla_med.errors import ConfigError, DataError, InputError
 from hsmla_med.io import remove_stale_temporaries
 
@@ -112,7 +112,7 @@ def build_trainer(trainer_cfg: dict, output: Path, callbacks: list | None = None
         enable_progress_bar=progress_bar,
         enable_model_summary=False,
         logger=loggers or False,
-        callbacks=[*(callbacks or []), *([StepProgressBar()] if progress_bar else [])],
+        callbacks=[*(callbacks or []), *([StepProgressBar()] if progress_bar else []), ShareCPUs()],
         plugins=[AtomicCheckpointIO()],
     )
 

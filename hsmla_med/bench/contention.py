@@ -1,0 +1,119 @@
+"""CPU contention (``hsmla-med bench --only contention``, issue 34): networks timed quiet and
+beside 1 and 2 neighbouring PyTorch processes, under each of several OpenMP wait settings.
+
+OpenMP reads its settings once, when torch loads, so each setting runs in its own child process
+(``python -m hsmla_med.bench.contention``). A child builds HSMLA-B0/B2 (tau calibrated to
+alpha 0.3), SegFormer-B2, SwinUNETR-2D and MONAI's UNet, starts two neighbours (2 threads each,
+float32 matrix products in a loop, in the environment ``hsmla-med`` was given, without the
+settings it adds itself) and pauses them (SIGSTOP). Each round then runs every load level
+(0, 1, 2 neighbours resumed) and, at each, every network once, so load levels and networks
+interleave and drift in the host's own load moves them alike. Reported per setting and network:
+the median latency at each load level, the slowdown against its own quiet time, and the speed-up
+over SegFormer-B2 at each level. The neighbours are killed when the child ends, also on error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+from hsmla_med import runtime
+
+__all__ = ["add_arguments", "bench_contention", "settings"]
+
+MODELS = ("HSMLA-B0", "HSMLA-B2", "SegFormer-B2", "SwinUNETR-2D", "MONAI UNet")
+LOADS = (0, 1, 2)
+NEIGHBOUR = "import torch\ntorch.set_num_threads(2)\na = torch.randn(1024, 1024)\nprint('ready', flush=True)\nwhile True:\n    a @ a\n"
+_WAIT = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "KMP_BLOCKTIME")
+
+
+def add_arguments(parser) -> None:
+    g = parser.add_argument_group("contention benchmark (--only contention)")
+    g.add_argument("--contention-rounds", type=int, default=5, help="rounds over load levels and networks (default 5)")
+    g.add_argument("--spin-counts", type=int, nargs="*", default=[runtime.SPIN_COUNT],
+                   help=f"GOMP_SPINCOUNT values to compare besides libgomp's default and passive waiting (default {runtime.SPIN_COUNT}: hsmla-med's)")
+
+
+def settings(spin_counts: list[int]) -> dict[str, dict[str, str]]:
+    """The OpenMP wait settings compared: libgomp's default (no variable), each spin count, and
+    passive waiting (``OMP_WAIT_POLICY=PASSIVE``: sleep at once)."""
+    return {"libgomp default": {}, **{f"GOMP_SPINCOUNT={n}": {"GOMP_SPINCOUNT": str(n)} for n in spin_counts},
+            "OMP_WAIT_POLICY=PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"}}
+
+
+def _given_environment() -> dict[str, str]:
+    """The environment hsmla-med was started with: without the variables it set itself."""
+    return {k: v for k, v in os.environ.items() if k not in runtime.APPLIED}
+
+
+def bench_contention(args) -> list[dict]:
+    """One child process per setting; rows of (setting, network) with latencies and ratios."""
+    given = _given_environment()
+    rows = []
+    for name, variables in settings(args.spin_counts).items():
+        env = {**{k: v for k, v in given.items() if k not in _WAIT}, **variables}
+        print(f"  {name} ...", flush=True)
+        cmd = [sys.executable, "-m", "hsmla_med.bench.contention", str(args.size), str(args.contention_rounds), str(args.threads)]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"contention child ({name}) failed:\n{done.stderr[-2000:]}")
+        times = json.loads(done.stdout.strip().splitlines()[-1])
+        rows += _rows(name, times)
+    return rows
+
+
+def _rows(setting: str, times: dict[str, dict[str, list[float]]]) -> list[dict]:
+    median = {m: {load: statistics.median(times[m][str(load)]) for load in LOADS} for m in times}
+    rows = []
+    for model, by_load in median.items():
+        row = {"setting": setting, "model": model}
+        row.update({f"ms_{load}": round(by_load[load] * 1e3, 1) for load in LOADS})
+        row.update({f"slowdown_{load}": round(by_load[load] / by_load[0], 2) for load in LOADS[1:]})
+        row.update({f"x_segformer_b2_{load}": round(median["SegFormer-B2"][load] / by_load[load], 2) for load in LOADS})
+        rows.append(row)
+    return rows
+
+
+def _child(size: int, rounds: int, threads: int) -> dict[str, dict[str, list[float]]]:
+    """Latencies in seconds, per network and load level (the child process's work)."""
+    import torch
+
+    from hsmla_med.bench.models import build_models
+
+    torch.set_num_threads(threads)
+    x = torch.randn(1, 1, size, size)
+    makers = build_models(x)
+    models = {name: makers[name]().eval() for name in MODELS}
+    neighbours = [subprocess.Popen([sys.executable, "-c", NEIGHBOUR], stdout=subprocess.PIPE, text=True) for _ in range(max(LOADS))]
+    times = {name: {str(load): [] for load in LOADS} for name in MODELS}
+    try:
+        for p in neighbours:
+            p.stdout.readline()  # 'ready': torch loaded, the loop starts
+            os.kill(p.pid, signal.SIGSTOP)
+        with torch.inference_mode():
+            for model in models.values():
+                model(x), model(x)
+            for _ in range(rounds):
+                for load in LOADS:
+                    for i, p in enumerate(neighbours):
+                        os.kill(p.pid, signal.SIGCONT if i < load else signal.SIGSTOP)
+                    time.sleep(0.5)  # the resumed neighbours get going
+                    for name, model in models.items():
+                        start = time.perf_counter()
+                        model(x)
+                        times[name][str(load)].append(time.perf_counter() - start)
+    finally:
+        for p in neighbours:
+            p.kill()  # (SIGKILL ends a stopped process too)
+            p.wait()
+    return times
+
+
+if __name__ == "__main__":
+    size, rounds, threads = map(int, sys.argv[1:4])
+    print(json.dumps(_child(size, rounds, threads)))
