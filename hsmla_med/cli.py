@@ -668,6 +668,10 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.args = extra
+    # a line at a time into a pipe (| tee) as into a terminal: block-buffered, stdout would hold
+    # the per-case lines back until exit, behind the log lines on stderr that followed them
+    if callable(getattr(sys.stdout, "reconfigure", None)):  # (a notebook's stream has no buffering to set)
+        sys.stdout.reconfigure(line_buffering=True)
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("hsmla-med: %(message)s"))
     log.addHandler(handler)

@@ -317,7 +317,7 @@ def infer(
             written.append(write_seg(labels, case["dicom_files"], module.label_names, case["output"], algorithm))
         elif seg:
             options.progress(f"{source.name}: no foreground class predicted, no DICOM SEG written (a SEG holds at least one segment)")
-        options.progress(f"{source.name} {tuple(shape)}: {', '.join(p.name for p in written)}")
+        options.progress(f"{source.name}: {'x'.join(map(str, shape[:3]))} voxels -> {', '.join(map(str, written))}")
         return written
 
     def review_queue() -> list[Path]:

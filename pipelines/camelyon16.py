@@ -523,7 +523,8 @@ class SlideHeatmaps(_SlideSink):
         }
         self.clock = now
         write_json(slide["output"], record)  # last: it marks the slide done
-        self.progress(f"{Path(slide['slide']).name}: score {record['score']:.3f}, {record['patches']} patches, {record['seconds']:.1f} s")
+        self.progress(f"{Path(slide['slide']).name}: slide score {record['score']:.3f}, {record['patches']} patches, {record['seconds']:.1f} s "
+                      f"-> {paths[0]}, {slide['output']}")
         slide.update(prob=None, alpha=None)
         return [*paths, slide["output"]]
 
@@ -590,7 +591,7 @@ class SlideFeatures(_SlideSink):
         with atomic_path(slide["output"]) as tmp, h5py.File(tmp, "w") as f:  # closed before the rename
             f.create_dataset("features", data=features).attrs.update({"name": stem, "encoder": self.encoder})
             f.create_dataset("coords", data=np.asarray(grid["coords"], np.int64).reshape(-1, 2)).attrs.update(coords)
-        self.progress(f"{Path(slide['slide']).name}: {len(features)} patches x {self.width} features")
+        self.progress(f"{Path(slide['slide']).name}: {len(features)} patches x {self.width} features -> {pt}, {slide['output']}")
         slide["features"] = None
         return [pt, slide["output"]]
 

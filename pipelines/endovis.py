@@ -192,22 +192,28 @@ def infer(
         path = output_path(frame, output)
         items.append({"name": str(path.relative_to(output)), "frame": str(frame), "output": path, "inference": inference})
 
-    predicted = []
+    # per video (instrument_dataset_K, or the folder of loose frames) and its output folder: the
+    # frames this process segmented, and their seconds (each since the write before it)
+    videos: dict[tuple[str, Path], tuple[int, float]] = {}
+    clock = time.perf_counter()
 
     def write(case: dict) -> list[Path]:
-        predicted.append(case["name"])
+        nonlocal clock
         mask = module.labels_in_frame(case["probs"], case["box"], case["shape"]).numpy()
         case["output"].parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(case["output"]) as tmp:
             Image.fromarray(mask).save(tmp, format="PNG")
+        now = time.perf_counter()
+        key = (Path(case["name"]).parent.name or Path(case["frame"]).parent.name, case["output"].parent)
+        count, seconds = videos.get(key, (0, 0.0))
+        videos[key], clock = (count + 1, seconds + now - clock), now
         return [case["output"]]
 
-    started = time.perf_counter()
     transform = FrameForInference(cfg["data"]["crop"], options.crop, cfg["data"]["size"])
     written = predict_cases(module, items, transform, write, options, folder=output)
-    seconds = time.perf_counter() - started
-    options.progress(f"endovis: {len(predicted)} frame(s) segmented by this process, {len(predicted) / seconds:.2f} frames/s "
-                     f"({options.device}, input {cfg['data']['size']})")
+    for (video, folder), (count, seconds) in videos.items():
+        options.progress(f"{video}: {count} frame(s) segmented by this process, {count / seconds:.2f} frames/s "
+                         f"({options.device}, input {cfg['data']['size']}) -> {folder}")
     return written
 
 

@@ -247,7 +247,7 @@ def infer(
         rows = [[case["name"], *np.round(c[:3], 3).tolist(), round(float(c[3]), 5)] for c in found]
         folder.mkdir(parents=True, exist_ok=True)
         _write_csv(case["output"], rows)
-        options.progress(f"{case['name']}: {len(found)} candidate(s)")
+        options.progress(f"{case['name']}: {len(found)} candidate(s) -> {case['output']}")
         return [case["output"]]
 
     def merge() -> list[Path]:

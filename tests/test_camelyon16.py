@@ -4,6 +4,8 @@ heatmap export with a stub classifier, and a short training run through the CLI.
 from __future__ import annotations
 
 import json
+import warnings
+from pathlib import Path
 
 import numpy as np
 import openslide
@@ -265,10 +267,14 @@ def test_slide_without_a_tissue_patch_warns_and_scores_zero(slides, tmp_path, ca
     config = _config(slides, patch_size=2048, stride=2048)  # the synthetic slides are 1536 x 1024
     slide = camelyon16.datalist(config).test[0]["slide"]
     module = ClassificationModule(camelyon16.module_config(config, {"variant": "b0"}, camelyon16.LABELS), network=DarkIsTumour())
-    with caplog.at_level("WARNING"):
-        record, _slide_csv = camelyon16.infer(module, slide, tmp_path, InferenceOptions(progress=lambda _: None))
-    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert len(warnings) == 1 and slide in warnings[0] and "heatmap is empty" in warnings[0]
+    lines = []
+    with caplog.at_level("WARNING"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        record, _slide_csv = camelyon16.infer(module, slide, tmp_path, InferenceOptions(progress=lines.append))
+    logged = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(logged) == 1 and slide in logged[0] and "heatmap is empty" in logged[0]
+    assert not [w for w in caught if "length" in str(w.message)]  # no predict loop run on an empty loader (Lightning's warning)
+    assert lines[0].startswith(f"{Path(slide).name}: slide score 0.000, 0 patches") and lines[0].endswith(f"-> {tmp_path / f'{record.stem}_heatmap.tif'}, {record}")
     info = json.loads(record.read_text())
     assert info["patches"] == 0 and info["score"] == 0
     heat = openslide.OpenSlide(str(tmp_path / f"{record.stem}_heatmap.tif"))

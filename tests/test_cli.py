@@ -196,7 +196,8 @@ def test_train_3d_then_infer_through_the_cli(tmp_path, capsys):
     assert main(["infer", "--task", "btcv", "--checkpoint", str(run / "best.ckpt"), "--input", str(source),
                  "--output", str(tmp_path / "pred"), "--tta"]) == 0
     out = capsys.readouterr().out
-    assert "img0001.nii.gz (" in out and "1 output file(s)" in out and out.rstrip().endswith("img0001.nii.gz")
+    assert f"img0001.nii.gz: 40x36x12 voxels -> {tmp_path / 'pred' / 'img0001.nii.gz'}" in out.splitlines()
+    assert "1 output file(s)" in out and out.rstrip().endswith("img0001.nii.gz")
     pred, ref = nib.load(str(tmp_path / "pred" / "img0001.nii.gz")), nib.load(str(source))
     assert pred.shape == ref.shape and np.allclose(pred.affine, ref.affine)
     assert "no NIfTI files" in _error(capsys, ["infer", "--task", "btcv", "--checkpoint", str(run / "best.ckpt"),

@@ -242,7 +242,10 @@ def test_infer_restores_frame_geometry(tmp_path):
     cropped = np.asarray(Image.open(written[1]))
     assert cropped.shape == (1024, 1280)
     np.testing.assert_array_equal(cropped, mask[28:1052, 320:1600])
-    assert "frames/s" in lines[-1] and "2 frame(s)" in lines[-1]
+    # one line per video, named, with its output folder
+    assert [line.split(" frame(s)")[0] for line in lines[-2:]] == ["instrument_dataset_9: 1", "flat: 1"]
+    assert lines[-2].endswith(f"-> {tmp_path / 'out' / 'instrument_dataset_9'}") and lines[-1].endswith(f"-> {tmp_path / 'out'}")
+    assert all("frames/s" in line for line in lines[-2:])
 
 
 def test_train_then_infer_through_the_cli(tmp_path, cache, capsys):

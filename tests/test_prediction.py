@@ -133,7 +133,7 @@ def test_two_processes_write_each_case_once_and_match_one(trained, tmp_path):
     out = _infer(ckpt, images, two, "--devices", "2", "--strategy", "ddp", "--precision", "32-true", subprocess_env=env)
     assert {k: v.tobytes() for k, v in _labels(two).items()} == {k: v.tobytes() for k, v in _labels(one).items()}
     # each process reports the cases it wrote: together all eight, none twice
-    written = [line.split()[0] for line in out.splitlines() if line.startswith("img") and ".nii.gz" in line]
+    written = [line.split(":")[0] for line in out.splitlines() if line.startswith("img") and ".nii.gz" in line]
     assert sorted(written) == sorted(_labels(one)) and len(written) == 8
     assert "GPU available" not in out and "LeafSpec" not in out  # Lightning's set-up notes are not ours to print
     assert not [p for p in two.iterdir() if "tmp" in p.name]
@@ -172,11 +172,14 @@ def test_luna16_candidates_per_scan_and_merge_after_resume(tmp_path):
     module.config["inference"]["candidate_threshold"] = 0.0  # an untrained network: one candidate per scan
     scans = sorted(find_scans(root).values())
     quiet = {"progress": lambda _: None}
-    full = luna16.infer(module, scans, tmp_path / "full", InferenceOptions(**quiet))
+    read = lambda path: sorted(map(tuple, csv.reader(path.open())))  # noqa: E731
+    lines = []
+    full = luna16.infer(module, scans, tmp_path / "full", InferenceOptions(progress=lines.append))
+    files = {scan.stem: tmp_path / "full" / "candidates" / f"{scan.stem}.csv" for scan in scans}
+    assert lines == [f"{stem}: {len(read(path)) - 1} candidate(s) -> {path}" for stem, path in files.items()]  # (rows below the header)
     first = luna16.infer(module, scans, tmp_path / "parts", InferenceOptions(shard=Shard(0, 2), **quiet))
     assert len(list((tmp_path / "parts" / "candidates").glob("*.csv"))) == 1 and first[-1].name == "submission.csv"
     luna16.infer(module, scans, tmp_path / "parts", InferenceOptions(shard=Shard(1, 2), **quiet))
-    read = lambda path: sorted(map(tuple, csv.reader(path.open())))  # noqa: E731
     merged = read(tmp_path / "parts" / "submission.csv")
     assert merged == read(full[-1])
     assert {row[0] for row in merged if row[0] != "seriesuid"} == {scan.stem for scan in scans}

@@ -42,7 +42,9 @@ def _channel_foreground(channel: np.ndarray) -> np.ndarray:
     top = np.percentile(channel, 99.9)
     clipped = np.minimum(channel, top)
     if clipped.min() < top:
-        return channel > threshold_otsu(clipped)
+        # flattened: Otsu's threshold depends on the histogram only (skimage flattens it too), and a
+        # volume whose last axis is 3 or 4 voxels long would be taken for an RGB image and warned about
+        return channel > threshold_otsu(clipped.reshape(-1))
     above = channel > top  # at least 99.9% of the voxels at the minimum: the rest is foreground
     return above if above.any() else np.ones(channel.shape, bool)  # a constant channel: all of it
 

@@ -1,5 +1,5 @@
 """Patch readers of whole-slide images: OpenSlide everywhere; tifffile for tiled TIFF-family
-slides; cuCIM where it is installed.
+slides; cuCIM where it is installed (imported only when a slide is read with it).
 
 Patches are the hot path of whole-slide inference (thousands per slide). OpenSlide pays, per
 region, for compositing the decoded tiles into a premultiplied ARGB canvas and converting it back;
@@ -16,7 +16,7 @@ whole pixels of a coarser level are rounded differently (OpenSlide resamples at 
 offset, the others start at the pixel below: a few grey levels); the patch grids of
 :func:`~hsmla_med.data.slides.patch_grid` at level 0, the heatmap default, never ask for those.
 
-``HSMLA_MED_SLIDE_READER`` chooses: ``auto`` (default: cuCIM, then tifffile, the first that
+``HSMLA_MED_SLIDE_READER`` chooses: ``auto`` (default: tifffile, then cuCIM, the first that
 opens the file, sees the pyramid OpenSlide sees and decodes a sample to the same bytes, else
 OpenSlide), ``openslide``, ``tifffile`` or ``cucim`` (an error naming the slide when that reader
 cannot read it).
@@ -35,6 +35,7 @@ import tifffile
 
 from hsmla_med.data.slides import open_slide, read_region
 from hsmla_med.errors import DataError
+from hsmla_med.quiet_cucim import cuimage, quiet_cuda_probe
 
 __all__ = ["READERS", "READER_ENV", "OpenSlidePatches", "TiffPatches", "CuCIMPatches", "open_patches", "requested_reader"]
 
@@ -42,7 +43,13 @@ log = logging.getLogger("hsmla_med")
 
 READERS = ("auto", "openslide", "tifffile", "cucim")
 READER_ENV = "HSMLA_MED_SLIDE_READER"
-_SAMPLE = 256  # side of the level-0 region both readers decode before auto takes cuCIM
+_SAMPLE = 256  # side of the level-0 region both readers decode before auto takes one
+# auto's order. tifffile first: through the whole heatmap it beat cuCIM in each of the three
+# paired rounds of docs/benchmarks.md (issue 30, session 18: 0.96 / 0.88 / 0.85 of the forward
+# passes' speed against cuCIM's 0.90 / 0.87 / 0.82; best runs 39.4 s against 42.1 s), though
+# cuCIM decodes a patch alone a little faster (0.41 ms against 0.47); and it is always installed,
+# while importing cuCIM starts its CUDA probing (hsmla_med.quiet_cucim)
+_AUTO_ORDER = ("tifffile", "cucim")
 
 
 def requested_reader() -> str:
@@ -167,13 +174,14 @@ class CuCIMPatches:
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
         try:
-            from cucim import CuImage
+            CuImage = cuimage()
         except ImportError as err:
             raise DataError(f"{self.path}: {READER_ENV}=cucim but cuCIM is not installed ({err})") from None
         if not Path(self.path).is_file():
             raise DataError(f"{self.path}: slide file not found")
         try:
-            self.image = CuImage(self.path)
+            with quiet_cuda_probe():  # the first slide loads cuCIM's slide plugin, which probes again
+                self.image = CuImage(self.path)
         except (RuntimeError, ValueError) as err:
             raise DataError(f"{self.path}: cuCIM cannot open the slide ({err})") from None
         resolutions = self.image.resolutions
@@ -209,8 +217,8 @@ class CuCIMPatches:
 
 def open_patches(path: str | Path, reader: str | None = None) -> OpenSlidePatches | TiffPatches | CuCIMPatches:
     """A patch reader of the slide at ``path``: ``reader`` (default :func:`requested_reader`)
-    ``openslide``, ``tifffile``, ``cucim``, or ``auto``, which takes the first of cuCIM and
-    tifffile that opens the file with the pyramid OpenSlide sees (levels and their sizes) and
+    ``openslide``, ``tifffile``, ``cucim``, or ``auto``, which takes the first of tifffile and
+    cuCIM that opens the file with the pyramid OpenSlide sees (levels and their sizes) and
     decodes a sample region to OpenSlide's bytes, and OpenSlide otherwise.
 
     Raises:
@@ -225,7 +233,7 @@ def open_patches(path: str | Path, reader: str | None = None) -> OpenSlidePatche
     if reader in faster:
         return faster[reader](path)
     fallback = OpenSlidePatches(path)  # opens or refuses the file with OpenSlide's clear errors
-    for name in ("cucim", "tifffile"):
+    for name in _AUTO_ORDER:
         try:
             patches = faster[name](path)
         except DataError as err:

@@ -221,19 +221,26 @@ class PredictionDataModule(L.LightningDataModule):
         self.items, self.transform = list(items), transform
         self.batch_size, self.num_workers, self.collate, self.expand = batch_size, num_workers, collate, expand
         self.share: list[dict] = self.items
+        self._data: Sequence | None = None
 
     def setup(self, stage: str) -> None:
         trainer = self.trainer
         if trainer is not None and trainer.world_size > 1:
             self.items = trainer.strategy.broadcast(self.items, src=0)
-            self.share = self.items[trainer.global_rank :: trainer.world_size]
+            self.share, self._data = self.items[trainer.global_rank :: trainer.world_size], None
         else:
             self.share = self.items
 
+    def data(self) -> Sequence:
+        """What this process's loader reads: its share of the items, expanded (once: expanding a
+        slide computes its tissue grid)."""
+        if self._data is None:
+            self._data = self.expand(self.share) if self.expand else self.share
+        return self._data
+
     def predict_dataloader(self) -> DataLoader:
-        data = self.expand(self.share) if self.expand else self.share
         return DataLoader(
-            Dataset(data, self.transform), batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
+            Dataset(self.data(), self.transform), batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
             collate_fn=self.collate, persistent_workers=False,
         )
 
@@ -328,12 +335,14 @@ def run_prediction(
             enable_checkpointing=False,
         )
         # several processes all enter the loop, where PredictionDataModule.setup gives every one
-        # rank 0's list: deciding here on each process's own list could leave one waiting alone
-        if data.items or trainer.world_size > 1:
+        # rank 0's list: deciding here on each process's own list could leave one waiting alone.
+        # One process skips a loop with nothing to read (slides without a tissue patch), which
+        # Lightning would run only to warn that its loader is empty.
+        if trainer.world_size > 1 or data.items and len(data.data()):
             with start_up_deadline(trainer):
                 trainer.predict(module, datamodule=data, return_predictions=False)
         else:
-            log.info("nothing to predict: every output exists")
+            log.info("nothing to predict: %s", "the inputs hold nothing to read" if data.items else "every output exists")
     if trainer.world_size > 1:
         trainer.strategy.barrier("prediction-written")
     finished = finish() if trainer.is_global_zero and finish is not None else []

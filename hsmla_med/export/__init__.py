@@ -281,7 +281,7 @@ def _other_sizes(network: nn.Module, in_channels: int, size: Sequence[int], rang
         inputs = [parity_inputs(in_channels, s, batches=(batch,), seed=1)[0] for s in sizes]
         try:
             return sizes, inputs, _reference(network, inputs), multiple
-        except RuntimeError:  # the network refuses one of these sizes
+        except (RuntimeError, ValueError):  # the network refuses one of these sizes (torch's shape errors; MONAI's own checks, e.g. SwinUNETR's multiples of 32)
             continue
     return [], [], [], None
 
