@@ -64,25 +64,27 @@ def test_tifffile_patches_of_a_deflate_slide_with_odd_sides_equal_openslide(tmp_
     reference.close()
 
 
-@needs_cucim
-def test_auto_takes_cucim_for_tiff_and_the_variable_decides(jpeg_slide, monkeypatch):
+def test_auto_takes_tifffile_for_tiff_and_the_variable_decides(jpeg_slide, monkeypatch):
     monkeypatch.delenv("HSMLA_MED_SLIDE_READER", raising=False)
-    assert isinstance(open_patches(jpeg_slide), CuCIMPatches)
+    assert isinstance(open_patches(jpeg_slide), TiffPatches)
     monkeypatch.setenv("HSMLA_MED_SLIDE_READER", "openslide")
     assert isinstance(open_patches(jpeg_slide), OpenSlidePatches)
-    monkeypatch.setenv("HSMLA_MED_SLIDE_READER", "cucim")
-    assert isinstance(open_patches(jpeg_slide), CuCIMPatches)
 
 
 @needs_cucim
-def test_auto_keeps_openslide_where_cucim_decodes_other_bytes(jpeg_slide, monkeypatch):
+def test_auto_takes_cucim_where_tifffile_decodes_other_bytes_and_the_variable_forces_it(jpeg_slide, monkeypatch):
     """A decoder that differs (colour conversion, chroma upsampling) must never change what the
-    network sees: auto checks a sample per slide."""
-    read = CuCIMPatches.read
-    monkeypatch.setattr(CuCIMPatches, "read", lambda self, *a: read(self, *a) ^ np.uint8(1))
+    network sees: auto checks a sample per slide and takes the next reader that agrees."""
+    read = TiffPatches.read
+    monkeypatch.setattr(TiffPatches, "read", lambda self, *a: read(self, *a) ^ np.uint8(1))
     monkeypatch.setenv("HSMLA_MED_SLIDE_READER", "auto")
-    assert isinstance(open_patches(jpeg_slide), TiffPatches)  # the next reader that agrees
-    monkeypatch.setattr(CuCIMPatches, "read", read)
+    assert isinstance(open_patches(jpeg_slide), CuCIMPatches)
+    cucim_read = CuCIMPatches.read
+    monkeypatch.setattr(CuCIMPatches, "read", lambda self, *a: cucim_read(self, *a) ^ np.uint8(1))
+    assert isinstance(open_patches(jpeg_slide), OpenSlidePatches)
+    monkeypatch.setattr(TiffPatches, "read", read)
+    monkeypatch.setattr(CuCIMPatches, "read", cucim_read)
+    monkeypatch.setenv("HSMLA_MED_SLIDE_READER", "cucim")
     assert isinstance(open_patches(jpeg_slide), CuCIMPatches)
 
 
