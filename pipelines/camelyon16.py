@@ -229,7 +229,7 @@ class ReadPatchd(MapTransform):
     :class:`~hsmla_med.engine.classification.ClassificationModule` scales on its device: a
     quarter of the bytes through the loader workers' shared memory and the host-to-device copy.
     Slides are opened lazily, once per process (DataLoader workers included), and only the
-    patch's region is read, by cuCIM where installed, else OpenSlide
+    patch's region is read, by tifffile or cuCIM where they agree with OpenSlide, else OpenSlide
     (:func:`~hsmla_med.data.patch_readers.open_patches`; ``HSMLA_MED_SLIDE_READER``); ``keep``
     bounds the handles held open (the least recently used closes first; inference reads slide
     after slide and keeps one)."""
