@@ -501,7 +501,7 @@ def _report(line: str) -> None:
 def _wsi(args, features: bool = False) -> list[Path]:
     """wsi-heatmap, or wsi-features with ``features``: the same slides, options and checks."""
     from hsmla_med.data.patch_readers import requested_reader
-    from hsmla_med.pipelines.camelyon16 import FEATURES_H5, FEATURES_PT, extract_features
+    from hsmla_med.pipelines.camelyon16 import FEATURES_H5, FEATURES_PT, SLIDE_CSV, extract_features
 
     requested_reader()  # a bad HSMLA_MED_SLIDE_READER is refused before any work
     task = get_task("camelyon16")
@@ -514,7 +514,8 @@ def _wsi(args, features: bool = False) -> list[Path]:
         _report(f"features of {len(written)} slide(s) in {output / FEATURES_H5} and {output / FEATURES_PT} (CLAM's layout)")
         return written
     written = task.predict(module, args.slide, output, options)
-    _report(f"heatmaps of {len(written)} slide(s) in {output}")
+    slides = [p for p in written if p.name != SLIDE_CSV]  # (the run's slide CSV is no slide)
+    _report(f"heatmaps of {len(slides)} slide(s) in {output}; slide scores in {output / SLIDE_CSV}")
     return written
 
 

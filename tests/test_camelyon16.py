@@ -200,6 +200,7 @@ def test_train_and_heatmaps_at_level_1_through_the_cli(slides, tmp_path, capsys)
     test_slides = slides / "data" / "testing" / "images"
     assert main(["wsi-heatmap", "--checkpoint", str(run / "best.ckpt"), "--slide", str(test_slides), "--output", str(heat),
                  "--level", "1", "--device", "cpu"]) == 0
+    assert f"heatmaps of {len(list(test_slides.glob('*.tif')))} slide(s) in {heat}; slide scores in {heat / 'slides.csv'}" in capsys.readouterr().out
     for path in sorted(test_slides.glob("*.tif")):
         info = json.loads((heat / f"{path.stem}.json").read_text())
         grid = camelyon16.slide_patches({"slide": str(path), "annotation": None, "label": 0}, task["data"])
