@@ -137,6 +137,10 @@ def test_two_processes_write_each_case_once_and_match_one(trained, tmp_path):
     assert sorted(written) == sorted(_labels(one)) and len(written) == 8
     assert "GPU available" not in out and "LeafSpec" not in out  # Lightning's set-up notes are not ours to print
     assert not [p for p in two.iterdir() if "tmp" in p.name]
+    # fewer cases than processes: the second has nothing to read, and waits for the first
+    single = tmp_path / "single"
+    _infer(ckpt, images / "img0003.nii.gz", single, "--devices", "2", "--strategy", "ddp", "--precision", "32-true", subprocess_env=env)
+    assert _labels(single)["img0003.nii.gz"].tobytes() == _labels(one)["img0003.nii.gz"].tobytes()
 
 
 # mixed precision: bfloat16 autocast on the CPU here; float16 on CUDA where a GPU is lent

@@ -222,6 +222,9 @@ class PredictionDataModule(L.LightningDataModule):
         self.batch_size, self.num_workers, self.collate, self.expand = batch_size, num_workers, collate, expand
         self.share: list[dict] = self.items
         self._data: Sequence | None = None
+        # a process may have nothing to read (fewer cases than processes, a resumed run, slides
+        # without tissue): it goes through the loop with an empty loader, which Lightning would refuse
+        self.allow_zero_length_dataloader_with_multiple_devices = True
 
     def setup(self, stage: str) -> None:
         trainer = self.trainer
