@@ -1,6 +1,8 @@
 """MONAI Bundles of hsmla-med export: MONAI's own runner writes the labels of hsmla-med infer
-voxel for voxel (BTCV NIfTI, EndoVis PNG frames); verify_net_in_out and verify_metadata pass
-(the latter against an offline copy of the meta schema's requirements: no download here)."""
+voxel for voxel (BTCV NIfTI, EndoVis PNG frames) and ends with a line naming the output folder,
+printed through the bundle's configs/logging.conf; verify_net_in_out and verify_metadata pass
+(the latter against an offline copy of the meta schema's requirements: no download here); the
+train config's network takes the exported weights and its recipe is a valid hsmla-med config."""
 
 from __future__ import annotations
 
@@ -38,12 +40,32 @@ SCHEMA = {
 }
 
 
-def _run_bundle(bundle, dataset, output):
-    """The Model Zoo's command, from the bundle folder."""
+def _run_bundle(bundle, dataset, output, written: str):
+    """The Model Zoo's command, from the bundle folder; its last log line (INFO, which only
+    the bundle's logging.conf sends to stdout) says what it wrote where."""
     command = [sys.executable, "-m", "monai.bundle", "run", "--config_file", "configs/inference.json", "--meta_file", "configs/metadata.json",
                "--dataset_dir", str(dataset), "--output_dir", str(output)]
     result = subprocess.run(command, cwd=bundle, capture_output=True, text=True, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.rstrip().endswith(f"bundle - INFO - {written} in {output.resolve()}"), result.stdout[-1000:]
+
+
+def _check_train_config(bundle, task: str):
+    """configs/train.json parses under MONAI's ConfigParser; its network_def is the exported
+    network's architecture (models/model.pt loads into it, strict); its recipe passes
+    hsmla-med's config validation, as hsmla-med train --config will read it."""
+    import torch
+    from monai.bundle import ConfigParser
+
+    from hsmla_med.config import validate_config
+
+    parser = ConfigParser(json.loads((bundle / "configs" / "train.json").read_text()))
+    parser["bundle_root"] = str(bundle)
+    network = parser.get_parsed_content("network_def")
+    network.load_state_dict(torch.load(bundle / "models" / "model.pt", weights_only=True))
+    recipe = parser.get_parsed_content("recipe")
+    assert recipe["task"] == task
+    validate_config(merge_config(task_config(task), recipe), "train.json#recipe")
 
 
 def _verify(bundle, tmp_path):
@@ -73,10 +95,12 @@ def test_btcv_bundle_matches_infer(tmp_path, kind):
     data = make_dataset(tmp_path / "data", cases=2, shape=(41, 35, 7), affines=[np.diag([1.5, 1.5, 2.0, 1.0]), flipped]) / "imagesTr"
     bundle = tmp_path / "bundle"
     assert main(["export", "--checkpoint", str(path), "--format", "bundle", "--output", str(bundle)]) == 0
-    for f in ("configs/inference.json", "configs/metadata.json", "models/model.ts", "models/model.pt", "docs/README.md"):
+    for f in ("configs/inference.json", "configs/train.json", "configs/logging.conf", "configs/metadata.json", "models/model.ts", "models/model.pt",
+              "docs/README.md"):
         assert (bundle / f).is_file(), f
     _verify(bundle, tmp_path)
-    _run_bundle(bundle, data, tmp_path / "by_bundle")
+    _check_train_config(bundle, "btcv")
+    _run_bundle(bundle, data, tmp_path / "by_bundle", "2 case(s) segmented; labels")
     assert main(["infer", "--task", "btcv", "--checkpoint", str(path), "--input", str(data), "--output", str(tmp_path / "by_infer"), "--device", "cpu"]) == 0
     assert main(["infer", "--task", "btcv", "--checkpoint", str(bundle), "--input", str(data), "--output", str(tmp_path / "by_folder"), "--device", "cpu"]) == 0
     cases = sorted(p.name for p in (tmp_path / "by_infer").glob("*.nii.gz"))
@@ -109,7 +133,8 @@ def test_endovis_bundle_matches_infer(tmp_path):
     bundle = tmp_path / "bundle"
     assert main(["export", "--checkpoint", str(path), "--format", "bundle", "--output", str(bundle)]) == 0
     _verify(bundle, tmp_path)
-    _run_bundle(bundle, tmp_path / "frames", tmp_path / "by_bundle")
+    _check_train_config(bundle, "endovis")
+    _run_bundle(bundle, tmp_path / "frames", tmp_path / "by_bundle", "3 frame(s) segmented; masks")
     assert main(["infer", "--task", "endovis", "--checkpoint", str(path), "--input", str(tmp_path / "frames"), "--output", str(tmp_path / "by_infer"), "--device", "cpu"]) == 0
     masks = sorted(p.relative_to(tmp_path / "by_infer") for p in (tmp_path / "by_infer").rglob("*.png"))
     assert len(masks) == 3 and sorted(p.relative_to(tmp_path / "by_bundle") for p in (tmp_path / "by_bundle").rglob("*.png")) == masks

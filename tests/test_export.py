@@ -1,6 +1,7 @@
 """hsmla-med export: ONNX and TorchScript graphs equal the PyTorch network within 1e-4 (float32)
 on odd sizes, with a dynamic batch (and, in ONNX, dynamic spatial axes: run at sizes other than
-the traced one); infer takes the TorchScript file; bad input is one line."""
+the traced one); infer takes the TorchScript file and the ONNX model, and the README's
+onnxruntime snippet writes what infer writes; bad input is one line."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from hsmla_med.config import model_config
+from hsmla_med.engine.checkpoint import quiet_torchscript
 from hsmla_med.nn import BACKENDS, HSMLASegNet
 from hsmla_med.pipelines import get_task
 from tests.conftest import cli_error, make_dataset, tiny_config
@@ -44,7 +46,10 @@ def _logits(network, x):
         return network.eval()(x).numpy()
 
 
-def test_onnx_and_torchscript_2d_odd_size(btcv_ckpt, tmp_path, capsys):
+# torch 2.13 deprecates torch.jit: export and infer keep TorchScript on purpose and say so
+# where they call it (engine.checkpoint.quiet_torchscript), so none of its warnings escapes
+@pytest.mark.filterwarnings(r"error:.*torch\.jit\.\w+. is deprecated:DeprecationWarning")
+def test_onnx_and_torchscript_2d_odd_size(btcv_ckpt, tmp_path, capsys, monkeypatch):
     import onnx
     import onnxruntime as ort
 
@@ -77,9 +82,50 @@ def test_onnx_and_torchscript_2d_odd_size(btcv_ckpt, tmp_path, capsys):
         y = torch.randn(2, 1, *other, generator=torch.Generator().manual_seed(8))
         out = session.run(None, {"image": y.numpy()})[0]
         assert out.shape == (2, 3, *other) and np.abs(out - _logits(module.network, y)).max() <= 1e-4
-    ts = torch.jit.load(str(tmp_path / "torchscript" / "model.ts"))
+    with quiet_torchscript():
+        ts = torch.jit.load(str(tmp_path / "torchscript" / "model.ts"))
     for batch in (x[:1], x):
         assert np.abs(_logits(ts, batch) - ref[: len(batch)]).max() <= 1e-4
+    _infer_from_onnx(tmp_path, monkeypatch, tmp_path / "onnx" / "model.onnx", tmp_path / "torchscript" / "model.ts")
+
+
+def _readme_onnx_snippet() -> str:
+    """The README's Python block that runs model.onnx without hsmla-med."""
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    section = text.split("### Running `model.onnx` without hsmla-med", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def _infer_from_onnx(tmp_path, monkeypatch, onnx_model, ts_model):
+    """infer --checkpoint model.onnx (no --task: the model's metadata names it) writes the labels
+    of the TorchScript file traced at the same size, and the README's snippet (onnxruntime and
+    MONAI alone) writes them too."""
+    import shutil
+
+    import nibabel as nib
+
+    from hsmla_med.cli import main
+
+    flipped = np.diag([-1.2, 1.5, 2.5, 1.0])
+    data = make_dataset(tmp_path / "data", cases=2, shape=(41, 35, 7), affines=[np.diag([1.5, 1.5, 2.0, 1.0]), flipped]) / "imagesTr"
+    for name, model in (("by_onnx", onnx_model), ("by_ts", ts_model)):
+        assert main(["infer", "--checkpoint", str(model), "--input", str(data), "--output", str(tmp_path / name), "--device", "cpu"]) == 0
+    snippet = tmp_path / "snippet"  # the folders the snippet names
+    (snippet / "export" / "onnx").mkdir(parents=True)
+    (snippet / "imagesTs").mkdir()
+    shutil.copy(onnx_model, snippet / "export" / "onnx" / "model.onnx")
+    shutil.copy(data / "img0001.nii.gz", snippet / "imagesTs" / "case.nii.gz")
+    monkeypatch.chdir(snippet)
+    exec(compile(_readme_onnx_snippet(), "README.md", "exec"), {})  # noqa: S102 -- the documented snippet under test
+    for name in ("img0000.nii.gz", "img0001.nii.gz"):
+        ours = np.asarray(nib.load(tmp_path / "by_onnx" / name).dataobj)
+        assert len(np.unique(ours)) > 1
+        np.testing.assert_array_equal(np.asarray(nib.load(tmp_path / "by_ts" / name).dataobj), ours, err_msg=name)
+    readme = nib.load(snippet / "preds" / "case.nii.gz")
+    np.testing.assert_array_equal(np.asarray(readme.dataobj), np.asarray(nib.load(tmp_path / "by_onnx" / "img0001.nii.gz").dataobj))
+    np.testing.assert_allclose(readme.affine, nib.load(data / "img0001.nii.gz").affine, atol=1e-5)
 
 
 def test_onnx_and_torchscript_3d_odd_size(tmp_path):
@@ -103,7 +149,9 @@ def test_onnx_and_torchscript_3d_odd_size(tmp_path):
     assert all(lo <= n and (hi is None or n < hi) for n, (lo, hi) in zip(size, ranges)), ranges
     y = torch.randn(1, 1, 30, 13, 24)
     assert np.abs(session.run(None, {"image": y.numpy()})[0] - _logits(net, y)).max() <= 1e-4
-    assert np.abs(_logits(torch.jit.load(str(tmp_path / "m.ts")), x) - ref).max() <= 1e-4
+    with quiet_torchscript():
+        ts = torch.jit.load(str(tmp_path / "m.ts"))
+    assert np.abs(_logits(ts, x) - ref).max() <= 1e-4
 
 
 def test_infer_from_torchscript_equals_checkpoint(btcv_ckpt, tmp_path):
@@ -145,7 +193,8 @@ def test_export_errors(btcv_ckpt, tmp_path, capsys):
     line = cli_error(capsys, ["infer", "--task", "btcv", "--checkpoint", str(tmp_path / "empty"), "--input", "x", "--output", out])
     assert "not a bundle of hsmla-med export" in line
     foreign = tmp_path / "foreign.ts"
-    torch.jit.save(torch.jit.trace(torch.nn.Conv2d(1, 1, 1), torch.zeros(1, 1, 4, 4)), str(foreign))
+    with quiet_torchscript():
+        torch.jit.save(torch.jit.trace(torch.nn.Conv2d(1, 1, 1), torch.zeros(1, 1, 4, 4)), str(foreign))
     assert exported_file(foreign) == foreign and exported_file(path) is None
     assert "without hsmla-med's hsmla_med.json" in cli_error(capsys, ["infer", "--task", "btcv", "--checkpoint", str(foreign), "--input", "x", "--output", out])
     assert not (tmp_path / "out" / "model.onnx").exists() and not (tmp_path / "out" / "model.ts").exists()
@@ -196,3 +245,71 @@ def test_onnx_of_a_monai_unet_checks_sizes_it_takes(tmp_path):
     x = torch.randn(2, 1, 44, 36, generator=torch.Generator().manual_seed(3))  # multiples of 4, neither checked
     session = ort.InferenceSession(str(tmp_path / "onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
     assert np.abs(session.run(None, {"image": x.numpy()})[0] - _logits(module.network, x)).max() <= 1e-4
+
+
+def test_onnx_refusals_are_one_line(btcv_ckpt, tmp_path, capsys, monkeypatch):
+    """infer --checkpoint x.onnx said the file 'holds Python objects beyond tensors'. Now a file
+    onnxruntime cannot read, an ONNX model without hsmla-med's metadata and a missing
+    onnxruntime are one line each, naming the file and the problem."""
+    import sys
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    out = str(tmp_path / "out")
+
+    def infer(model):
+        return ["infer", "--task", "btcv", "--checkpoint", str(model), "--input", "x", "--output", out]
+
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not a model")
+    assert f"{bad}: not a readable ONNX model" in cli_error(capsys, infer(bad))
+    foreign = tmp_path / "foreign.onnx"
+    value = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 1, 4, 4])  # noqa: E731
+    graph = helper.make_graph([helper.make_node("Identity", ["image"], ["logits"])], "identity", [value("image")], [value("logits")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), str(foreign))
+    assert f"{foreign}: an ONNX model without hsmla-med's metadata" in cli_error(capsys, infer(foreign))
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # what `import onnxruntime` meets where it is not installed
+    line = cli_error(capsys, infer(foreign))
+    assert f"--checkpoint {foreign}: an ONNX model runs under onnxruntime, which is not installed (pip install onnxruntime)" in line
+
+
+def test_onnx_export_of_a_network_that_refuses_the_size(tmp_path, capsys):
+    """A MONAI SwinUNETR at a window whose deepest map is one voxel: the parity reference died
+    with MONAI's ValueError traceback. Now one line, and nothing written."""
+    task = get_task("btcv")
+    config = tiny_config(tmp_path, tmp_path / "run")
+    config["data"]["roi_size_2d"] = [64, 64]
+    swin = {"monai": "SwinUNETR", "args": {"feature_size": 12}}
+    module = task.module_class(task.module_config(config, swin, ["background", "a", "b"]))
+    torch.save({"hyper_parameters": dict(module.hparams), "state_dict": module.state_dict(), "epoch": 0, "global_step": 0}, tmp_path / "swin.ckpt")
+    out = tmp_path / "onnx"
+    line = cli_error(capsys, ["export", "--checkpoint", str(tmp_path / "swin.ckpt"), "--format", "onnx", "--output", str(out), "--input-size", "32", "32"])
+    assert "--input-size 32 32: the SwinUNETR network does not take windows of this size" in line
+    assert not list(out.iterdir())
+
+
+class _Multiples32(torch.nn.Module):
+    """A network that takes multiples of 32 only and says so with a ValueError, as MONAI's
+    SwinUNETR does."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 2, 1)
+
+    def forward(self, x):
+        if any(s % 32 for s in x.shape[2:]):
+            raise ValueError(f"spatial dimensions {tuple(x.shape[2:])} must be divisible by 2**5")
+        return self.conv(x)
+
+
+def test_other_sizes_keep_the_multiple_within_the_proved_range():
+    """SwinUNETR exported at 64 x 64 (range proved: 58..113): the ValueError of 69 x 69 killed the
+    export, and then the smaller size fell to the range's minimum, 58, no multiple of anything,
+    so the report claimed 'multiples of 64 only' with no other size checked. The multiple it
+    takes is 32 and 96 x 96 is checked."""
+    from hsmla_med.export import _other_sizes
+
+    sizes, inputs, logits, multiple = _other_sizes(_Multiples32(), 1, (64, 64), [[58, 113], [58, 113]], 2)
+    assert (sizes, multiple) == ([(96, 96)], 32)
+    assert inputs[0].shape == (2, 1, 96, 96) and logits[0].shape == (2, 2, 96, 96)

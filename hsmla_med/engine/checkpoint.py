@@ -1,5 +1,6 @@
 """Checkpoint files that survive any kill: written beside their final name and renamed; and
-inference from an exported network (a TorchScript file or a MONAI Bundle of ``hsmla-med export``).
+inference from an exported network (a TorchScript file, a MONAI Bundle or an ONNX model of
+``hsmla-med export``).
 
 Lightning's own :class:`~lightning.pytorch.plugins.io.TorchCheckpointIO` writes through an fsspec
 transaction: a temporary file in ``$TMPDIR``, then moved onto the checkpoint's name. When
@@ -14,6 +15,7 @@ import os
 import pickle
 import warnings
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from hsmla_med.errors import DataError
 from hsmla_med.io import atomic_path
 
-__all__ = ["AtomicCheckpointIO", "EXPORT_META", "FORMAT_VERSION", "exported_file", "load_exported", "read_hparams"]
+__all__ = ["AtomicCheckpointIO", "EXPORT_META", "FORMAT_VERSION", "exported_file", "load_exported", "quiet_torchscript", "read_hparams"]
 
 #: extra file of an exported TorchScript network holding its checkpoint's hyper-parameters
 EXPORT_META = "hsmla_med.json"
@@ -98,10 +100,13 @@ def read_hparams(path: str | Path) -> dict:
 
 
 def exported_file(path: str | Path) -> Path | None:
-    """The TorchScript file behind ``infer --checkpoint PATH`` when ``PATH`` is an exported
-    network: a bundle folder (its ``models/model.ts``) or a TorchScript archive (a zip with
-    ``code/``, which ``torch.save`` checkpoints lack); ``None`` for anything else."""
+    """The file behind ``infer --checkpoint PATH`` when ``PATH`` is an exported network: a
+    bundle folder (its ``models/model.ts``), a TorchScript archive (a zip with ``code/``, which
+    ``torch.save`` checkpoints lack) or an ONNX model (``*.onnx``, which onnxruntime reads:
+    :mod:`hsmla_med.export.runtime`); ``None`` for anything else."""
     path = Path(path)
+    if path.suffix.lower() == ".onnx" and path.is_file():
+        return path
     if path.is_dir():
         ts = path / "models" / "model.ts"
         if not ts.is_file():
@@ -118,34 +123,34 @@ def exported_file(path: str | Path) -> Path | None:
 
 
 def load_exported(path: str | Path, module_class, task: str | None = None, inference: dict | None = None):
-    """The task module around an exported TorchScript network (``path``: a ``.ts`` file or a
-    bundle folder of ``hsmla-med export``), rebuilt from the hyper-parameters it carries
-    (:data:`EXPORT_META`): eval mode, CPU. ``task`` refuses a network of another task;
+    """The task module around an exported network (``path``: a ``.ts`` file, a bundle folder or
+    a ``.onnx`` model of ``hsmla-med export``, :func:`exported_file`), rebuilt from the
+    hyper-parameters it carries (:data:`EXPORT_META`; an ONNX model's ``metadata_props``): eval
+    mode, CPU. ``task`` refuses a network of another task;
     ``inference`` overrides the checkpoint's inference settings (``tta``). Returns the module
     and ``{"epoch": None, "step": None, "exported": file}``.
 
-    The network takes windows of its exported size only (``inference.roi_size``, which the
-    sliding window feeds); its HSMLA layers run the dense backend.
+    The sliding window feeds it windows of its exported size (``inference.roi_size``), the
+    only size a TorchScript network takes; its HSMLA layers run the dense backend. An ONNX
+    model runs under onnxruntime on the CPU.
     """
-    import torch
-
     path = Path(path)
     ts = exported_file(path)
     if ts is None:
         raise DataError(f"{path}: not a TorchScript file of hsmla-med export")
-    extra = {EXPORT_META: ""}
+    if ts.suffix.lower() == ".onnx":
+        from hsmla_med.export.runtime import onnx_network
+
+        network, meta = onnx_network(ts)
+        kind, carrier = "an ONNX model", "metadata"
+    else:
+        network, meta = _torchscript(ts)
+        kind, carrier = "a TorchScript file", EXPORT_META
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.jit.load. is deprecated", category=DeprecationWarning)
-            network = torch.jit.load(str(ts), map_location="cpu", _extra_files=extra)
-    except Exception as err:
-        raise DataError(f"{ts}: not a readable TorchScript file ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
-    try:
-        meta = json.loads(extra[EXPORT_META] or "null")
         config = meta["hparams"]
         int(meta["format_version"])
-    except (ValueError, TypeError, KeyError):
-        raise DataError(f"{ts}: a TorchScript file without hsmla-med's {EXPORT_META} (export it with hsmla-med export)") from None
+    except (TypeError, KeyError, ValueError):
+        raise DataError(f"{ts}: {kind} without hsmla-med's {carrier} (export it with hsmla-med export)") from None
     if meta["format_version"] > FORMAT_VERSION:
         raise DataError(f"{ts}: exported by a newer hsmla-med (format {meta['format_version']}, this one reads {FORMAT_VERSION})")
     written_by = config.get("task")
@@ -160,6 +165,34 @@ def load_exported(path: str | Path, module_class, task: str | None = None, infer
     return module, {"epoch": None, "step": None, "exported": str(ts)}
 
 
+@contextmanager
+def quiet_torchscript():
+    """torch 2.13 deprecates ``torch.jit.trace``, ``save`` and ``load`` (in favour of
+    ``torch.export``); we keep TorchScript on purpose, for what loads it: MONAI bundles
+    (``models/model.ts``), MONAI Deploy, Triton's PyTorch backend and libtorch C++ services
+    (a ``torch.export`` program needs AOTInductor to leave Python). Silenced at our calls only."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*torch\.jit\.\w+. is deprecated", category=DeprecationWarning)
+        yield
+
+
+def _torchscript(ts: Path):
+    """``(network, metadata)`` of an exported TorchScript file: the network on the CPU and the
+    :data:`EXPORT_META` it carries (``None`` when absent or not JSON)."""
+    import torch
+
+    extra = {EXPORT_META: ""}
+    try:
+        with quiet_torchscript():
+            network = torch.jit.load(str(ts), map_location="cpu", _extra_files=extra)
+    except Exception as err:
+        raise DataError(f"{ts}: not a readable TorchScript file ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
+    try:
+        return network, json.loads(extra[EXPORT_META] or "null")
+    except ValueError:
+        return network, None
+
+
 def written_task(path: str | Path) -> str | None:
     """The task that ``path`` was made for, as ``infer`` and ``evaluate`` take it when ``--task``
     is left out: ``config["task"]`` of a checkpoint of ``train``, or of the hyper-parameters an
@@ -170,12 +203,17 @@ def written_task(path: str | Path) -> str | None:
     if ts is None:
         config = read_hparams(path)
         return config.get("task") if isinstance(config, dict) else None
-    try:
-        with zipfile.ZipFile(ts) as archive:
-            # TorchScript keeps _extra_files under <archive>/extra/<name>
-            entry = next((n for n in archive.namelist() if n.split("/")[1:] == ["extra", EXPORT_META]), None)
-            meta = json.loads(archive.read(entry)) if entry is not None else None
-    except (OSError, zipfile.BadZipFile, ValueError):
-        return None
+    if ts.suffix.lower() == ".onnx":
+        from hsmla_med.export.runtime import onnx_metadata
+
+        meta = onnx_metadata(ts)
+    else:
+        try:
+            with zipfile.ZipFile(ts) as archive:
+                # TorchScript keeps _extra_files under <archive>/extra/<name>
+                entry = next((n for n in archive.namelist() if n.split("/")[1:] == ["extra", EXPORT_META]), None)
+                meta = json.loads(archive.read(entry)) if entry is not None else None
+        except (OSError, zipfile.BadZipFile, ValueError):
+            return None
     config = meta.get("hparams") if isinstance(meta, dict) else None
     return config.get("task") if isinstance(config, dict) else None

@@ -38,8 +38,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from hsmla_med.engine.checkpoint import EXPORT_META, FORMAT_VERSION, read_hparams
+from hsmla_med.engine.checkpoint import EXPORT_META, FORMAT_VERSION, quiet_torchscript, read_hparams
 from hsmla_med.errors import InputError
+from hsmla_med.export.runtime import METADATA_KEY
 from hsmla_med.io import atomic_path, write_json
 
 __all__ = [
@@ -120,6 +121,17 @@ def _reference(network: nn.Module, inputs: list[torch.Tensor]) -> list[np.ndarra
     return [network(x).float().numpy() for x in inputs]
 
 
+def _traced_reference(network: nn.Module, inputs: list[torch.Tensor], size: Sequence[int]) -> list[np.ndarray]:
+    """:func:`_reference` at the size to export, or one line when the network refuses that size
+    (a MONAI SwinUNETR takes multiples of 32 whose deepest map has more than one voxel)."""
+    try:
+        return _reference(network, inputs)
+    except (RuntimeError, ValueError) as err:  # torch's shape errors; MONAI's own size checks
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise InputError(f"--input-size {' '.join(map(str, size))}: the {type(network).__name__} network does not take windows of this size "
+                         f"({reason}); give --input-size a size it takes") from None
+
+
 def _max_diff(outputs: list[np.ndarray], reference: list[np.ndarray]) -> float:
     return max(float(np.abs(o - r).max()) for o, r in zip(outputs, reference))
 
@@ -149,7 +161,7 @@ def export_onnx(network: nn.Module, size: Sequence[int], in_channels: int, path:
     path = Path(path)
     net = deployable_network(network)
     inputs = parity_inputs(in_channels, size)
-    reference = reference if reference is not None else _reference(network, inputs)
+    reference = reference if reference is not None else _traced_reference(network, inputs, size)
     example = torch.randn(2, in_channels, *size)  # batch 2: a batch of 1 would be specialised
     started = time.perf_counter()
     with warnings.catch_warnings(), atomic_path(path) as tmp:
@@ -174,7 +186,7 @@ def export_onnx(network: nn.Module, size: Sequence[int], in_channels: int, path:
         _name_axes(model, len(size))
         if metadata is not None:
             extras = {"spatial_ranges": ranges[2:], "spatial_multiple": multiple}
-            onnx.helper.set_model_props(model, {"hsmla_med": json.dumps({**metadata, **extras})})
+            onnx.helper.set_model_props(model, {METADATA_KEY: json.dumps({**metadata, **extras})})
         onnx.checker.check_model(model)
         onnx.save(model, str(tmp))
         session = ort.InferenceSession(str(tmp), providers=["CPUExecutionProvider"])
@@ -198,7 +210,13 @@ def _onnx_program(net: nn.Module, example: torch.Tensor):
         reason = _last_paragraph(str(err)) or type(err).__name__
     note = f"spatial axes static: the exporter could not make them dynamic at this size ({reason})"
     log.warning("ONNX export: %s", note)
-    return _export_onnx_program(net, example, batch), [note]
+    try:
+        return _export_onnx_program(net, example, batch), [note]
+    except Exception as err:  # whatever the exporter raises: the network has no ONNX form here; --debug shows the traceback
+        reason = _last_paragraph(str(err)) or type(err).__name__
+        size = "x".join(map(str, example.shape[2:]))
+        raise InputError(f"--format onnx: torch.onnx cannot export this {type(net).__name__} network at {size} ({reason}); "
+                         "try --format torchscript or another --input-size") from err
 
 
 def _last_paragraph(message: str, limit: int = 300) -> str:
@@ -278,10 +296,12 @@ def _other_sizes(network: nn.Module, in_channels: int, size: Sequence[int], rang
         return [], [], [], 1
     for multiple in _multiples(size, ranges):
         sizes = _candidate_sizes(size, ranges, multiple)
+        if not sizes:  # none within the proved ranges: nothing to learn from this multiple
+            continue
         inputs = [parity_inputs(in_channels, s, batches=(batch,), seed=1)[0] for s in sizes]
         try:
             return sizes, inputs, _reference(network, inputs), multiple
-        except (RuntimeError, ValueError):  # the network refuses one of these sizes (torch's shape errors; MONAI's own checks, e.g. SwinUNETR's multiples of 32)
+        except (RuntimeError, ValueError):  # the network refuses one of these sizes: torch's shape errors, MONAI's own checks (SwinUNETR)
             continue
     return [], [], [], None
 
@@ -304,7 +324,8 @@ def _candidate_sizes(size: Sequence[int], ranges: list[list[int | None]], multip
 
     def smaller(s, lo):
         half = s // 2 + 1 if multiple == 1 else max(multiple, s // 2 // multiple * multiple)
-        return max(lo, half)
+        lowest = -(-lo // multiple) * multiple  # the range's minimum, up to a multiple
+        return s if lowest >= s else max(lowest, half)
 
     up = tuple(s if lo == hi else larger(s, hi) for s, (lo, hi) in zip(size, ranges))
     down = tuple(s if lo == hi else smaller(s, lo) for s, (lo, hi) in zip(size, ranges))
@@ -332,7 +353,9 @@ def trace(network: nn.Module, size: Sequence[int], in_channels: int) -> torch.ji
     net = deployable_network(network)
     example = torch.randn(2, in_channels, *size)
     with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")  # TracerWarnings: shape checks that hold for the traced size
+        # TracerWarnings (shape checks that hold for the traced size) and torch 2.13's deprecation
+        # of TorchScript, which we keep on purpose (quiet_torchscript)
+        warnings.simplefilter("ignore")
         return torch.jit.trace(net, example, check_trace=False)
 
 
@@ -344,10 +367,10 @@ def export_torchscript(network: nn.Module, size: Sequence[int], in_channels: int
     "seconds", "size"}``."""
     path = Path(path)
     inputs = parity_inputs(in_channels, size)
-    reference = reference if reference is not None else _reference(network, inputs)
+    reference = reference if reference is not None else _traced_reference(network, inputs, size)
     started = time.perf_counter()
     traced = trace(network, size, in_channels)
-    with atomic_path(path) as tmp:
+    with atomic_path(path) as tmp, quiet_torchscript():
         torch.jit.save(traced, str(tmp), _extra_files={EXPORT_META: json.dumps(metadata or {})})
         loaded = torch.jit.load(str(tmp), map_location="cpu")
         with torch.no_grad():

@@ -33,13 +33,15 @@ import torch
 from hsmla_med.io import atomic_path
 from hsmla_med.pipelines.btcv import UNCROPPED_BACKGROUND, preprocessing_items
 
-__all__ = ["write_configs", "inference_config", "metadata"]
+__all__ = ["write_configs", "inference_config", "train_config", "recipe", "metadata", "LOGGING_CONF"]
 
 BUNDLE_VERSION = "0.1.0"
 SCHEMA = "https://github.com/Project-MONAI/MONAI-extra-test-data/releases/download/0.8.1/meta_schema_20240725.json"
 
 
-def _common(config: dict, size, extra_imports: list[str] | None = None) -> dict:
+def _network_def(config: dict, calibrated: bool = True) -> dict:
+    """The network as ``hsmla_med`` builds it, as a config item; ``calibrated``: in hsmla-med
+    calibrate's temperature wrapper where the checkpoint has one (which models/model.pt holds)."""
     network = {
         "_target_": "hsmla_med.config.build_network",
         "config": copy.deepcopy(config["network"]),
@@ -47,11 +49,15 @@ def _common(config: dict, size, extra_imports: list[str] | None = None) -> dict:
         "in_channels": config["in_channels"],
         "out_channels": len(config["label_names"]),
     }
-    if config.get("calibration"):  # hsmla-med calibrate's temperature, whose wrapper models/model.pt holds
+    if calibrated and config.get("calibration"):
         network = {"_target_": "hsmla_med.engine.calibration.TemperatureScaled", "network": network,
                    "temperature": list(config["calibration"]["temperature"])}
+    return network
+
+
+def _common(config: dict, size, extra_imports: list[str] | None = None) -> dict:
     return {
-        "imports": list(dict.fromkeys(["$import glob", "$import os", "$import numpy", "$import torch", *(extra_imports or [])])),
+        "imports": list(dict.fromkeys(["$import glob", "$import logging", "$import os", "$import numpy", "$import torch", *(extra_imports or [])])),
         "bundle_root": ".",
         "output_dir": "$@bundle_root + '/eval'",
         "dataset_dir": "$@bundle_root + '/data'",
@@ -63,7 +69,7 @@ def _common(config: dict, size, extra_imports: list[str] | None = None) -> dict:
         # one case: the window logits of the whole input, on the CPU (no ignite evaluator needed)
         "predict": "$lambda item: {**item, 'pred': @inferer(item['image'][None].to(@device), @network)[0].cpu()}",
         # the same network rebuilt by hsmla_med (installed) from the state dict models/model.pt
-        "network_def_hsmla": network,
+        "network_def_hsmla": _network_def(config),
         "network_hsmla": "$[@network_def_hsmla.load_state_dict(torch.load(@bundle_root + '/models/model.pt', map_location='cpu', weights_only=True)), @network_def_hsmla.eval().to(@device)][1]",
     }
 
@@ -107,8 +113,15 @@ def _btcv(config: dict, size) -> dict:
             ],
         },
         "initialize": ["$monai.utils.set_determinism(seed=0)", "$torch.set_grad_enabled(False)"],
-        "run": ["$[@postprocessing(@predict(item)) for item in @dataset]"],
+        "run": _run("case(s) segmented; labels"),
     }
+
+
+def _run(written: str) -> list[str]:
+    """``run`` of an inference config: every item through the network and postprocessing, then
+    one line (configs/logging.conf prints it) saying what was written where."""
+    return ["$[@postprocessing(@predict(item)) for item in @dataset]",
+            f"$logging.getLogger('bundle').info('%d {written} in %s', len(@datalist), os.path.abspath(@output_dir))"]
 
 
 def _endovis(config: dict, size) -> dict:
@@ -151,13 +164,86 @@ def _endovis(config: dict, size) -> dict:
             "transforms": [{"_target_": "Activationsd", "keys": "pred", "softmax": True}, "@save"],
         },
         "initialize": ["$monai.utils.set_determinism(seed=0)", "$torch.set_grad_enabled(False)"],
-        "run": ["$[@postprocessing(@predict(item)) for item in @dataset]"],
+        "run": _run("frame(s) segmented; masks"),
     }
 
 
 def inference_config(task: str, config: dict, size) -> dict:
     """``configs/inference.json`` of a bundle of ``task``'s module ``config``."""
     return {"btcv": _btcv, "endovis": _endovis}[task](config, size)
+
+
+def train_config(task: str, config: dict) -> dict:
+    """``configs/train.json``: ``hsmla-med train`` of the checkpoint's recipe (:func:`recipe`) on
+    ``dataset_dir`` into ``output_dir``, then one line naming that folder. A launcher of
+    hsmla-med's training rather than MONAI's ignite ``SupervisedTrainer``, because the training
+    is hsmla-med's (gate regularisers in the loss, tau calibrated at each validation, the
+    cross-validation splits), which that trainer does not do. ``network_def`` is the network it
+    trains, for the Model Zoo's tools (``verify_net_in_out``)."""
+    return {
+        "imports": ["$import logging", "$import os", "$import sys", "$import torch", "$from hsmla_med.cli import main as hsmla_med_main",
+                    "$from hsmla_med.io import write_yaml"],
+        "bundle_root": ".",
+        "dataset_dir": "$@bundle_root + '/data'",
+        "output_dir": "$@bundle_root + '/train'",
+        "device": "$torch.device('cuda:0' if torch.cuda.is_available() else 'cpu')",
+        "network_def": _network_def(config, calibrated=False),
+        "network": "$@network_def.to(@device)",
+        "recipe": recipe(task, config),
+        "recipe_file": "$os.path.join(@output_dir, 'bundle_recipe.yaml')",
+        "train_args": [],  # more options of hsmla-med train, e.g. ['--max-steps', '500']
+        "run": [
+            "$os.makedirs(@output_dir, exist_ok=True)",
+            "$write_yaml(@recipe_file, @recipe)",
+            ("$(lambda status: status == 0 or sys.exit(status))(hsmla_med_main(['train', '--task', @recipe['task'], '--data-dir', @dataset_dir, "
+             "'--config', @recipe_file, '--output', @output_dir, *@train_args]))"),
+            "$logging.getLogger('bundle').info('trained: best.ckpt and last.ckpt in %s', os.path.abspath(@output_dir))",
+        ],
+    }
+
+
+def recipe(task: str, config: dict) -> dict:
+    """The checkpoint's training recipe as a config of ``hsmla-med train --config``: its
+    network, optimiser, loss and the data and inference settings it recorded (those the task's
+    config has), for BTCV the mode and the window as the training crop. What a checkpoint does
+    not record (steps, batch size, augmentation, seed) keeps the task's defaults."""
+    from hsmla_med.config import task_config
+
+    defaults = task_config(task)
+    known = lambda section: {k: copy.deepcopy(v) for k, v in config[section].items() if k in defaults[section]}  # noqa: E731
+    data = known("data")
+    if task == "btcv":
+        dims = config["spatial_dims"]
+        data[f"roi_size_{dims}d"] = list(config["inference"]["roi_size"])
+    out = {"task": task, "model": copy.deepcopy(config["network"]), "optim": known("optim"), "loss": known("loss"), "data": data,
+           "inference": known("inference")}
+    return {**out, "mode": f"{config['spatial_dims']}d"} if task == "btcv" else out
+
+
+#: configs/logging.conf, the Model Zoo bundles' own: INFO and above to stdout, which
+#: ``monai.bundle run`` applies by default (only standard handlers: MONAI refuses others)
+LOGGING_CONF = """[loggers]
+keys=root
+
+[handlers]
+keys=consoleHandler
+
+[formatters]
+keys=fullFormatter
+
+[logger_root]
+level=INFO
+handlers=consoleHandler
+
+[handler_consoleHandler]
+class=StreamHandler
+level=INFO
+formatter=fullFormatter
+args=(sys.stdout,)
+
+[formatter_fullFormatter]
+format=%(asctime)s - %(name)s - %(levelname)s - %(message)s
+"""
 
 
 def metadata(task: str, config: dict, size) -> dict:
@@ -240,6 +326,13 @@ python -m monai.bundle run --config_file configs/inference.json --meta_file conf
 python -m monai.bundle verify_net_in_out network_def --meta_file configs/metadata.json --config_file configs/inference.json
 ```
 
+Training anew on your data (`hsmla-med` needed: it runs `hsmla-med train` with this model's
+recipe, `configs/train.json#recipe`; `--train_args "['--max-steps', '500']"` passes more options):
+
+```bash
+python -m monai.bundle run --config_file configs/train.json --meta_file configs/metadata.json --dataset_dir DATA --output_dir RUN
+```
+
 Inputs: {inputs}. Outputs: {outputs}. From another folder add `--bundle_root PATH/TO/BUNDLE`.
 `--device "$torch.device('cpu')"` forces the CPU.
 
@@ -251,6 +344,8 @@ Inputs: {inputs}. Outputs: {outputs}. From another folder add `--bundle_root PAT
 - `models/model.pt`: the network's state dict for `hsmla_med` (config item `network_hsmla`).
 - `configs/inference.json`: the transforms of `hsmla-med infer` as MONAI's own; `hsmla-med infer
   --checkpoint THIS_FOLDER` runs the same network through hsmla-med's own pipeline.
+- `configs/train.json`: `hsmla-med train` of this model's recipe; `configs/logging.conf`: log
+  lines to stdout (`monai.bundle run` applies it), the last one naming the output folder.
 
 ## Data
 
@@ -259,11 +354,14 @@ Trained on the data named by the checkpoint; see its licence. Not for clinical u
 
 
 def write_configs(task: str, config: dict, size, output: str | Path) -> list[Path]:
-    """Write ``configs/inference.json``, ``configs/metadata.json`` and ``docs/README.md`` into
-    the bundle folder ``output``, atomically; returns their paths."""
+    """Write ``configs/inference.json``, ``configs/train.json``, ``configs/logging.conf``,
+    ``configs/metadata.json`` and ``docs/README.md`` into the bundle folder ``output``,
+    atomically; returns their paths."""
     output = Path(output)
     files = {
         output / "configs" / "inference.json": json.dumps(inference_config(task, config, size), indent=2) + "\n",
+        output / "configs" / "train.json": json.dumps(train_config(task, config), indent=2) + "\n",
+        output / "configs" / "logging.conf": LOGGING_CONF,
         output / "configs" / "metadata.json": json.dumps(metadata(task, config, size), indent=2) + "\n",
         output / "docs" / "README.md": _readme(task, config, size),
     }
