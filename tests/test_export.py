@@ -313,3 +313,33 @@ def test_other_sizes_keep_the_multiple_within_the_proved_range():
     sizes, inputs, logits, multiple = _other_sizes(_Multiples32(), 1, (64, 64), [[58, 113], [58, 113]], 2)
     assert (sizes, multiple) == ([(96, 96)], 32)
     assert inputs[0].shape == (2, 1, 96, 96) and logits[0].shape == (2, 2, 96, 96)
+
+
+class _Session:
+    """An onnxruntime session's ``run`` as a function of the input."""
+
+    def __init__(self, run):
+        self._run = run
+
+    def run(self, outputs, feeds):
+        return [self._run(feeds["image"])]
+
+
+def test_a_graph_right_at_the_traced_size_only_is_caught():
+    """SwinUNETR's dynamic graph kept its count of windows at 64 x 64 and died in onnxruntime's
+    Reshape at 96 x 96, a traceback after the export: the failure or the difference at another
+    size is now what sends the export back to static spatial axes."""
+    from hsmla_med.export import _at_other_sizes
+
+    x = [np.zeros((1, 1, 96, 96), np.float32)]
+    ref = [np.zeros((1, 2, 96, 96), np.float32)]
+    inputs = [torch.from_numpy(a) for a in x]
+
+    def reshape_error(a):
+        raise RuntimeError("[ONNXRuntimeError] : 1 : FAIL : Non-zero status code returned while running Reshape node")
+
+    failure, _ = _at_other_sizes(_Session(reshape_error), [(96, 96)], inputs, ref, 1e-4)
+    assert failure.startswith("failed at 96x96 under onnxruntime ([ONNXRuntimeError]")
+    failure, _ = _at_other_sizes(_Session(lambda a: ref[0] + 0.5), [(96, 96)], inputs, ref, 1e-4)
+    assert failure == "differs from PyTorch at 96x96 by 0.5"
+    assert _at_other_sizes(_Session(lambda a: ref[0] + 1e-5), [(96, 96)], inputs, ref, 1e-4) == (None, pytest.approx(1e-5))

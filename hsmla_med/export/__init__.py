@@ -154,10 +154,9 @@ def export_onnx(network: nn.Module, size: Sequence[int], in_channels: int, path:
     ``spatial_ranges`` per axis ``[min, max]`` (``max`` ``None``: unbounded; ``min == max``: the
     axis came out static), ``spatial_multiple`` what the sizes the network takes are multiples
     of (1: any; ``None``: no other size found), ``notes`` what was not as asked (static axes,
-    sizes the network refuses)."""
-    import onnx
-    import onnxruntime as ort
-
+    sizes the network refuses). A graph that is right at ``size`` but not at the other sizes
+    (the exporter kept a size in it: a SwinUNETR's count of windows) is exported again with
+    static spatial axes, with a note."""
     path = Path(path)
     net = deployable_network(network)
     inputs = parity_inputs(in_channels, size)
@@ -177,24 +176,62 @@ def export_onnx(network: nn.Module, size: Sequence[int], in_channels: int, path:
         if any(lo == hi for lo, hi in ranges[2:]):
             log.warning("ONNX export: spatial axes came out static: %s", ranges[2:])
         others, extra, extra_reference, multiple = _other_sizes(network, in_channels, size, ranges[2:], inputs[0].shape[0])
-        if multiple != 1:
-            notes.append(f"the network takes spatial sizes that are multiples of {multiple} only" if multiple else
-                         "the network took none of the other sizes tried: parity checked at the traced size only")
-            log.warning("ONNX export: %s", notes[-1])
-        program.save(str(tmp), external_data=False)
-        model = onnx.load(str(tmp))
-        _name_axes(model, len(size))
-        if metadata is not None:
-            extras = {"spatial_ranges": ranges[2:], "spatial_multiple": multiple}
-            onnx.helper.set_model_props(model, {METADATA_KEY: json.dumps({**metadata, **extras})})
-        onnx.checker.check_model(model)
-        onnx.save(model, str(tmp))
-        session = ort.InferenceSession(str(tmp), providers=["CPUExecutionProvider"])
-        diff = _max_diff([session.run(None, {"image": x.numpy()})[0] for x in inputs + extra], reference + extra_reference)
+        session = _save_onnx(program, tmp, len(size), metadata, {"spatial_ranges": ranges[2:], "spatial_multiple": multiple})
+        diff = _max_diff([session.run(None, {"image": x.numpy()})[0] for x in inputs], reference)
         _check("ONNX", diff, tolerance)
+        failure, extra_diff = _at_other_sizes(session, others, extra, extra_reference, tolerance)
+        if failure:  # right at the traced size only: the exporter kept a size in the graph (a SwinUNETR's count of windows)
+            notes = [f"spatial axes static: the dynamic graph {failure}"]
+            log.warning("ONNX export: %s", notes[0])
+            program = _static_program(net, example)
+            ranges, others, multiple = _input_ranges(program.exported_program), [], 1
+            session = _save_onnx(program, tmp, len(size), metadata, {"spatial_ranges": ranges[2:], "spatial_multiple": multiple})
+            diff = _max_diff([session.run(None, {"image": x.numpy()})[0] for x in inputs], reference)
+            _check("ONNX", diff, tolerance)
+        else:
+            diff = max(diff, extra_diff)
+            if multiple != 1:
+                notes.append(f"the network takes spatial sizes that are multiples of {multiple} only" if multiple else
+                             "the network took none of the other sizes tried: parity checked at the traced size only")
+                log.warning("ONNX export: %s", notes[-1])
     return {"max_abs_diff": diff, "seconds": round(time.perf_counter() - started, 2), "size": list(size), "opset": OPSET,
             "dynamic_batch": dynamic, "spatial_ranges": ranges[2:], "spatial_multiple": multiple,
             "checked_sizes": [list(size), *map(list, others)], "notes": notes}
+
+
+def _save_onnx(program, tmp: Path, dims: int, metadata: dict | None, extras: dict):
+    """Write ``program`` to ``tmp`` (weights inside, axes named, ``metadata`` with ``extras``
+    under :data:`METADATA_KEY`), checked by ``onnx.checker``; its onnxruntime session (CPU)."""
+    import onnx
+    import onnxruntime as ort
+
+    program.save(str(tmp), external_data=False)
+    model = onnx.load(str(tmp))
+    _name_axes(model, dims)
+    if metadata is not None:
+        onnx.helper.set_model_props(model, {METADATA_KEY: json.dumps({**metadata, **extras})})
+    onnx.checker.check_model(model)
+    onnx.save(model, str(tmp))
+    options = ort.SessionOptions()
+    options.log_severity_level = 4  # fatal only: a failing check raises, and the export says how in its own line
+    return ort.InferenceSession(str(tmp), options, providers=["CPUExecutionProvider"])
+
+
+def _at_other_sizes(session, sizes, inputs: list[torch.Tensor], reference: list[np.ndarray], tolerance: float) -> tuple[str | None, float]:
+    """``(failure, max_abs_diff)`` of the graph at the other ``sizes``: how it fails there
+    (onnxruntime's error, or logits off by more than ``tolerance``), ``None`` where it gives the
+    network's logits."""
+    worst = 0.0
+    for size, x, ref in zip(sizes, inputs, reference):
+        shape = "x".join(map(str, size))
+        try:
+            diff = _max_diff([session.run(None, {"image": x.numpy()})[0]], [ref])
+        except Exception as err:  # onnxruntime's own exception types
+            return f"failed at {shape} under onnxruntime ({(str(err).strip().splitlines() or [type(err).__name__])[0][:200]})", worst
+        if not diff <= tolerance:
+            return f"differs from PyTorch at {shape} by {diff:.3g}", worst
+        worst = max(worst, diff)
+    return None, worst
 
 
 def _onnx_program(net: nn.Module, example: torch.Tensor):
@@ -202,16 +239,25 @@ def _onnx_program(net: nn.Module, example: torch.Tensor):
     ``Dim.AUTO`` (dynamic wherever the graph allows, within the range the exporter proves). When
     the exporter cannot make them dynamic (its solver gives up on the deepest stage of a small
     window, e.g. ``((x/16)//4) - 1 == 0`` at 64 x 64), they are exported static, with a note."""
-    batch = {0: torch.export.Dim("batch", min=1, max=MAX_BATCH)}
     spatial = {2 + i: torch.export.Dim.AUTO for i in range(example.dim() - 2)}
     try:
-        return _export_onnx_program(_capture(net, example, {**batch, **spatial}), example), []
+        return _export_onnx_program(_capture(net, example, {**_batch_axis(), **spatial}), example), []
     except Exception as err:  # any failure of the dynamic attempt: the static one decides
         reason = _last_paragraph(str(err)) or type(err).__name__
     note = f"spatial axes static: the exporter could not make them dynamic at this size ({reason})"
     log.warning("ONNX export: %s", note)
+    return _static_program(net, example), [note]
+
+
+def _batch_axis() -> dict:
+    return {0: torch.export.Dim("batch", min=1, max=MAX_BATCH)}
+
+
+def _static_program(net: nn.Module, example: torch.Tensor):
+    """The ONNX program of ``net`` with static spatial axes (the batch dynamic), or one line
+    where the exporter cannot take the network at all."""
     try:
-        return _export_onnx_program(net, example, batch), [note]
+        return _export_onnx_program(net, example, _batch_axis())
     except Exception as err:  # whatever the exporter raises: the network has no ONNX form here; --debug shows the traceback
         reason = _last_paragraph(str(err)) or type(err).__name__
         size = "x".join(map(str, example.shape[2:]))
