@@ -86,6 +86,7 @@ def _child(size: int, rounds: int, threads: int) -> dict[str, dict[str, list[flo
     from hsmla_med.bench.models import build_models
 
     torch.set_num_threads(threads)
+    runtime.tune_cpu_allocator()  # as every hsmla-med command runs (the heap top pad)
     x = torch.randn(1, 1, size, size)
     makers = build_models(x)
     models = {name: makers[name]().eval() for name in MODELS}
