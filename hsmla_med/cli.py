@@ -436,22 +436,20 @@ def _resolve_task(args) -> None:
 
 
 def _checkpoint_task(args) -> str:
-    """The task of ``infer`` / ``evaluate``: the one the first ``--checkpoint`` was trained for
-    (a checkpoint of train or a network of hsmla-med export records it), or ``--task``; one
-    line when they differ, or when neither says."""
+    """The task of ``infer`` / ``evaluate``: ``--task``, or where it is left out the one the first
+    ``--checkpoint`` was trained for (a checkpoint of train or a network of hsmla-med export
+    records it); one line when it records none. A ``--task`` that differs from the checkpoint's
+    is refused when the checkpoint is loaded, after the options are checked against it."""
     from hsmla_med.engine.checkpoint import written_task
     from hsmla_med.errors import InputError
 
+    if args.task is not None:
+        return args.task
     first = args.checkpoint[0]
     written = written_task(first)
-    if args.task is None:
-        if written is None:
-            raise InputError(f"--checkpoint {first}: does not record its task; pass --task ({' | '.join(TASKS)})")
-        return task_name(written)
-    if written is not None and written != args.task:
-        raise InputError(f"--task {args.task_alias or args.task}: --checkpoint {first} was trained for task {written}; "
-                         f"leave --task out or pass --task {written}")
-    return args.task
+    if written is None:
+        raise InputError(f"--checkpoint {first}: does not record its task; pass --task ({' | '.join(TASKS)})")
+    return task_name(written)
 
 
 def _postprocessing(task, given: str | None, checkpoints: list[str]) -> list[dict] | None:

@@ -265,10 +265,10 @@ def test_task_from_the_checkpoint_and_the_generic_task_name(capsys, tmp_path, ti
     from hsmla_med.engine.checkpoint import EXPORT_META, written_task
 
     ckpt = tiny_btcv_checkpoint
-    line = _error(capsys, ["infer", "--task", "luna16", "--checkpoint", ckpt, "--input", "x", "--output", str(tmp_path / "o")])
-    assert f"--checkpoint {ckpt} was trained for task btcv" in line and "--task luna16" in line
+    line = _error(capsys, ["infer", "--task", "luna16", "--checkpoint", ckpt, "--input", str(tmp_path), "--output", str(tmp_path / "o")])
+    assert f"{ckpt}: a btcv checkpoint, not one of task luna16; use --task btcv" in line
     line = _error(capsys, ["evaluate", "--task", "endovis", "--checkpoint", ckpt, "--output", str(tmp_path / "e")])
-    assert "trained for task btcv" in line
+    assert "a btcv checkpoint, not one of task endovis" in line
     assert "--task segmentation: give your dataset with --data-dir" in _error(capsys, ["train", "--task", "segmentation", "--max-steps", "1"])
     assert "unknown task 'nope'; available: btcv, camelyon16, endovis, luna16, segmentation" in _error(capsys, ["infer", "--task", "nope", "--checkpoint", ckpt, "--input", "x", "--output", "y"])
     args = build_parser().parse_args(["train", "--task", "segmentation", "--data-dir", str(tmp_path)])

@@ -182,4 +182,4 @@ def test_bad_options_and_values(tmp_path, capsys):
     assert f"--predictions {missing}: not found" in cli_error(capsys, ["evaluate", "--predictions", str(missing), "--labels", str(labels)])
     assert not missing.exists()
     # checkpoint mode keeps needing its options
-    assert "needs --task and --checkpoint" in cli_error(capsys, ["evaluate", "--task", "btcv"])
+    assert "evaluate needs --checkpoint, or --predictions" in cli_error(capsys, ["evaluate", "--task", "btcv"])
