@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q "$@"
+# one pytest-xdist worker per CPU (tests/conftest.py gives each its share of OpenMP threads), whole
+# files to a worker so that a file's fixtures are built once; `-n 0` in the arguments runs serially
+exec .venv/bin/python -m pytest -q -n auto --dist loadfile "$@"

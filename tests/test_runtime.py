@@ -1,12 +1,13 @@
 """The CPU allocator setting: applied on glibc unless the environment configures malloc."""
 
+import os
 import platform
 import subprocess
 import sys
 
 import pytest
 
-from hsmla_med.runtime import tune_cpu_allocator
+from hsmla_med.runtime import available_cpus, tune_cpu_allocator
 
 _CHILD = "from hsmla_med.runtime import tune_cpu_allocator; print(tune_cpu_allocator())"
 
@@ -140,3 +141,17 @@ def test_cpu_processes_share_the_cpus(monkeypatch):
         assert torch.get_num_threads() == 5  # one process keeps the threads it has
     finally:
         torch.set_num_threads(threads)
+
+
+def test_xdist_workers_take_their_share_of_threads():
+    """Under pytest-xdist (scripts/test.sh), tests/conftest.py gives each worker its share of the
+    CPUs as OpenMP threads before torch loads; a worker with a thread per CPU would slow the others."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not workers:
+        pytest.skip("not run by pytest-xdist")
+    import torch
+
+    threads = int(os.environ["OMP_NUM_THREADS"])
+    assert torch.get_num_threads() == threads
+    if int(workers) >= available_cpus():
+        assert threads == 1
