@@ -81,6 +81,24 @@ def test_perturbed_copy_differs_but_shows_the_same_anatomy(dataset):
         assert 2 * (a & b).sum() / (a.sum() + b.sum()) > 0.8
 
 
+def test_perturbation_components_alone_and_together(dataset):
+    """perturb() with the bias field or the noise left out (scripts/scanner_shift.py): the
+    geometry alone is the resampled slab; the bias alone multiplies it by a field reaching
+    exactly 1 +- PERTURBED["bias"]; both together are the dataset's perturbed copy."""
+    image, label = _load(dataset, "slab3"), _load(dataset, "slab3", "labels")
+    geometry, geometry_label = mni.perturb(image, label, bias=0.0, noise=0.0)
+    assert nib.aff2axcodes(geometry.affine) == ("L", "I", "A")
+    grid = resample_from_to(image, geometry, order=1).get_fdata()
+    brain = geometry_label.get_fdata() > 0
+    assert np.corrcoef(geometry.get_fdata()[brain], grid[brain])[0, 1] > 0.95  # the same anatomy, anti-aliased
+    biased, _ = mni.perturb(image, label, noise=0.0)
+    field = biased.get_fdata()[brain] / geometry.get_fdata()[brain]
+    assert np.abs(field - 1).max() <= mni.PERTURBED["bias"] + 1e-4
+    assert np.abs(field - 1).max() > 0.5 * mni.PERTURBED["bias"]
+    both, _ = mni.perturb(image, label)
+    np.testing.assert_array_equal(both.get_fdata(), _load(dataset, "slab3_perturbed", split="Perturbed").get_fdata())
+
+
 def test_written_once_then_reused(dataset):
     files = {p: p.stat().st_mtime_ns for p in dataset.rglob("*") if p.is_file()}
     assert mni.write_mni_dataset(dataset, slices=SLICES) == dataset

@@ -35,7 +35,7 @@ from scipy.ndimage import gaussian_filter
 
 from hsmla_med.errors import DataError
 
-__all__ = ["write_mni_dataset", "mni_template", "LABELS", "HELD_OUT", "SLAB_CENTRES"]
+__all__ = ["write_mni_dataset", "mni_template", "perturb", "LABELS", "HELD_OUT", "SLAB_CENTRES"]
 
 LABELS = {"0": "background", "1": "grey_matter", "2": "white_matter"}
 SLAB_CENTRES = (24, 49, 74, 99, 124, 149)  # voxel z of the template (world z = index - 72 mm)
@@ -120,17 +120,19 @@ def _geometry(image, label, case: int):
     return _reorient(image, axcodes), _reorient(label, axcodes)
 
 
-def _perturb(image: nib.Nifti1Image, label: nib.Nifti1Image) -> tuple[nib.Nifti1Image, nib.Nifti1Image]:
+def perturb(image: nib.Nifti1Image, label: nib.Nifti1Image, bias: float = PERTURBED["bias"], noise: float = PERTURBED["noise"]
+            ) -> tuple[nib.Nifti1Image, nib.Nifti1Image]:
     """The held-out case as another scanner might show it (see ``PERTURBED``): resampled, times
-    a smooth quadratic bias field, with Rician noise."""
+    a smooth quadratic bias field of amplitude ``bias``, with Rician noise of ``noise`` times
+    the intensity range (0 leaves one out: ``scripts/scanner_shift.py`` scores each alone)."""
     image, label = _resample(image, label, PERTURBED["axcodes"], PERTURBED["zooms"])
     rng = np.random.default_rng(PERTURBED["seed"])
     data = np.asarray(image.dataobj, np.float32)
     x, y, z = np.meshgrid(*(np.linspace(-1, 1, n) for n in data.shape), indexing="ij")
     terms = [x, y, z, x * y, y * z, x * z, x**2 - 1 / 3, y**2 - 1 / 3, z**2 - 1 / 3]
     field = sum(c * t for c, t in zip(rng.normal(size=len(terms)), terms))
-    field = 1.0 + PERTURBED["bias"] * field / np.abs(field).max()
-    sigma = PERTURBED["noise"] * float(data.max() - data.min())
+    field = 1.0 + bias * field / np.abs(field).max()
+    sigma = noise * float(data.max() - data.min())
     real, imag = data * field + rng.normal(0, sigma, data.shape), rng.normal(0, sigma, data.shape)
     return nib.Nifti1Image(np.hypot(real, imag).astype(np.float32), image.affine), label
 
@@ -173,7 +175,7 @@ def _write(folder: Path, slices: int) -> None:
         _add(folder, meta, "validation" if case == HELD_OUT else "training", name, img, lab)
         meta["cases"][name]["world_z_mm"] = float(nib.affines.apply_affine(image.affine, [0, 0, centre])[2])
         if case == HELD_OUT:
-            _add(folder, meta, "perturbed", f"{name}_perturbed", *_perturb(img, lab))
+            _add(folder, meta, "perturbed", f"{name}_perturbed", *perturb(img, lab))
     (folder / "dataset.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
