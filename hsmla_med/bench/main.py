@@ -61,7 +61,7 @@ def _processes(args) -> list[dict]:
 _TABLES = {
     "wsi": ("whole-slide heatmaps, 256 px patches at level 0, batch 32:", _wsi),
     "volume": ("btcv inference on one 512x512x300 CT, 14 classes, HSMLA-B0 (peak resident memory); the same CT as a DICOM series into a DICOM SEG:", _volume),
-    "processes": ("btcv inference of 8 synthetic volumes, one process vs two DDP processes (CPU, gloo):", _processes),
+    "processes": ("btcv inference of 8 synthetic volumes: one process, with loader workers, two DDP processes (CPU, gloo) with hsmla-med's threads and with OMP_NUM_THREADS=2 each:", _processes),
     "endovis": ("EndoVis 2017 frames, 1024x1280 RGB (the standard crop), batch 1, 3 -> 8 channels:", lambda args: bench_endovis(args.runs)),
     "contention": ("networks at --size^2, batch 1, quiet and beside 1 and 2 neighbouring PyTorch processes (2 threads each, matrix products), per OpenMP wait setting:",
                    lambda args: contention.bench_contention(args)),

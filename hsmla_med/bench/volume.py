@@ -20,9 +20,10 @@ the NIfTI labels (target: at most 0.1 %).
 
     hsmla-med bench --only volume --out bench_out
 
-``--only processes``: ``hsmla-med infer`` over 8 synthetic BTCV volumes in one process and in
-two DDP processes (gloo, one thread each) on the CPU: wall times and whether every label map is
-byte-identical.
+``--only processes``: ``hsmla-med infer`` over 8 synthetic BTCV volumes on the CPU in one process,
+in one with two DataLoader workers, and in two DDP processes (gloo) with the threads hsmla-med
+gives each and with a user's ``OMP_NUM_THREADS=2`` each: wall times and whether every label map
+is byte-identical.
 """
 
 from __future__ import annotations
@@ -185,33 +186,57 @@ def _checkpoint(path: Path) -> Path:
     return path
 
 
+_DDP = ["--devices", "2", "--strategy", "ddp"]
+# a user's thread count, and libgomp's own wait (hsmla-med's settings off: issue 34)
+_USER_THREADS, _NO_DEFAULTS = {"OMP_NUM_THREADS": "2"}, {"HSMLA_MED_CPU_DEFAULTS": "0"}
+# (run, extra infer options, the variables it is given besides the environment hsmla-med was
+# given without OMP_NUM_THREADS, in which hsmla-med chooses the threads and the wait)
+PROCESS_RUNS = (
+    ("1 process", [], {}),
+    ("1 process, 2 loader workers", ["--num-workers", "2"], {}),
+    ("2 DDP processes", _DDP, {}),
+    ("2 DDP processes, 2 threads each", _DDP, _USER_THREADS),
+    ("1 process, libgomp's wait", [], _NO_DEFAULTS),
+    ("2 DDP processes, libgomp's wait", _DDP, _NO_DEFAULTS),
+    ("2 DDP processes, 2 threads each, libgomp's wait", _DDP, {**_USER_THREADS, **_NO_DEFAULTS}),
+)
+
+
 def bench_processes(cases: int = 8, shape: tuple[int, int, int] = (192, 192, 64)) -> list[dict]:
-    """Rows ``processes, threads_each, seconds, identical``: ``hsmla-med infer`` of ``cases``
-    synthetic volumes in one process (two threads) and in two DDP processes (one thread each),
-    each in a fresh process tree; ``identical``: every label map byte-equal to one process's."""
+    """Rows ``run, environment, seconds, speedup_vs_one_process, identical``: ``hsmla-med infer``
+    of ``cases`` synthetic volumes, each run of :data:`PROCESS_RUNS` in a fresh process tree:
+    one process, one with DataLoader workers, two DDP processes with the threads hsmla-med
+    gives each (``ShareCPUs``: the CPUs // 2) and with a user's ``OMP_NUM_THREADS=2`` each
+    (processes x threads over the CPUs of a 2-CPU machine), with hsmla-med's bounded OpenMP
+    spin and with libgomp's own. ``identical``: every label map byte-equal to one process's."""
     import nibabel as nib
 
     from hsmla_med.data.synthetic.btcv import generate_btcv
 
-    runs = [(1, 2, []), (2, 1, ["--devices", "2", "--strategy", "ddp"])]
+    from hsmla_med import runtime
+
+    environ = {k: v for k, v in os.environ.items() if k not in runtime.APPLIED and k != "OMP_NUM_THREADS"}
     rows, labels = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         generate_btcv(tmp / "data", num_train=cases, num_validation=0, num_test=0, shape=shape, seed=0)
         checkpoint = _checkpoint(tmp / "b0.ckpt")
-        for processes, threads, extra in runs:
-            out = tmp / f"out{processes}"
+        for i, (run, extra, variables) in enumerate(PROCESS_RUNS):
+            out = tmp / f"out{i}"
             cmd = [sys.executable, "-m", "hsmla_med.cli", "infer", "--task", "btcv",
                    "--checkpoint", str(checkpoint), "--input", str(tmp / "data" / "imagesTr"), "--output", str(out), "--precision", "32-true", *extra]
             start = time.perf_counter()
-            result = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+            result = subprocess.run(cmd, capture_output=True, text=True, env={**environ, **variables})
             seconds = time.perf_counter() - start
             if result.returncode:
-                raise RuntimeError(f"infer with {processes} process(es):\n{result.stderr[-3000:]}")
-            labels[processes] = {p.name: np.asarray(nib.load(str(p)).dataobj).tobytes() for p in sorted(out.glob("*.nii.gz"))}
-            rows.append({"processes": processes, "threads_each": threads, "cases": len(labels[processes]), "seconds": seconds,
-                         "identical": labels[processes] == labels[1]})
-            print(f"  {processes} process(es): {seconds:.1f} s", flush=True)
+                raise RuntimeError(f"infer ({run}):\n{result.stderr[-3000:]}")
+            labels[run] = {p.name: np.asarray(nib.load(str(p)).dataobj).tobytes() for p in sorted(out.glob("*.nii.gz"))}
+            first = PROCESS_RUNS[0][0]
+            rows.append({"run": run, "environment": " ".join(f"{k}={v}" for k, v in variables.items()) or "hsmla-med's",
+                         "cases": len(labels[run]), "seconds": round(seconds, 1),
+                         "speedup_vs_one_process": round(rows[0]["seconds"] / seconds, 2) if rows else 1.0,
+                         "identical": labels[run] == labels[first]})
+            print(f"  {run}: {seconds:.1f} s", flush=True)
     return rows
 
 
