@@ -77,10 +77,15 @@ def test_cpu_thread_settings_respect_the_users_environment(tmp_path, monkeypatch
 
     one_cpu = _cgroup(tmp_path / "one", {"cpu.max": "100000 100000"})
     unlimited = _cgroup(tmp_path / "max", {"cpu.max": "max 100000"})
+    # a 4-CPU machine whatever this one is; the affinity mask is set per case
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     env = {}
-    expected = {"GOMP_SPINCOUNT": str(SPIN_COUNT), **({"OMP_NUM_THREADS": "1"} if (os.cpu_count() or 1) > 1 else {})}
+    expected = {"GOMP_SPINCOUNT": str(SPIN_COUNT), "OMP_NUM_THREADS": "1"}
     assert configure_cpu_threads(env, one_cpu) == expected and env == expected
-    assert configure_cpu_threads(env := {}, unlimited) == {"GOMP_SPINCOUNT": str(SPIN_COUNT)} or len(os.sched_getaffinity(0)) < os.cpu_count()
+    assert configure_cpu_threads({}, unlimited) == {"GOMP_SPINCOUNT": str(SPIN_COUNT)}  # every CPU: torch's own count
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {1, 3})  # taskset -c 1,3
+    assert configure_cpu_threads({}, unlimited) == {"GOMP_SPINCOUNT": str(SPIN_COUNT), "OMP_NUM_THREADS": "2"}
     for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "KMP_BLOCKTIME"):  # the user decided how threads wait
         env = {name: "7", "OMP_NUM_THREADS": "3"}
         assert configure_cpu_threads(env, one_cpu) == {} and env == {name: "7", "OMP_NUM_THREADS": "3"}
