@@ -661,6 +661,31 @@ def _bench(args) -> int:
     return bench_main(args.args)
 
 
+def _warnings_shown(debug: bool):
+    """``warnings.showwarning`` for a command: a warning that hsmla-med's own code gives about the
+    user's data (a slide without tissue, a volume without foreground) is one line like its other
+    messages, ``hsmla-med: warning: ...``, not Python's two lines of file, line number and source
+    line; other libraries' warnings, and every warning under ``--debug``, keep Python's format."""
+    import os
+    from importlib.util import find_spec
+
+    import hsmla_med
+
+    folders = list(hsmla_med.__path__)
+    for sub in ("pipelines", "kernels"):  # (installed from folders of their own: pyproject.toml)
+        folders += find_spec(f"hsmla_med.{sub}").submodule_search_locations or []
+    ours = tuple(os.path.join(os.path.realpath(folder), "") for folder in folders)
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if not debug and os.path.realpath(filename).startswith(ours):
+            log.warning("warning: %s", message)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    return show
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -700,6 +725,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": lambda: _bench(args),
         "demo": lambda: _demo(args),
     }
+    shown, warnings.showwarning = warnings.showwarning, _warnings_shown(args.debug)
     try:
         tune_cpu_allocator()  # a bad HSMLA_MED_MALLOC_TOP_PAD is an input error like any other
         _resolve_task(args)
@@ -715,6 +741,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         log.removeHandler(handler)  # main() may run again in this process (tests, notebooks)
+        warnings.showwarning = shown
     return result if isinstance(result, int) else 0
 
 

@@ -62,3 +62,33 @@ def test_infer_prints_each_case_labelled_and_flushed(tiny_btcv_checkpoint, tmp_p
     written = out / "case7.nii.gz"
     assert nib.load(str(written)).shape == image.shape
     assert f"case7.nii.gz: {'x'.join(map(str, image.shape))} voxels -> {written}\n".encode() in pipe.chunks
+
+
+def test_our_warnings_print_as_one_line_others_as_python_prints_them(capsys, monkeypatch, tmp_path):
+    """A warning of hsmla-med's own code about the user's data (here tissue_mask's, as a blank
+    slide gives it) is one ``hsmla-med: warning:`` line, without Python's file, line number and
+    source line; another library's goes to Python's ``showwarning`` as before, and under
+    ``--debug`` ours does too."""
+    from hsmla_med import cli
+    from hsmla_med.data import slides
+
+    def command(args):
+        warnings.warn_explicit("blank.tif: blank slide (uniform colour), no tissue found", UserWarning, slides.__file__, 228)
+        warnings.warn_explicit("a library's own warning", UserWarning, np.__file__, 1)
+        return 0
+
+    shown = []  # what Python's showwarning (here a recorder standing in for it) is given
+    record = lambda message, category, filename, lineno, file=None, line=None: shown.append((str(message), filename))  # noqa: E731
+    monkeypatch.setattr(warnings, "showwarning", record)
+    monkeypatch.setattr(cli, "_evaluate", command)
+    argv = ["evaluate", "--task", "btcv", "--predictions", str(tmp_path), "--labels", str(tmp_path)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        assert main(argv) == 0
+        err = capsys.readouterr().err.splitlines()
+        assert err == ["hsmla-med: warning: blank.tif: blank slide (uniform colour), no tissue found"]
+        assert shown == [("a library's own warning", np.__file__)]
+        assert main(["--debug", *argv]) == 0
+        assert capsys.readouterr().err == ""
+        assert [m for m, _ in shown[1:]] == ["blank.tif: blank slide (uniform colour), no tissue found", "a library's own warning"]
+    assert warnings.showwarning is record  # restored when the command ends
