@@ -247,6 +247,23 @@ def test_calibrate_writes_a_checkpoint_whose_network_divides_by_the_temperature(
     assert torch.equal(p_calibrated.argmax(1), p_original.argmax(1))
 
 
+def test_calibrating_a_calibrated_checkpoint_fits_anew(calibrated, tmp_path):
+    """Per class on top of one temperature: the temperatures multiplied before, which is neither
+    fit (the per-class model divides log-probabilities, whose per-voxel constant no longer
+    cancels). Now the fit starts from the uncalibrated network, so the result is the per-class
+    calibration of the original checkpoint, and the replaced temperature is on record."""
+    from hsmla_med.cli import main
+
+    root, output = calibrated
+    common = ["--data-dir", str(root / "data"), "--config", str(root / "tiny.yaml"), "--per-class"]
+    assert main(["calibrate", "--checkpoint", str(root / "run" / "last.ckpt"), *common, "--output", str(tmp_path / "direct")]) == 0
+    assert main(["calibrate", "--checkpoint", str(output / "last.ckpt"), *common, "--output", str(tmp_path / "again")]) == 0
+    direct, again = (json.loads((tmp_path / name / "calibration.json").read_text()) for name in ("direct", "again"))
+    assert again["temperature"] == pytest.approx(direct["temperature"], rel=1e-6)
+    assert again["replaced_temperature"] == json.loads((output / "calibration.json").read_text())["temperature"]
+    assert direct["replaced_temperature"] is None and again["before"] == pytest.approx(direct["before"])
+
+
 def test_evaluate_reports_the_calibrated_metrics(calibrated, capsys):
     from hsmla_med.cli import main
 

@@ -270,7 +270,10 @@ def calibrate(task, module, datamodule, trainer_cfg: dict, checkpoint: str | Pat
         split: the fold record of the validation cases (``fold``, ``file``, ``val``).
 
     The validation runs as in ``evaluate`` (its scores are kept under ``validation``). A
-    checkpoint calibrated before is calibrated again on top: its temperatures multiply.
+    checkpoint calibrated before is fitted again from its uncalibrated network, and the new
+    temperature replaces the old one (kept in ``calibration.json`` as ``replaced_temperature``):
+    fitted on top of a per-class temperature, or per class on top of one, the product of the two
+    would be another model than either fit.
     Returns the ``calibration.json`` document on the first process, ``None`` on the others.
     """
     from lightning.fabric.utilities.rank_zero import rank_zero_only
@@ -282,6 +285,10 @@ def calibrate(task, module, datamodule, trainer_cfg: dict, checkpoint: str | Pat
     target = output / checkpoint.name
     if target.resolve() == checkpoint.resolve():
         raise InputError(f"--output {output}: the calibrated checkpoint would replace {checkpoint}; give another folder")
+    replaced = None
+    if isinstance(module.network, TemperatureScaled):  # calibrated before: fitted anew from the uncalibrated network
+        replaced = [float(t) for t in module.network.temperature]
+        module.network = module.network.network
     sample = module.calibration_sample = CalibrationSample(samples)
     summary = evaluate(module, datamodule, trainer_cfg, output)
     if rank_zero_only.rank != 0:
@@ -295,18 +302,15 @@ def calibrate(task, module, datamodule, trainer_cfg: dict, checkpoint: str | Pat
     tables = {"all": [reliability(p, sample.labels) for p in probs],
               "foreground": [reliability(p[m], sample.labels[m]) for p, m in zip(probs, masks)]}
     module.cpu()
-    if isinstance(module.network, TemperatureScaled):  # calibrated before: the new factor on top
-        module.network.temperature = module.network.temperature * fitted.float()
-    else:
-        module.network = TemperatureScaled(module.network, fitted)
+    module.network = TemperatureScaled(module.network, fitted)
     temperature = [float(t) for t in module.network.temperature]
     record = {
         "checkpoint": str(checkpoint),
         "task": task.name,
         "split": {k: (split or {}).get(k) for k in ("fold", "file", "val")},
         "temperature": temperature,
-        "fitted_temperature": [float(t) for t in fitted],
         "per_class": per_class,
+        "replaced_temperature": replaced,
         "samples": before["samples"],
         "foreground_samples": before["foreground_samples"],
         "sampling": f"uniform over the validation {'voxels of each preprocessed volume' if task.name == 'btcv' else 'patches'} "
