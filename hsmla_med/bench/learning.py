@@ -19,7 +19,8 @@ full-resolution level, UNet, SegResNet, SwinUNETR) trains
 ``--mode 3d`` on the plan's spacing and patches, 2 per step.
 
 ``NETWORKS`` run with seed 0; those in ``SEEDED`` (``ROUTING_ABLATION``, HSMLA-B0-UNet trained
-with routing gate, off and all, in 2D and 3D; UNet in 2D and 3D; the planned arm) with
+with routing gate, off and all, in 2D and 3D; UNet in 2D and 3D; SegResNet and SwinUNETR in 3D,
+the peers of the 3D targets; the planned arm) with
 ``--seeds`` seeds, summarised as mean and sd. Every run leaves
 ``OUT/<network>/seed<S>/result.json``; a run whose JSON holds the same settings (config overlay,
 steps, slab thickness) is not run again, so an interrupted benchmark resumes; rows keep the
@@ -109,7 +110,7 @@ ROUTING_ABLATION = (
     "hsmla-b0-unet-3d", "hsmla-b0-unet-3d-routing-off", "hsmla-b0-unet-3d-routing-all",
 )
 # the comparison the targets name, seed to seed: the best HSMLA network against UNet
-SEEDED = (*ROUTING_ABLATION, "unet", *PLANNED_ARMS, "unet-3d", "hsmla-b0-unet-3d-light")
+SEEDED = (*ROUTING_ABLATION, "unet", *PLANNED_ARMS, "unet-3d", "segresnet-3d", "swinunetr-3d", "hsmla-b0-unet-3d-light")
 INTENSITY = "zscore_foreground"  # Otsu foreground: the perturbed copy has Rician noise, no zero background
 CLASSES = [name for key, name in sorted(LABELS.items()) if key != "0"]
 SPLITS = {"": "validation", "perturbed_": "perturbed"}  # column prefix -> dataset.json list
