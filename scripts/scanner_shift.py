@@ -23,7 +23,7 @@ import nibabel as nib
 
 from hsmla_med.bench.common import markdown, write_csv
 from hsmla_med.bench.learning import scores
-from hsmla_med.data.mni import PERTURBED, _save, perturb, write_mni_dataset
+from hsmla_med.data.mni import PERTURBED, perturb, save_nifti, write_mni_dataset
 
 # variant -> (bias amplitude, noise fraction) given to perturb(); the geometry changes in all
 VARIANTS = {"geometry": (0.0, 0.0), "bias": (PERTURBED["bias"], 0.0), "noise": (0.0, PERTURBED["noise"]),
@@ -39,8 +39,8 @@ def write_variants(data: Path, out: Path) -> list[dict]:
     for name, (bias, noise) in VARIANTS.items():
         img, lab = perturb(image, label, bias=bias, noise=noise)
         entry = {"name": name, "image": str(out / "images" / f"{name}.nii.gz"), "label": str(out / "labels" / f"{name}.nii.gz")}
-        _save(img, Path(entry["image"]))
-        _save(lab, Path(entry["label"]))
+        save_nifti(img, Path(entry["image"]))
+        save_nifti(lab, Path(entry["label"]))
         entries.append(entry)
     return entries
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             predictions = args.out / "predictions" / name / entry["name"]
             subprocess.run([sys.executable, "-m", "hsmla_med.cli", "infer", "--checkpoint", checkpoint, "--input", str(inputs),
                             "--output", str(predictions), "--device", "cpu"], check=True, capture_output=True)
-            summary = scores(Path("/"), [entry], predictions)
+            summary = scores(Path("/"), [entry], predictions)  # (the entries hold absolute paths)
             rows.append({"network": name, "variant": entry["name"], "dice": round(summary["dice"], 4),
                          "hd95": round(summary["hd95"], 2), "nsd": round(summary["nsd"], 4)})
             print(f"{name} {entry['name']}: Dice {rows[-1]['dice']:.3f}, HD95 {rows[-1]['hd95']:.2f}", flush=True)

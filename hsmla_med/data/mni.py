@@ -35,7 +35,7 @@ from scipy.ndimage import gaussian_filter
 
 from hsmla_med.errors import DataError
 
-__all__ = ["write_mni_dataset", "mni_template", "perturb", "LABELS", "HELD_OUT", "SLAB_CENTRES"]
+__all__ = ["write_mni_dataset", "mni_template", "perturb", "save_nifti", "LABELS", "HELD_OUT", "SLAB_CENTRES"]
 
 LABELS = {"0": "background", "1": "grey_matter", "2": "white_matter"}
 SLAB_CENTRES = (24, 49, 74, 99, 124, 149)  # voxel z of the template (world z = index - 72 mm)
@@ -137,7 +137,7 @@ def perturb(image: nib.Nifti1Image, label: nib.Nifti1Image, bias: float = PERTUR
     return nib.Nifti1Image(np.hypot(real, imag).astype(np.float32), image.affine), label
 
 
-def _save(img: nib.Nifti1Image, path: Path) -> None:
+def save_nifti(img: nib.Nifti1Image, path: Path) -> None:
     """NIfTI with the affine in both q- and s-form (readers differ in which they trust)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     img.set_qform(img.affine, code=1)
@@ -156,8 +156,8 @@ def _add(folder: Path, meta: dict, split: str, name: str, image: nib.Nifti1Image
     """Save one case into ``images<Tr|Perturbed>``/``labels<...>`` and list it under ``split``."""
     subdir = "Perturbed" if split == "perturbed" else "Tr"
     entry = {"image": f"images{subdir}/{name}.nii.gz", "label": f"labels{subdir}/{name}.nii.gz"}
-    _save(image, folder / entry["image"])
-    _save(label, folder / entry["label"])
+    save_nifti(image, folder / entry["image"])
+    save_nifti(label, folder / entry["label"])
     meta[split].append(entry)
     meta["cases"][name] = {"axcodes": "".join(nib.aff2axcodes(image.affine)),
                            "spacing_mm": [round(float(z), 4) for z in image.header.get_zooms()[:3]], "shape": list(image.shape)}
