@@ -25,6 +25,14 @@ LABELS = {"0": "background", "1": "disc", "2": "bar"}
 
 
 @pytest.fixture(scope="session", autouse=True)
+def worker_threads() -> int:
+    """torch's thread count when the session's first test starts, before any test sets its own."""
+    import torch
+
+    return torch.get_num_threads()
+
+
+@pytest.fixture(scope="session", autouse=True)
 def kernel_cache(tmp_path_factory):
     """The C refinement kernel is built into this run's temporary folder, not ~/.cache."""
     os.environ["HSMLA_MED_CACHE_DIR"] = str(tmp_path_factory.mktemp("kernel_cache"))
