@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -25,7 +23,7 @@ import torch
 
 from hsmla_med import runtime
 from hsmla_med.bench.common import markdown
-from hsmla_med.bench.contention import MODELS, NEIGHBOUR
+from hsmla_med.bench.contention import MODELS, neighbours
 from hsmla_med.bench.models import build_models
 
 
@@ -55,28 +53,17 @@ def main(argv: list[str] | None = None) -> int:
     runtime.tune_cpu_allocator()
     x = torch.randn(1, 1, args.size, args.size)
     model = build_models(x)[args.model]().eval()
-    neighbours = [subprocess.Popen([sys.executable, "-c", NEIGHBOUR], stdout=subprocess.PIPE, text=True) for _ in range(2)]
     totals = {load: (defaultdict(float), defaultdict(int), []) for load in ("quiet", "busy")}
-    try:
-        for p in neighbours:
-            p.stdout.readline()
-            os.kill(p.pid, signal.SIGSTOP)
-        with torch.inference_mode():
-            model(x), model(x)
-            for _ in range(args.repeats):
-                for load, sig in (("quiet", signal.SIGSTOP), ("busy", signal.SIGCONT)):
-                    for p in neighbours:
-                        os.kill(p.pid, sig)
-                    time.sleep(0.5)
-                    self_ms, calls, wall = _profile(model, x, args.rounds)
-                    for key, ms in self_ms.items():
-                        totals[load][0][key] += ms / args.repeats
-                        totals[load][1][key] = calls[key]
-                    totals[load][2].append(wall)
-    finally:
-        for p in neighbours:
-            p.kill()
-            p.wait()
+    with neighbours(2) as set_load, torch.inference_mode():
+        model(x), model(x)
+        for _ in range(args.repeats):
+            for load, running in (("quiet", 0), ("busy", 2)):
+                set_load(running)
+                self_ms, calls, wall = _profile(model, x, args.rounds)
+                for key, ms in self_ms.items():
+                    totals[load][0][key] += ms / args.repeats
+                    totals[load][1][key] = calls[key]
+                totals[load][2].append(wall)
     quiet, busy = totals["quiet"][0], totals["busy"][0]
     growth = sum(busy.values()) - sum(quiet.values())
     keys = sorted(busy, key=lambda k: busy[k] - quiet.get(k, 0.0), reverse=True)[: args.top]

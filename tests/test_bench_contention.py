@@ -25,3 +25,39 @@ def test_settings_and_the_neighbours_environment(monkeypatch):
     monkeypatch.setattr(runtime, "APPLIED", {"GOMP_SPINCOUNT": "10000"})
     given = contention._given_environment()
     assert "GOMP_SPINCOUNT" not in given and given["SOME_USER_VARIABLE"] == "1"
+
+
+def test_neighbours_run_as_loaded_and_are_gone_after():
+    """load(k) runs the first k neighbours and pauses the rest (their /proc state 'T'); leaving
+    the block kills all of them, the paused ones too."""
+    from pathlib import Path
+
+    def state(pid: int) -> str:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+    with contention.neighbours(2) as load:
+        pids = [int(p) for p in _children()]
+        assert len(pids) == 2 and {state(p) for p in pids} == {"T"}  # started paused
+        load(1)
+        states = [state(p) for p in pids]
+        assert states.count("T") == 1  # one paused, the other running (R) or between steps (S)
+        load(0)
+        assert {state(p) for p in pids} == {"T"}
+    assert not _children()
+
+
+def _children() -> list[str]:
+    """PIDs of this process's live children running the neighbour loop."""
+    import os
+    from pathlib import Path
+
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"a @ a" in cmdline:
+            found.append(stat.parent.name)
+    return found

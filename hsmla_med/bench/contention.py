@@ -21,10 +21,12 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from hsmla_med import runtime
 
-__all__ = ["add_arguments", "bench_contention", "settings"]
+__all__ = ["add_arguments", "bench_contention", "neighbours", "settings"]
 
 MODELS = ("HSMLA-B0", "HSMLA-B2", "SegFormer-B2", "SwinUNETR-2D", "MONAI UNet")
 LOADS = (0, 1, 2)
@@ -79,6 +81,30 @@ def _rows(setting: str, times: dict[str, dict[str, list[float]]]) -> list[dict]:
     return rows
 
 
+@contextmanager
+def neighbours(count: int) -> Iterator[Callable[[int], None]]:
+    """``count`` neighbouring PyTorch processes (:data:`NEIGHBOUR`), started, then paused
+    (SIGSTOP) once torch has loaded in each; yields ``load(k)``, which runs the first ``k`` of
+    them (SIGCONT) and pauses the others, and waits half a second for the resumed ones to get
+    going. The neighbours are killed on exit, also on error."""
+    procs = [subprocess.Popen([sys.executable, "-c", NEIGHBOUR], stdout=subprocess.PIPE, text=True) for _ in range(count)]
+
+    def load(k: int) -> None:
+        for i, p in enumerate(procs):
+            os.kill(p.pid, signal.SIGCONT if i < k else signal.SIGSTOP)
+        time.sleep(0.5)
+
+    try:
+        for p in procs:
+            p.stdout.readline()  # 'ready': torch loaded, the loop starts
+            os.kill(p.pid, signal.SIGSTOP)
+        yield load
+    finally:
+        for p in procs:
+            p.kill()  # (SIGKILL ends a stopped process too)
+            p.wait()
+
+
 def _child(size: int, rounds: int, threads: int) -> dict[str, dict[str, list[float]]]:
     """Latencies in seconds, per network and load level (the child process's work)."""
     import torch
@@ -90,28 +116,17 @@ def _child(size: int, rounds: int, threads: int) -> dict[str, dict[str, list[flo
     x = torch.randn(1, 1, size, size)
     makers = build_models(x)
     models = {name: makers[name]().eval() for name in MODELS}
-    neighbours = [subprocess.Popen([sys.executable, "-c", NEIGHBOUR], stdout=subprocess.PIPE, text=True) for _ in range(max(LOADS))]
     times = {name: {str(load): [] for load in LOADS} for name in MODELS}
-    try:
-        for p in neighbours:
-            p.stdout.readline()  # 'ready': torch loaded, the loop starts
-            os.kill(p.pid, signal.SIGSTOP)
-        with torch.inference_mode():
-            for model in models.values():
-                model(x), model(x)
-            for _ in range(rounds):
-                for load in LOADS:
-                    for i, p in enumerate(neighbours):
-                        os.kill(p.pid, signal.SIGCONT if i < load else signal.SIGSTOP)
-                    time.sleep(0.5)  # the resumed neighbours get going
-                    for name, model in models.items():
-                        start = time.perf_counter()
-                        model(x)
-                        times[name][str(load)].append(time.perf_counter() - start)
-    finally:
-        for p in neighbours:
-            p.kill()  # (SIGKILL ends a stopped process too)
-            p.wait()
+    with neighbours(max(LOADS)) as set_load, torch.inference_mode():
+        for model in models.values():
+            model(x), model(x)
+        for _ in range(rounds):
+            for load in LOADS:
+                set_load(load)
+                for name, model in models.items():
+                    start = time.perf_counter()
+                    model(x)
+                    times[name][str(load)].append(time.perf_counter() - start)
     return times
 
 

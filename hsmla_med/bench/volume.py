@@ -211,11 +211,11 @@ def bench_processes(cases: int = 8, shape: tuple[int, int, int] = (192, 192, 64)
     spin and with libgomp's own. ``identical``: every label map byte-equal to one process's."""
     import nibabel as nib
 
+    from hsmla_med import runtime
     from hsmla_med.data.synthetic.btcv import generate_btcv
 
-    from hsmla_med import runtime
-
     environ = {k: v for k, v in os.environ.items() if k not in runtime.APPLIED and k != "OMP_NUM_THREADS"}
+    first = PROCESS_RUNS[0][0]
     rows, labels = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -231,7 +231,6 @@ def bench_processes(cases: int = 8, shape: tuple[int, int, int] = (192, 192, 64)
             if result.returncode:
                 raise RuntimeError(f"infer ({run}):\n{result.stderr[-3000:]}")
             labels[run] = {p.name: np.asarray(nib.load(str(p)).dataobj).tobytes() for p in sorted(out.glob("*.nii.gz"))}
-            first = PROCESS_RUNS[0][0]
             rows.append({"run": run, "environment": " ".join(f"{k}={v}" for k, v in variables.items()) or "hsmla-med's",
                          "cases": len(labels[run]), "seconds": round(seconds, 1),
                          "speedup_vs_one_process": round(rows[0]["seconds"] / seconds, 2) if rows else 1.0,
