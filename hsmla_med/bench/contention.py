@@ -88,16 +88,25 @@ def neighbours(count: int) -> Iterator[Callable[[int], None]]:
     them (SIGCONT) and pauses the others, and waits half a second for the resumed ones to get
     going. The neighbours are killed on exit, also on error."""
     procs = [subprocess.Popen([sys.executable, "-c", NEIGHBOUR], stdout=subprocess.PIPE, text=True) for _ in range(count)]
+    running = [True] * count
+
+    def switch(k: int) -> None:
+        for i, p in enumerate(procs):
+            if (i < k) != running[i]:
+                # a signal takes effect when the process next runs: wait for the stop or the
+                # continuation to have happened (each transition reports once to waitpid)
+                os.kill(p.pid, signal.SIGCONT if i < k else signal.SIGSTOP)
+                os.waitpid(p.pid, os.WCONTINUED if i < k else os.WUNTRACED)
+                running[i] = i < k
 
     def load(k: int) -> None:
-        for i, p in enumerate(procs):
-            os.kill(p.pid, signal.SIGCONT if i < k else signal.SIGSTOP)
-        time.sleep(0.5)
+        switch(k)
+        time.sleep(0.5)  # the resumed neighbours get going
 
     try:
         for p in procs:
             p.stdout.readline()  # 'ready': torch loaded, the loop starts
-            os.kill(p.pid, signal.SIGSTOP)
+        switch(0)
         yield load
     finally:
         for p in procs:
