@@ -154,6 +154,30 @@ def test_onnx_and_torchscript_3d_odd_size(tmp_path):
     assert np.abs(_logits(ts, x) - ref).max() <= 1e-4
 
 
+@pytest.mark.parametrize("dims, size", [(2, (40, 48)), (3, (16, 24, 16))])
+def test_torchscript_holds_no_tensor_or_device_of_the_tracing_machine(dims, size):
+    """A model.ts traced on the CPU must run on a GPU (issue 32: on an H100 the traced b0 failed
+    with 'found at least two devices, cuda:0 and cpu'). torch.jit.trace stores a tensor the
+    forward takes from a cache (folded BatchNorm convolutions, the gate's block matrix, window
+    masks) as a constant, and writes the device of torch.arange/torch.eye into the graph; moving
+    the module moves neither. Invariant checked here, without a GPU: the graph's only tensor
+    constants are scalars, and no device is named in its code."""
+    from hsmla_med.export import trace
+
+    torch.manual_seed(0)
+    net = HSMLASegNet(dims, 1, 3, variant="b0").eval()
+    with torch.no_grad():
+        net(torch.randn(1, 1, *size))  # eager calls fill the caches first, as in a trained module
+    traced = trace(net, size, 1)
+    constants = [n.output().toIValue() for n in traced.inlined_graph.nodes() if n.kind() == "prim::Constant"]
+    shapes = [tuple(c.shape) for c in constants if isinstance(c, torch.Tensor) and c.numel() > 1]
+    assert not shapes, f"tensor constants in the traced graph: {shapes[:5]}"
+    code = "\n".join(m.code for m in traced.modules() if hasattr(m, "code"))
+    assert "torch.device(" not in code, [line for line in code.splitlines() if "torch.device(" in line][:3]
+    x = torch.randn(2, 1, *size)
+    assert np.abs(_logits(traced, x) - _logits(net, x)).max() <= 1e-4
+
+
 def test_infer_from_torchscript_equals_checkpoint(btcv_ckpt, tmp_path):
     import nibabel as nib
 

@@ -201,7 +201,7 @@ class HSMLA(nn.Module):
         """The per-head projections ``w_h`` as one block matrix ``(3C, heads)``: row ``(t, h, i)``
         holds ``w_h[t, i]`` in column ``h``, so that one matrix product gives every head's logit
         (an ``einsum`` over the pooled map's head views cost more than the pooling)."""
-        eye = torch.eye(self.heads, dtype=self.gate_weight.dtype, device=self.gate_weight.device)
+        eye = self.gate_weight.new_ones(self.heads).diag()  # not torch.eye(device=...): a trace would fix its device
         return (self.gate_weight.unsqueeze(-1) * eye.view(1, self.heads, 1, self.heads)).reshape(-1, self.heads)
 
     def _gate_pool(self, ms: torch.Tensor) -> torch.Tensor:
@@ -234,10 +234,10 @@ class HSMLA(nn.Module):
 
     def _derived(self, slot: str, weight: torch.Tensor, build) -> torch.Tensor:
         """``build()``, a tensor derived from ``weight``; without gradients it is kept until the
-        weight changes (its version counter, storage or dtype: an optimizer step, loaded
-        weights, a cast). While ``torch.compile`` or ``torch.export`` traces, it is built in the
-        graph (their fake tensors have no storage to key on)."""
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and weight.requires_grad):
+        weights, a cast). While a tracer records (:func:`building_graph`), it is built in the
+        graph: the fake tensors of ``torch.compile`` and ``torch.export`` have no storage to key
+        on, and ``torch.jit.trace`` would store a kept tensor as a constant."""
+        if HF.building_graph() or (torch.is_grad_enabled() and weight.requires_grad):
             return build()
         key = (weight._version, weight.data_ptr(), weight.dtype)
         kept = self._derived_cache.get(slot)

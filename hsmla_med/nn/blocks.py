@@ -10,6 +10,7 @@ from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 from hsmla_med.nn.attention import HSMLA
 from hsmla_med.nn.conv import conv_type
+from hsmla_med.nn.functional import building_graph
 
 __all__ = ["NORMS", "InstanceNorm", "ChannelLayerNorm", "ConvNormAct", "MBConv", "DSConv", "HSMLABlock"]
 
@@ -112,9 +113,10 @@ class ConvNormAct(nn.Sequential):
         if self.training or not isinstance(norm, nn.modules.batchnorm._BatchNorm):
             return act(norm(conv(x)))
         grad = torch.is_grad_enabled() and any(p.requires_grad for p in (conv.weight, norm.weight, norm.bias) if p is not None)
-        # while torch.compile or torch.export traces, the fold is built in the graph: their fake
-        # tensors have no storage for the cache's key
-        if not (grad or torch.compiler.is_compiling()):
+        # while a tracer records, the fold is built in the graph: the fake tensors of
+        # torch.compile and torch.export have no storage for the cache's key, and torch.jit.trace
+        # would store the folded convolution's weights as constants on the tracing device
+        if not (grad or building_graph()):
             return act(self._folded()(x))
         scale = norm.weight * torch.rsqrt(norm.running_var + norm.eps)
         weight = conv.weight * scale.view(-1, *[1] * (conv.weight.dim() - 1))

@@ -34,6 +34,7 @@ __all__ = [
     "block_gate",
     "gate_regularizers",
     "check_refine",
+    "building_graph",
 ]
 
 DEFAULT_EPS = 1e-6
@@ -428,12 +429,26 @@ def local_refine(
     return add_to.add_(_tiled((q, k, v), (qh, kh, vh), window, block, index, eps, weight))
 
 
-def _build_window_masks(spatial: tuple[int, ...], window: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def building_graph() -> bool:
+    """Whether a tracer records this call (``torch.jit.trace``, ``torch.compile``,
+    ``torch.export``): then derived tensors are computed in the graph rather than taken from a
+    cache, which a trace would store as constants on the device it was traced on."""
+    return torch.jit.is_tracing() or torch.compiler.is_compiling()
+
+
+def _build_window_masks(spatial: tuple[int, ...], window: int, device: torch.device,
+                        like: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(N, N)`` float32 score bias (0 where key ``j`` lies in query ``i``'s window, else
     ``_HIDDEN``) and the matching 0/1 mask. Only keys inside the map exist, so keys outside it
     are excluded, not zero-padded. Built from the sizes alone, so that a traced graph (export
-    with dynamic spatial axes) builds them for whatever size it is given."""
-    grids = torch.meshgrid(*(torch.arange(n, device=device) for n in spatial), indexing="ij")
+    with dynamic spatial axes) builds them for whatever size it is given. With ``like`` the
+    positions come from ``like.new_ones``: ``torch.jit.trace`` writes ``torch.arange``'s device
+    into the graph as a constant, ``new_ones`` follows its tensor's device, so a TorchScript file
+    traced on the CPU runs on a GPU."""
+    def positions(n: int) -> torch.Tensor:
+        return torch.arange(n, device=device) if like is None else like.new_ones(n, dtype=torch.long).cumsum(0) - 1
+
+    grids = torch.meshgrid(*(positions(n) for n in spatial), indexing="ij")
     coords = torch.stack([g.reshape(-1) for g in grids], dim=-1)
     inside = (coords[:, None] - coords[None]).abs().amax(dim=-1) <= window // 2
     return torch.where(inside, 0.0, _HIDDEN), inside.float()
@@ -477,8 +492,11 @@ def dense_refine(
         # float32 at least (float64 stays, for gradient checks); (b, h, N, d)
         q, k, v, qh, kh, vh = (t.to(torch.promote_types(dtype, torch.float32)).flatten(2, -2) for t in (q, k, v, qh, kh, vh))
         # while tracing, in the graph: symbolic sizes (dynamic spatial axes) neither hash nor fix the masks
-        masks = _build_window_masks if torch.compiler.is_compiling() else _window_masks
-        bias, inside = (m.to(q.dtype) for m in masks(tuple(shape[2:-1]), window, q.device))
+        if torch.jit.is_tracing():
+            masks = _build_window_masks(tuple(shape[2:-1]), window, q.device, like=q)
+        else:
+            masks = (_build_window_masks if torch.compiler.is_compiling() else _window_masks)(tuple(shape[2:-1]), window, q.device)
+        bias, inside = (m.to(q.dtype) for m in masks)
         scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2) + bias
         local = scores.softmax(dim=-1) @ v
         weights = (qh.relu() @ kh.relu().transpose(-1, -2)) * inside
@@ -606,7 +624,7 @@ def block_gate(
     conv = (F.conv2d, F.conv3d)[len(spatial) - 2]
     pooled = conv(ms, kernel, conv_bias, stride=block, padding=1, groups=channels)  # (b, 3C, *tiles)
     # row (t, h, i) of the (3C, heads) projection holds w_h[t, i] in column h: all heads in one matmul
-    eye = torch.eye(heads, dtype=weight.dtype, device=weight.device)
+    eye = weight.new_ones(heads).diag()  # not torch.eye(device=...): a trace would fix its device
     matrix = (weight.unsqueeze(-1) * eye.view(1, heads, 1, heads)).reshape(-1, heads)
     logits = pooled.flatten(2).transpose(1, 2) @ matrix + gate_bias  # (b, tiles, heads)
     return logits.sigmoid().mean(dim=-1).view(ms.shape[0], *pooled.shape[2:])
