@@ -408,6 +408,19 @@ def test_instance_norm_matches_torch_in_values_and_gradients(spatial_dims, size,
         InstanceNorm(0)
 
 
+def test_instance_norm_float32_keeps_precision_far_from_zero():
+    """Maps whose mean is 1000x their spread (a CT map in HU before any normalisation): in
+    float32 the statistics must not cancel (E[x^2] - E[x]^2 loses every digit here); compared
+    with ``F.instance_norm`` in float64."""
+    from hsmla_med.nn.blocks import InstanceNorm
+
+    x = torch.randn(2, 4, 64, 48, dtype=torch.float64) + 1000.0
+    norm = InstanceNorm(4)
+    reference = torch.nn.functional.instance_norm(x, eps=norm.eps)
+    out = norm(x.float().to(memory_format=torch.channels_last))
+    torch.testing.assert_close(out.double(), reference, rtol=0, atol=2e-3)
+
+
 def test_instance_norm_loads_the_parameters_of_torchs_instance_norm():
     """Checkpoints trained with ``torch.nn.InstanceNorm2d(affine=True)`` (before the layout-keeping
     norm) load into the network unchanged: the same parameter names and shapes."""
