@@ -252,6 +252,7 @@ def _string(value, key):
 _CHECKS = {
     "task": _string,
     "mode": _choice("2d", "3d", "auto"),
+    "norm": _choice("batch", "instance", "auto"),
     "seed": _number(0, integer=True),
     "fold": _number(0, integer=True),
     "output": _string,

@@ -170,7 +170,18 @@ def module_config(config: dict, model: dict, label_names: Sequence[str], in_chan
     """The hyper-parameters of :class:`SegmentationModule` for this task config."""
     inference = {**config["inference"], "roi_size": roi_size(config)}
     data = {"spacing": list(config["data"]["spacing"]), "intensity": dict(config["data"]["intensity"])}
-    return hparams(config, model, label_names, spatial_dims(config), in_channels, inference, data)
+    return hparams(config, _with_norm(model, config.get("norm")), label_names, spatial_dims(config), in_channels, inference, data)
+
+
+def _with_norm(model: dict, norm: str | None) -> dict:
+    """``model`` with the config's ``norm`` (``batch`` or ``instance``, planned from the modality
+    where ``auto``: :mod:`hsmla_med.data.plans`) where it is an HSMLA network that names none; so
+    the checkpoint records the norm it was built with. A MONAI network, a model that names its
+    own, or a norm left ``auto`` (a module built without a dataset to plan from: the network's
+    default, batch norm) is kept as it is."""
+    if norm in (None, "auto") or "monai" in model or "norm" in model:
+        return model
+    return {**model, "norm": norm}
 
 
 def datamodule(config: dict, cases: Datalist, in_channels: int | None = None) -> CaseDataModule:

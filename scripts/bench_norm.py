@@ -15,6 +15,7 @@ import time
 import torch
 
 from hsmla_med.nn import HSMLASegNet, blocks
+from hsmla_med.runtime import tune_cpu_allocator
 
 
 def networks(variant: str) -> dict[str, torch.nn.Module]:
@@ -35,6 +36,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
+    tune_cpu_allocator()  # the heap top pad every hsmla-med command applies
     nets = networks(args.variant)
     x = torch.randn(1, 1, args.size, args.size)
     times: dict[str, list[float]] = {name: [] for name in nets}

@@ -75,6 +75,7 @@ def make_dataset(root: Path, cases: int = 4, shape=(40, 36, 6), affines=None, se
 
 TINY = {
     "mode": "2d",  # the tests' setting, not planned (hsmla_med.data.plans)
+    "norm": "batch",  # the phantoms are CT in HU (as the intensity below); not planned
     "data": {
         "spacing": [1.5, 1.5, 2.0],
         "roi_size_2d": [32, 32],

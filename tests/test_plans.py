@@ -93,12 +93,16 @@ def test_ct_plan_normalises_with_the_foreground_percentiles_and_moments():
     roi = plan["values"]["data.roi_size_2d"]
     assert all(r % 32 == 0 for r in roi) and np.prod(roi) <= PATCH_BUDGET["cpu", 2] and roi == [96, 96]
     assert plan["values"]["data.batch_size"] == 2  # 8 crops of 96^2 per step / 4 crops per case
+    assert plan["values"]["norm"] == "batch" and "HU" in plan["reasons"]["norm"]
 
 
 def test_mri_and_unnamed_modality_are_z_scored_per_case():
     fp = _fingerprint([[1.0, 1.0, 1.0]] * 3, [[140, 170, 150]] * 3)
     for channels in ({"0": "T1"}, {}, {"0": "CT", "1": "PET"}):
-        assert make_plan(fp, channels, 4, 10)["values"]["data.intensity"] == {"kind": "zscore_foreground"}
+        plan = make_plan(fp, channels, 4, 10)
+        assert plan["values"]["data.intensity"] == {"kind": "zscore_foreground"}
+        assert plan["values"]["norm"] == "instance" and "bias field" in plan["reasons"]["norm"]
+    assert make_plan(fp, {"0": "CT", "1": "CT"}, 4, 10)["values"]["norm"] == "batch"  # two CT channels: HU both
     plan = make_plan(fp, {"0": "MRI"}, 4, 10)
     # 160 x 192 (the median slice in 32s) shrinks, longest side first, to the CPU's 96^2: 96 x 96
     assert plan["values"]["data.roi_size_2d"] == [96, 96]
@@ -190,7 +194,7 @@ def test_plan_dataset_measures_once_and_again_when_the_dataset_changes(tmp_path,
     plan_dataset(merge_config(task_config("btcv"), {"output": str(tmp_path / "run")}), load_datalist(root), 1)
     assert calls == [1]  # another dataset JSON: measured again
     # a config that plans nothing takes no fingerprint
-    fixed = {"mode": "2d", "data": {"spacing": [1.0, 1.0, 1.0], "intensity": {"kind": "ct_window"}, "roi_size_2d": [32, 32],
+    fixed = {"mode": "2d", "norm": "batch", "data": {"spacing": [1.0, 1.0, 1.0], "intensity": {"kind": "ct_window"}, "roi_size_2d": [32, 32],
                                     "roi_size_3d": [32, 32, 16], "batch_size": 2}}
     assert plan_dataset(merge_config(task_config("btcv"), fixed), cases, 2) is None
 
@@ -207,6 +211,31 @@ def test_train_prints_the_plan_and_stores_it_in_plans_json_and_the_checkpoint(tm
     stored = read_hparams(tmp_path / "run" / "last.ckpt")  # weights_only=True
     assert stored["plan"]["values"] == plan["values"]
     assert stored["data"]["spacing"] == plan["values"]["data.spacing"] and stored["data"]["intensity"]["kind"] == "ct_zscore"
+    assert plan["values"]["norm"] == "batch" and stored["network"]["norm"] == "batch"  # the checkpoint records the norm built
+
+
+def test_the_planned_norm_builds_the_network_and_a_model_that_names_one_keeps_it(tmp_path):
+    """MRI: the plan's instance norm reaches the network and the checkpoint's record of it; a
+    model mapping's own norm, a norm set in the config and a MONAI network are kept."""
+    from hsmla_med.nn.blocks import InstanceNorm
+
+    root = _dataset(tmp_path / "d", {"channel_names": {"0": "T2"}})
+    cases = load_datalist(root)
+    config = merge_config(task_config("btcv"), {"data": {"data_dir": str(root)}, "output": str(tmp_path / "run")})
+    plan = plan_dataset(config, cases, 2)
+    assert plan["values"]["norm"] == "instance" and config["norm"] == "instance"
+    hp = btcv.module_config(config, {"variant": "b0", "decoder": "unet"}, NAMES)
+    assert hp["network"]["norm"] == "instance"
+    from hsmla_med.engine.segmentation import SegmentationModule
+
+    assert any(isinstance(m, InstanceNorm) for m in SegmentationModule(hp).network.modules())
+    assert btcv.module_config(config, {"variant": "b0", "norm": "batch"}, NAMES)["network"]["norm"] == "batch"
+    unet = {"monai": "UNet", "args": {"channels": [8, 16], "strides": [2]}}
+    assert btcv.module_config(config, unet, NAMES)["network"] == unet
+    kept = merge_config(task_config("btcv"), {"norm": "batch", "data": {"data_dir": str(root)}, "output": str(tmp_path / "run")})
+    assert "norm" in plan_dataset(kept, cases, 2)["kept"] and kept["norm"] == "batch"
+    with pytest.raises(ConfigError, match="user.yaml: norm must be one of batch, instance, auto"):
+        validate_config(merge_config(task_config("btcv"), {"norm": "group"}), "user.yaml")
 
 
 def test_the_learning_benchmarks_planned_arm_leaves_every_planned_value_to_the_plan():

@@ -57,7 +57,9 @@ from hsmla_med.metrics.summary import case_metrics
 
 __all__ = ["NETWORKS", "ARMS_3D", "ROUTING_ABLATION", "arm", "SEEDED", "overlay", "scores", "summary_rows", "bench_learning", "add_arguments", "run"]
 
-_UNET = {"variant": "b0", "decoder": "unet"}
+# the norm named, as the plan would pick instance norm for this MRI (hsmla_med.data.plans): the
+# arms compare the two norms, the planned arm takes what the plan gives
+_UNET = {"variant": "b0", "decoder": "unet", "norm": "batch"}
 _INSTANCE = {**_UNET, "norm": "instance"}
 _UNET_3D = {**_UNET, "full_res": "sum"}  # the 3D default (hsmla_med.nn.HSMLASegNet)
 # name -> the train config's `model` mapping (hsmla_med.config.build_network)
@@ -80,7 +82,7 @@ NETWORKS = {
     "hsmla-b0-unet-s8": {**_UNET, "attention_strides": [8, 16, 32]},
     "hsmla-b0-unet-s8-routing-off": {**_UNET, "attention_strides": [8, 16, 32], "attention": {"routing": "off"}},
     "hsmla-b0-unet-s8-routing-all": {**_UNET, "attention_strides": [8, 16, 32], "attention": {"routing": "all"}},
-    "hsmla-b0-unet-planned": _UNET,
+    "hsmla-b0-unet-planned": {"variant": "b0", "decoder": "unet"},
     # the 3D arm: the default network in 3D against MONAI's 3D networks (MONAI's BTCV tutorials
     # and Model Zoo bundle train 3D); full_res named, so that a result of an earlier 3D default
     # (refine, then light) is not taken for the current one's
@@ -89,6 +91,8 @@ NETWORKS = {
     "hsmla-b0-unet-3d-routing-all": {**_UNET_3D, "attention": {"routing": "all"}},
     # the full-resolution level refined by a DSConv, the 3D default before session 17 (docs/benchmarks.md)
     "hsmla-b0-unet-3d-light": {**_UNET, "full_res": "light"},
+    # the plan's norm for MRI, in 3D
+    "hsmla-b0-unet-3d-in": {**_UNET_3D, "norm": "instance"},
     "unet-3d": {"monai": "UNet", "args": {"channels": [16, 32, 64, 128, 256], "strides": [2, 2, 2, 2], "num_res_units": 2}},
     "segresnet-3d": {"monai": "SegResNet", "args": {"init_filters": 16}},
     "swinunetr-3d": {"monai": "SwinUNETR", "args": {"feature_size": 24}},
@@ -100,7 +104,7 @@ PLANNED_ARMS = {"hsmla-b0-unet-planned"}
 # 3D batch of 2) where the 2D arms take 8 slices
 ARMS_3D = (
     "hsmla-b0-unet-3d", "unet-3d", "segresnet-3d", "swinunetr-3d", "hsmla-b0-unet-3d-routing-off", "hsmla-b0-unet-3d-routing-all",
-    "hsmla-b0-unet-3d-light",
+    "hsmla-b0-unet-3d-light", "hsmla-b0-unet-3d-in",
 )
 # run with every seed (the arms without a routing suffix are the "gate" arms: gate is the default)
 ROUTING_ABLATION = (
@@ -110,7 +114,7 @@ ROUTING_ABLATION = (
     "hsmla-b0-unet-3d", "hsmla-b0-unet-3d-routing-off", "hsmla-b0-unet-3d-routing-all",
 )
 # the comparison the issue's targets name, seed to seed: the best HSMLA network against UNet
-SEEDED = (*ROUTING_ABLATION, "unet", *PLANNED_ARMS, "unet-3d", "segresnet-3d", "swinunetr-3d", "hsmla-b0-unet-3d-light")
+SEEDED = (*ROUTING_ABLATION, "unet", *PLANNED_ARMS, "unet-3d", "segresnet-3d", "swinunetr-3d", "hsmla-b0-unet-3d-light", "hsmla-b0-unet-3d-in")
 INTENSITY = "zscore_foreground"  # Otsu foreground: the perturbed copy has Rician noise, no zero background
 CLASSES = [name for key, name in sorted(LABELS.items()) if key != "0"]
 SPLITS = {"": "validation", "perturbed_": "perturbed"}  # column prefix -> dataset.json list

@@ -50,12 +50,15 @@ class InstanceNorm(nn.Module):
         # torch.var_mean's Welford pass, no E[x^2] - E[x]^2 cancellation): on the CPU
         # torch.var_mean over the spatial axes took 70% of a HSMLA-B0-UNet forward at 512^2, 14-25x
         # the time of these two reductions (docs/benchmarks.md, "Instance norm at inference")
+        # Half-precision maps (autocast) get float32 statistics, as torch's own norms keep them:
+        # a bfloat16 mean and variance moved the probabilities of a small MRI network by 0.08.
         spatial = tuple(range(2, x.dim()))
-        mean = x.mean(dim=spatial, keepdim=True)
+        half = x.dtype in (torch.float16, torch.bfloat16)
+        mean = x.mean(dim=spatial, keepdim=True, dtype=torch.float32 if half else None)
         var = (x - mean).square().mean(dim=spatial, keepdim=True)
         shape = (1, -1) + (1,) * (x.dim() - 2)
         scale = torch.rsqrt(var + self.eps) * self.weight.view(shape)
-        return torch.addcmul(self.bias.view(shape) - mean * scale, x, scale)
+        return torch.addcmul(self.bias.view(shape) - mean * scale, x, scale).to(x.dtype)
 
 
 class ChannelLayerNorm(nn.LayerNorm):
