@@ -112,6 +112,8 @@ def test_mri_and_unnamed_modality_are_z_scored_per_case():
     gpu = make_plan(fp, {"0": "MRI"}, 4, 10, device="gpu", device_memory=24 * 2**30)
     assert gpu["values"]["data.roi_size_2d"] == [160, 192]  # the GPU's 512^2 holds one median slice
     assert gpu["values"]["mode"] == "3d" and np.prod(gpu["values"]["data.roi_size_3d"]) <= 128**3
+    assert gpu["values"]["norm"] == "batch" and "3D" in gpu["reasons"]["norm"]  # instance norm lost 3D Dice on MRI
+    assert make_plan(fp, {"0": "MRI"}, 4, 10, mode="3d")["values"]["norm"] == "batch"  # the mode a config sets
     assert gpu["values"]["data.batch_size"] == 1  # 2 crops of 128^3 per step, 4 crops per case: one case
 
 

@@ -14,13 +14,15 @@ What is planned, and by which rule (each plan entry keeps its reason in words):
   (nnU-Net's ``CTNormalization``: the same numbers for every case, since HU are absolute).
   Anything else (MRI, or no modality named): z-scored per case over its foreground
   (``zscore_foreground``: mean and standard deviation of the case's Otsu foreground).
-* ``norm``: the normalisation layers of an HSMLA network, from the modality too. CT: batch norm,
-  which folds into the convolutions at inference (HU are absolute: one scanner's CT looks like
-  another's). Anything else: instance norm, which normalises every image and channel by its own
-  statistics, so that a new scanner's intensity scale and coil bias field do not shift the
-  features; on the real MRI of the learning benchmark it held Dice on the other-scanner copy
-  (0.890 against batch norm's 0.841), at 1.2-1.5x batch norm's inference time on the CPU
-  (docs/benchmarks.md). nnU-Net uses instance norm for every modality.
+* ``norm``: the normalisation layers of an HSMLA network, from the modality and the mode. CT:
+  batch norm, which folds into the convolutions at inference (HU are absolute: one scanner's CT
+  looks like another's). Anything else, in 2D: instance norm, which normalises every image and
+  channel by its own statistics, so that a new scanner's intensity scale and coil bias field do
+  not shift the features; on the real MRI of the learning benchmark it held Dice on the
+  other-scanner copy (0.889 against batch norm's 0.845), at 1.2-1.5x batch norm's inference time
+  on the CPU. In 3D batch norm: there instance norm's statistics over the deep stages' few voxels
+  (2 x 3 x 1 at stride 32 for a 64 x 96 x 32 patch) cost Dice (0.826 against 0.901-0.914, one
+  seed; docs/benchmarks.md). nnU-Net uses instance norm throughout; its 3D patches are larger.
 * ``mode``: ``2d`` for anisotropic data (slices much thicker than their pixels) or on a CPU
   (a 3D step costs several 2D steps there: docs/benchmarks.md), else ``3d``.
 * ``data.roi_size_2d`` / ``roi_size_3d``: the median shape of the cases at the planned spacing
@@ -121,9 +123,12 @@ def _named(channels: dict[str, str]) -> str:
         "dataset.json names no modality (channel_names / modality)"
 
 
-def _norm(channels: dict[str, str]) -> tuple[str, str]:
+def _norm(channels: dict[str, str], dims: int) -> tuple[str, str]:
     if channels and {name.strip().upper() for name in channels.values()} == {"CT"}:
         return "batch", "CT intensities are absolute (HU): batch norm, folded into the convolutions at inference"
+    if dims == 3:
+        return "batch", f"{_named(channels)}, but 3D patches: batch norm (instance norm over the deep stages' few voxels " \
+                        "lost 3D Dice on MRI: 0.826 against 0.901-0.914)"
     return "instance", f"{_named(channels)}: instance norm, robust to another scanner's intensity scale and bias field (1.2-1.5x batch norm's " \
                        "inference time on a CPU)"
 
@@ -159,7 +164,6 @@ def make_plan(fingerprint: dict, channels: dict[str, str], samples_per_case: int
     spacing, spacing_reason = _target_spacing(spacings, shapes)
     median_shape = np.median(shapes * spacings / spacing, axis=0)
     intensity, intensity_reason = _intensity(fingerprint, channels)
-    norm, norm_reason = _norm(channels)
     if _anisotropic(spacing):
         planned_mode, mode_reason = "2d", f"anisotropic ({max(spacing):.3g} mm slices, {min(spacing):.3g} mm pixels): 2D, as nnU-Net does"
     elif device == "cpu":
@@ -170,6 +174,7 @@ def make_plan(fingerprint: dict, channels: dict[str, str], samples_per_case: int
     roi_3d = _roi(median_shape, PATCH_BUDGET[device, 3])
     dims = 2 if (mode or planned_mode) == "2d" else 3
     roi = roi_2d if dims == 2 else roi_3d
+    norm, norm_reason = _norm(channels, dims)
     scale = max(1, device_memory // GPU_MEMORY_UNIT) if device == "gpu" else 1
     budget = CROPS_PER_STEP[dims] * PATCH_BUDGET[device, dims] * scale
     batch = int(min(MAX_BATCH, max(1, training_cases), max(1, budget // (samples_per_case * math.prod(roi)))))
