@@ -55,7 +55,9 @@ class InstanceNorm(nn.Module):
         spatial = tuple(range(2, x.dim()))
         half = x.dtype in (torch.float16, torch.bfloat16)
         mean = x.mean(dim=spatial, keepdim=True, dtype=torch.float32 if half else None)
-        var = (x - mean).square().mean(dim=spatial, keepdim=True)
+        deviation = x - mean
+        # squared in place where autograd does not need the deviation (inference): one map less
+        var = (deviation.square() if deviation.requires_grad else deviation.square_()).mean(dim=spatial, keepdim=True)
         shape = (1, -1) + (1,) * (x.dim() - 2)
         scale = torch.rsqrt(var + self.eps) * self.weight.view(shape)
         return torch.addcmul(self.bias.view(shape) - mean * scale, x, scale).to(x.dtype)
