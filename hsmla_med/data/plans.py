@@ -19,7 +19,7 @@ What is planned, and by which rule (each plan entry keeps its reason in words):
   looks like another's). Anything else, in 2D: instance norm, which normalises every image and
   channel by its own statistics, so that a new scanner's intensity scale and coil bias field do
   not shift the features; on the real MRI of the learning benchmark it held Dice on the
-  other-scanner copy (0.889 against batch norm's 0.845), at 1.2-1.5x batch norm's inference time
+  other-scanner copy (0.889 against batch norm's 0.845), at 1.35-1.8x batch norm's inference time
   on the CPU. In 3D batch norm: there instance norm's statistics over the deep stages' few voxels
   (2 x 3 x 1 at stride 32 for a 64 x 96 x 32 patch) cost Dice (0.826 against 0.901-0.914, one
   seed; docs/benchmarks.md). nnU-Net uses instance norm throughout; its 3D patches are larger.
