@@ -176,3 +176,32 @@ def test_a_result_is_reused_only_with_the_same_settings(tmp_path, monkeypatch):
     assert scored == [(["v"], tmp_path / "predictions"), (["p"], tmp_path / "predictions")]
     assert again["nsd"] == 0.7 and again["perturbed_nsd"] == 0.7 and again["nsd_grey_matter"] == 0.1
     assert json.loads((tmp_path / "result.json").read_text())["row"] == again
+
+
+def test_first_seed_splits_a_seeded_arm_between_runs(dataset, tmp_path, monkeypatch):
+    """``--first-seed 1 --seeds 2``: a seeded arm runs seeds 1 and 2, an arm with one seed runs
+    seed 1 (training replaced by a record of what would run)."""
+    ran = []
+
+    def run_one(name, seed, setup, folder):
+        ran.append((name, seed))
+        return {"network": name, "seed": seed, "dice": 0.9, "perturbed_dice": 0.8, "train_s": 1.0}
+
+    monkeypatch.setattr(benchmark_learning, "run_one", run_one)
+    assert "swinunetr-3d" in benchmark_learning.SEEDED and "hsmla-b1-unet" not in benchmark_learning.SEEDED
+    benchmark_learning.bench_learning(tmp_path / "out", seeds=2, networks=["swinunetr-3d", "hsmla-b1-unet"], data_dir=dataset,
+                                      slices=SLICES, first_seed=1)
+    assert ran == [("swinunetr-3d", 1), ("swinunetr-3d", 2), ("hsmla-b1-unet", 1)]
+
+
+def test_the_first_seed_option_reaches_the_benchmark(tmp_path, monkeypatch):
+    class Called(Exception):
+        pass
+
+    def record(*args):
+        raise Called(args)
+
+    monkeypatch.setattr(benchmark_learning, "bench_learning", record)
+    with pytest.raises(Called) as called:
+        benchmark.main(["--only", "learning", "--out", str(tmp_path), "--first-seed", "2", "--seeds", "1"])
+    assert called.value.args[0][2] == 1 and called.value.args[0][-1] == 2  # seeds, first seed

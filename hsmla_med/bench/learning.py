@@ -48,7 +48,7 @@ import nibabel as nib
 import numpy as np
 import torch
 
-from hsmla_med.bench.common import markdown, positive_int, write_csv
+from hsmla_med.bench.common import markdown, non_negative_int, positive_int, write_csv
 from hsmla_med.data.mni import LABELS, write_mni_dataset
 from hsmla_med.errors import ConfigError
 from hsmla_med.io import atomic_path, write_json, write_yaml
@@ -319,8 +319,10 @@ def machine() -> dict:
 
 
 def bench_learning(out: Path, steps: int = 400, seeds: int = 3, networks: list[str] | None = None, data_dir: Path | None = None,
-                   slices: int = 24, roi: int = 96, crops: int = 8) -> list[dict]:
-    """Every requested network (default all of ``NETWORKS``) trained and scored; the rows."""
+                   slices: int = 24, roi: int = 96, crops: int = 8, first_seed: int = 0) -> list[dict]:
+    """Every requested network (default all of ``NETWORKS``) trained and scored; the rows. The
+    networks of ``SEEDED`` run seeds ``first_seed .. first_seed + seeds - 1``, the others
+    ``first_seed`` (a long arm's seeds can be split between runs)."""
     networks = networks or list(NETWORKS)
     unknown = sorted(set(networks) - set(NETWORKS))
     if unknown:
@@ -334,7 +336,7 @@ def bench_learning(out: Path, steps: int = 400, seeds: int = 3, networks: list[s
     setup = Setup(data, meta, _eval_inputs(data, meta, out / "eval_inputs"), steps, roi, crops, machine()["commit"])
     rows = []
     for name in networks:
-        for seed in range(seeds if name in SEEDED else 1):
+        for seed in range(first_seed, first_seed + (seeds if name in SEEDED else 1)):
             folder = out / name / f"seed{seed}"
             row = _finished(folder, setup.settings(name), setup)
             if row is not None:
@@ -350,7 +352,8 @@ def bench_learning(out: Path, steps: int = 400, seeds: int = 3, networks: list[s
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("learning benchmark (--only learning)")
     g.add_argument("--steps", type=positive_int, default=400, help="training steps per network (default 400)")
-    g.add_argument("--seeds", type=positive_int, default=3, help="seeds of the routing ablation (default 3); other networks run seed 0")
+    g.add_argument("--seeds", type=positive_int, default=3, help="seeds of the routing ablation and the other seeded arms (default 3); other networks run one seed")
+    g.add_argument("--first-seed", type=non_negative_int, default=0, help="the first seed (default 0): --first-seed 1 --seeds 2 runs seeds 1 and 2")
     g.add_argument("--networks", help=f"comma-separated subset of: {', '.join(NETWORKS)}")
     g.add_argument("--data-dir", type=Path, help="where the MNI dataset is written once (default ~/.cache/hsmla-med/mni-learning)")
     g.add_argument("--slices", type=positive_int, default=24, help="axial slab thickness of each case in 1 mm slices (default 24)")
@@ -366,7 +369,7 @@ def run(args: argparse.Namespace) -> int:
           flush=True)
     write_json(args.out / "learning_machine.json", info)
     networks = args.networks.split(",") if args.networks else None
-    rows = bench_learning(args.out, args.steps, args.seeds, networks, args.data_dir, args.slices, args.roi, args.crops)
+    rows = bench_learning(args.out, args.steps, args.seeds, networks, args.data_dir, args.slices, args.roi, args.crops, args.first_seed)
     summary = summary_rows(rows)
     write_csv(args.out / "learning.csv", rows)
     write_csv(args.out / "learning_summary.csv", summary)
