@@ -234,6 +234,7 @@ class HSMLA(nn.Module):
 
     def _derived(self, slot: str, weight: torch.Tensor, build) -> torch.Tensor:
         """``build()``, a tensor derived from ``weight``; without gradients it is kept until the
+        weight changes (its version counter, storage or dtype: an optimizer step, loaded
         weights, a cast). While a tracer records (:func:`building_graph`), it is built in the
         graph: the fake tensors of ``torch.compile`` and ``torch.export`` have no storage to key
         on, and ``torch.jit.trace`` would store a kept tensor as a constant."""

@@ -27,9 +27,9 @@ class InstanceNorm(nn.Module):
     channels-first, normalises it as a batch norm of ``batch x C`` channels and returns it
     channels-first, so every following convolution and block converts back: at 512^2 that made
     HSMLA-B2 3x slower than with batch norm (docs/benchmarks.md). Here the statistics are two
-    reductions (the mean, then the mean squared deviation) and the normalisation one fused multiply-add with per-image,
-    per-channel scale and shift (the affine folded into them), both in the input's layout;
-    autograd differentiates it. Values as ``F.instance_norm`` (biased variance, ``eps`` inside
+    reductions (the mean, then the mean squared deviation) and the normalisation one fused
+    multiply-add with per-image, per-channel scale and shift (the affine folded into them), both
+    in the input's layout; autograd differentiates it. Values as ``F.instance_norm`` (biased variance, ``eps`` inside
     the root); parameter names ``weight`` and ``bias`` as torch's, so checkpoints load either way.
 
     Args:
@@ -49,7 +49,7 @@ class InstanceNorm(nn.Module):
         # two passes, the mean and then the mean squared deviation from it (as stable as
         # torch.var_mean's Welford pass, no E[x^2] - E[x]^2 cancellation): on the CPU
         # torch.var_mean over the spatial axes took 70% of a HSMLA-B0-UNet forward at 512^2, 14-25x
-        # the time of these two reductions (docs/benchmarks.md, "Instance norm at inference")
+        # the time of these two reductions (docs/benchmarks.md, "The plan's norm")
         # Half-precision maps (autocast) get float32 statistics, as torch's own norms keep them:
         # a bfloat16 mean and variance moved the probabilities of a small MRI network by 0.08.
         spatial = tuple(range(2, x.dim()))
