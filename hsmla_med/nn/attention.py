@@ -165,7 +165,7 @@ class HSMLA(nn.Module):
         # 343 taps), where the full kernel's backward cost a 3D training step ~100 ms
         # (docs/benchmarks.md, "3D training step"). Not while tracing or exporting: the crop
         # depends on the map's size, which a traced graph would fix at the example's.
-        tracing = torch.jit.is_tracing() or torch.jit.is_scripting() or torch.compiler.is_compiling()
+        tracing = HF.building_graph() or torch.jit.is_scripting()
         taps = [size if tracing else min(size, 2 * n - 1) for n in qkv.shape[2:]]
         weight = weight[(..., *(slice((size - t) // 2, (size + t) // 2) for t in taps))]
         conv = (F.conv2d, F.conv3d)[self.spatial_dims - 2]
