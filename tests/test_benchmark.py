@@ -40,7 +40,7 @@ def test_paired_speedup_is_the_median_of_per_round_ratios(monkeypatch):
     clock = [0.0]
 
     class Fake(torch.nn.Module):
-        def __init__(self, seconds):  # per call: two warm-ups, then the rounds
+        def __init__(self, seconds):  # per call: the FLOP count, two warm-ups, then the rounds
             super().__init__()
             self.seconds = iter(seconds)
             self.weight = torch.nn.Parameter(torch.zeros(1))
@@ -50,15 +50,32 @@ def test_paired_speedup_is_the_median_of_per_round_ratios(monkeypatch):
             return x
 
     costs = {
-        "HSMLA-B2": [1, 1, 0.01, 0.04, 0.02],
-        "HSMLA-B2 (refinement off)": [1, 1, 0.01, 0.01, 0.01],
-        "SegFormer-B2": [1, 1, 0.1, 0.4, 0.1],
+        "HSMLA-B2": [1, 1, 1, 0.01, 0.04, 0.02],
+        "HSMLA-B2 (refinement off)": [1, 1, 1, 0.01, 0.01, 0.01],
+        "SegFormer-B2": [1, 1, 1, 0.1, 0.4, 0.1],
     }
     monkeypatch.setattr(benchmark, "build_models", lambda x: {n: (lambda c=c: Fake(c)) for n, c in costs.items()})
     monkeypatch.setattr(benchmark.time, "perf_counter", lambda: clock[0])
     b2 = next(r for r in benchmark.bench_models(size=8, runs=3) if r["model"] == "HSMLA-B2")
     assert b2["speedup_vs_segformer_b2"] == pytest.approx(0.1 / 0.02)
     assert b2["speedup_vs_segformer_b2_paired"] == pytest.approx(10.0)
+
+
+def test_forward_gflops_counts_a_hand_computed_network():
+    """A 3x3 convolution 2 -> 4 channels on 1 x 2 x 8 x 8 ('same' padding: 64 outputs per channel,
+    2 x 9 multiply-adds each) then a 4 -> 3 linear layer on the 4 x 64 pixels: 2 x (4 x 64 x 18 +
+    64 x 4 x 3) FLOP. The activation between them counts nothing."""
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.linear = torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.linear(torch.relu(self.conv(x)).flatten(2).transpose(1, 2))
+
+    expected = 2 * (4 * 64 * 18 + 64 * 4 * 3)
+    assert benchmark.forward_gflops(Net(), torch.randn(1, 2, 8, 8)) * 1e9 == pytest.approx(expected)
 
 
 def test_bench_models_script_is_the_benchmark():

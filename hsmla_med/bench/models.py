@@ -86,14 +86,29 @@ def bench_models(size: int, runs: int) -> list[dict]:
     return rows
 
 
+def forward_gflops(model: torch.nn.Module, x: torch.Tensor) -> float:
+    """GFLOP of one forward on ``x`` as torch's ``FlopCounterMode`` counts them: convolutions,
+    matrix products and attention products, 2 per multiply-add; elementwise work, norms and
+    custom operators (HSMLA's C refinement and gate kernels on the CPU) count nothing. The speed-up
+    between two networks over their FLOP ratio is how much more of the CPU's arithmetic one
+    turns into results."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        model(x)
+    return counter.get_total_flops() / 1e9
+
+
 def time_models(models: dict[str, torch.nn.Module], x: torch.Tensor, runs: int) -> tuple[list[dict], dict]:
     """Median latency per model on input ``x`` over ``runs`` rounds after two warm-up calls
     each; each round times every model once, so a burst of load from elsewhere on a shared
-    machine hits all models alike. Returns rows (model, params_m, latency_ms, mean_alpha) and
-    every round's seconds per model."""
+    machine hits all models alike. Returns rows (model, params_m, gflops, latency_ms, mean_alpha) and
+    every round's seconds per model. ``gflops``: :func:`forward_gflops`, counted before the
+    warm-ups."""
     models = {name: model.eval() for name, model in models.items()}
     times = {name: [] for name in models}
     with torch.no_grad():
+        gflops = {name: forward_gflops(model, x) for name, model in models.items()}
         for model in models.values():
             median_seconds(lambda: model(x), warmup=2, runs=0)
         for round_ in range(runs):
@@ -109,6 +124,7 @@ def time_models(models: dict[str, torch.nn.Module], x: torch.Tensor, runs: int) 
             {
                 "model": name,
                 "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+                "gflops": gflops[name],
                 "latency_ms": statistics.median(times[name]) * 1e3,
                 "mean_alpha": statistics.mean(alphas) if alphas else "",
             }
