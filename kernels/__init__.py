@@ -7,7 +7,10 @@ One public function per op, each in its own module beside its reference (the mat
 - :func:`local_refine` (:mod:`.refine`, Triton): tile-compacted local residual
   ``R = O_loc - O_linloc``;
 - :func:`local_refine_cpu` (:mod:`.refine_cpu`, C compiled at first use): the same on the CPU;
-- :func:`block_gate_cpu` (:mod:`.gate_cpu`, C compiled at first use): the block gate on the CPU.
+- :func:`block_gate_cpu` (:mod:`.gate_cpu`, C compiled at first use): the block gate on the CPU;
+- :func:`instance_norm_act_cpu` (:mod:`.norm_cpu`, C compiled at first use): instance norm and
+  Hardswish of the convolutional blocks at inference on the CPU (reference:
+  :class:`hsmla_med.nn.blocks.InstanceNorm` then ``torch.nn.Hardswish``).
 
 The same ops are registered as PyTorch custom operators by :mod:`.ops` (``torch.ops.hsmla.*``:
 ``linear_attention``, ``block_gate``, ``local_refine``, each with a fake implementation and a
@@ -29,6 +32,7 @@ The kernels depend on their references in :mod:`hsmla_med.nn.functional` (public
 from ._runtime import triton_available, triton_unsupported
 from .linear import linear_attention
 from .gate_cpu import block_gate as block_gate_cpu
+from .norm_cpu import instance_norm_act as instance_norm_act_cpu
 from .refine import local_refine
 from .refine_cpu import compiled as cpu_kernel_available
 from .refine_cpu import local_refine as local_refine_cpu
@@ -43,6 +47,7 @@ __all__ = [
     "local_refine",
     "local_refine_cpu",
     "block_gate_cpu",
+    "instance_norm_act_cpu",
     "triton_available",
     "triton_unsupported",
     "cpu_kernel_available",

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hsmla_med import kernels
-from hsmla_med.kernels import _cpu_build, gate_cpu, refine_cpu
+from hsmla_med.kernels import _cpu_build, gate_cpu, norm_cpu, refine_cpu
 from hsmla_med.nn import HSMLA
 from hsmla_med.nn import functional as HF
 
@@ -152,7 +152,7 @@ def test_bad_arguments_raise():
 
 
 def _forget_libraries():
-    for cached in (_cpu_build.library, refine_cpu._library, gate_cpu._library):
+    for cached in (_cpu_build.library, refine_cpu._library, gate_cpu._library, norm_cpu._library):
         cached.cache_clear()
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -70,6 +72,11 @@ class ChannelLayerNorm(nn.LayerNorm):
         return F.layer_norm(x.movedim(1, -1), self.normalized_shape, self.weight, self.bias, self.eps).movedim(-1, 1)
 
 
+def _kernels():
+    """:mod:`hsmla_med.kernels`, imported at the first use (it imports :mod:`hsmla_med.nn.functional`)."""
+    return importlib.import_module("hsmla_med.kernels")
+
+
 class ConvNormAct(nn.Sequential):
     """Convolution ('same' padding, so odd sizes give ``ceil(size / stride)``), BatchNorm, Hardswish.
 
@@ -79,7 +86,11 @@ class ConvNormAct(nn.Sequential):
     folded convolution (:func:`torch.nn.utils.fusion.fuse_conv_bn_eval`) is kept until a weight
     or statistic changes (version counter, storage, dtype or device of any of them: an
     optimizer step, loaded weights, a cast) or the block is put in a mode; with gradients the
-    fold is computed in every call, differentiably.
+    fold is computed in every call, differentiably. With ``norm="instance"``, which cannot fold,
+    inference on the CPU (eval mode, no gradients, a float32 channels-last map) runs the norm and
+    the Hardswish as one C kernel, in place on the convolution's output
+    (:func:`hsmla_med.kernels.instance_norm_act_cpu`); elsewhere :class:`InstanceNorm` and the
+    activation as modules.
     """
 
     def __init__(
@@ -121,7 +132,15 @@ class ConvNormAct(nn.Sequential):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         conv, norm, act = self
-        if self.training or not isinstance(norm, nn.modules.batchnorm._BatchNorm):
+        if isinstance(norm, InstanceNorm):
+            y = conv(x)
+            # at inference on the CPU, norm and activation in one C kernel, in place on the fresh
+            # convolution output (None where it does not take the map: the modules below)
+            fused = None if self.training or building_graph() else _kernels().instance_norm_act_cpu(
+                y, norm.weight, norm.bias, norm.eps, hardswish=isinstance(act, nn.Hardswish), out=y
+            )
+            return fused if fused is not None else act(norm(y))
+        if self.training:
             return act(norm(conv(x)))
         grad = torch.is_grad_enabled() and any(p.requires_grad for p in (conv.weight, norm.weight, norm.bias) if p is not None)
         # while a tracer records, the fold is built in the graph: the fake tensors of
