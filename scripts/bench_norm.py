@@ -1,5 +1,7 @@
-"""Inference latency of HSMLA-SegNet with batch norm (folded into the convolutions), with the
-layout-keeping instance norm (:class:`hsmla_med.nn.blocks.InstanceNorm`) and with
+"""Inference latency of HSMLA-SegNet with batch norm (folded into the convolutions), with
+instance norm as the blocks run it at CPU inference (the C kernel of
+:mod:`hsmla_med.kernels.norm_cpu`), with the same network running the modules the kernel
+replaces (:class:`hsmla_med.nn.blocks.InstanceNorm` then Hardswish) and with
 ``torch.nn.InstanceNorm2d`` (what the blocks used before), interleaved in one process, batch 1,
 1 -> 14 channels; medians and the median of the per-round ratios to batch norm.
 
@@ -18,9 +20,31 @@ from hsmla_med.nn import HSMLASegNet, blocks
 from hsmla_med.runtime import tune_cpu_allocator
 
 
+class _WithoutKernel(torch.nn.Module):
+    """``net`` with its blocks' instance norm kernel declined (they run the modules)."""
+
+    class _Declines:
+        @staticmethod
+        def instance_norm_act_cpu(*args, **kwargs):
+            return None
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = blocks._kernels
+        blocks._kernels = lambda: self._Declines
+        try:
+            return self.net(x)
+        finally:
+            blocks._kernels = kernels
+
+
 def networks(variant: str) -> dict[str, torch.nn.Module]:
     torch.manual_seed(0)
     nets = {norm: HSMLASegNet(2, 1, 14, variant=variant, decoder="unet", norm=norm).eval() for norm in ("batch", "instance")}
+    nets["instance (modules, no C kernel)"] = _WithoutKernel(nets["instance"])
     ours = blocks.InstanceNorm
     blocks.InstanceNorm = lambda channels: torch.nn.InstanceNorm2d(channels, affine=True)  # the blocks' norm before
     try:

@@ -140,7 +140,7 @@ class ConvNormAct(nn.Sequential):
                 y, norm.weight, norm.bias, norm.eps, hardswish=isinstance(act, nn.Hardswish), out=y
             )
             return fused if fused is not None else act(norm(y))
-        if self.training:
+        if self.training or not isinstance(norm, nn.modules.batchnorm._BatchNorm):
             return act(norm(conv(x)))
         grad = torch.is_grad_enabled() and any(p.requires_grad for p in (conv.weight, norm.weight, norm.bias) if p is not None)
         # while a tracer records, the fold is built in the graph: the fake tensors of
