@@ -355,8 +355,13 @@ def _device(name: str) -> str:
     return name
 
 
+_CREATED: list[Path] = []  # output folders this command created (removed again if it fails and they stayed empty)
+
+
 def _writable_folder(path: str | Path, option: str) -> Path:
-    """``path`` as a folder that exists and can be written, checked before any work is done."""
+    """``path`` as a folder that exists and can be written, checked before any work is done.
+    The outermost folder this creates is remembered: a command that then fails leaves no empty
+    folders behind (:func:`_remove_empty_created`)."""
     import os
 
     from hsmla_med.errors import InputError
@@ -364,13 +369,28 @@ def _writable_folder(path: str | Path, option: str) -> Path:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise InputError(f"{option} {path}: exists and is not a folder")
+    missing = [folder for folder in (path, *path.parents) if not folder.exists()]
     try:
         path.mkdir(parents=True, exist_ok=True)
+        if missing:
+            _CREATED.append(missing[-1])
     except OSError as err:
         raise InputError(f"{option} {path}: cannot create the folder ({err.strerror})") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise InputError(f"{option} {path}: folder is not writable")
     return path
+
+
+def _remove_empty_created() -> None:
+    """Remove the folders :func:`_writable_folder` created in this command that hold no file
+    (after a failure: an export or a run that stopped before writing anything)."""
+    import os
+
+    for top in reversed(_CREATED):
+        if top.is_dir() and not any(files for _, _, files in os.walk(top)):
+            for folder, _, _ in sorted(os.walk(top), key=lambda entry: -len(entry[0])):  # deepest first
+                Path(folder).rmdir()
+    _CREATED.clear()
 
 
 def _apart(inputs: str, output: str, option: str) -> None:
@@ -731,15 +751,18 @@ def main(argv: list[str] | None = None) -> int:
         _resolve_task(args)
         result = commands[args.command]()
     except KeyboardInterrupt:
+        _remove_empty_created()
         print("hsmla-med: interrupted", file=sys.stderr)
         return 130
     except Exception as err:
+        _remove_empty_created()
         problem = find_input_error(err)
         if problem is None or args.debug:
             raise
         print(f"hsmla-med: error: {problem}", file=sys.stderr)
         return 2
     finally:
+        _CREATED.clear()
         log.removeHandler(handler)  # main() may run again in this process (tests, notebooks)
         warnings.showwarning = shown
     return result if isinstance(result, int) else 0

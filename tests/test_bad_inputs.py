@@ -99,6 +99,25 @@ def test_output_that_is_a_file_or_unwritable(capsys, tmp_path, dataset, btcv_ckp
     assert afile.read_text() == "mine"
 
 
+def test_a_failed_command_leaves_no_empty_output_folder(capsys, tmp_path, btcv_ckpt):
+    """The --output folders a command created are gone after it fails with nothing written
+    (export checks its checkpoint and --input-size after creating them); a folder that existed
+    before, and a created one that holds a file, stay."""
+    missing = tmp_path / "missing.ckpt"
+    line = _error(capsys, ["export", "--checkpoint", str(missing), "--format", "onnx", "--output", str(tmp_path / "new" / "a" / "b")])
+    assert "checkpoint not found" in line and not (tmp_path / "new").exists()
+    (tmp_path / "existing").mkdir()
+    line = _error(capsys, ["export", "--checkpoint", str(btcv_ckpt), "--format", "onnx", "--output", str(tmp_path / "existing" / "x"),
+                           "--input-size", "7"])
+    assert "--input-size 7" in line and (tmp_path / "existing").is_dir() and not (tmp_path / "existing" / "x").exists()
+    from hsmla_med import cli
+
+    kept = cli._writable_folder(tmp_path / "made" / "sub", "--output")
+    (kept / "result.txt").write_text("written")
+    cli._remove_empty_created()
+    assert (kept / "result.txt").read_text() == "written"
+
+
 @pytest.mark.parametrize("extra, expected", [
     (["--overlap", "1.5"], "--overlap must lie in [0, 1)"),
     (["--device", "tpu"], "--device 'tpu'"),
