@@ -242,6 +242,18 @@ def channel_groups(files, channels: int) -> list[list[Path]]:
     return list(groups.values())
 
 
+def _check_file_ending(meta: dict, path: Path) -> None:
+    """nnU-Net v2's ``file_ending`` names the images' format; one this reader does not take
+    (nnU-Net also reads ``.mha``, ``.nrrd``, ``.png``, ``.tif`` through its own readers) is one
+    :class:`DataError` naming it, before any folder is searched for NIfTI files."""
+    ending = meta.get("file_ending")
+    if ending is None:
+        return
+    if not isinstance(ending, str) or not _NIFTI.search(ending):
+        raise DataError(f"{path}: file_ending {ending!r}: hsmla-med reads NIfTI images (.nii.gz, .nii) and DICOM series; convert the "
+                        "dataset to NIfTI (SimpleITK's ReadImage / WriteImage keep the geometry) and set file_ending to \".nii.gz\"")
+
+
 def _pair_folders(data_dir: Path, path: Path, channels: int = 1) -> list[dict]:
     """nnU-Net v2: ``imagesTr/CASE_0000.nii.gz`` (and ``CASE_0001.nii.gz``, ... with several
     channels) with ``labelsTr/CASE.nii.gz``."""
@@ -363,6 +375,7 @@ def load_datalist(data_dir: str | Path, dataset_json: str | None = None) -> Data
     names, ignore, regions, order = label_spec(meta, path)
     channels = _channels(meta, path)
     pair = ("image", "label")
+    _check_file_ending(meta, path)
     training = _listed(data_dir, path, meta, "training", pair, channels) if "training" in meta else _pair_folders(data_dir, path, channels)
     validation = _listed(data_dir, path, meta, "validation", pair, channels)
     test = _listed(data_dir, path, meta, "test", ("image",), channels)
