@@ -42,8 +42,16 @@ class _DepthwiseSame(torch.autograd.Function):
             grad_x = F.conv3d(grad, weight.flip(2, 3, 4), padding=ctx.padding, groups=groups)
         if ctx.needs_input_grad[1]:
             ones = [1] * 3
+            # On the CPU the bfloat16 channels-last weight gradient of a depthwise 3D convolution
+            # is garbage on small maps (2 x 2 x 1 and 2 x 2 x 2 at 64 channels: relative error
+            # 1.3, sometimes NaN, which made every weight of a bf16-mixed run NaN through the
+            # clipped gradient norm; float32 and channels-first bfloat16 are right): it is
+            # computed in float32 there, and cast back below
+            x_w, grad_w_in, weight_w = (x, grad, weight)
+            if grad.device.type == "cpu" and grad.dtype in (torch.bfloat16, torch.float16):
+                x_w, grad_w_in, weight_w = x.float(), grad.float(), weight.float()
             grad_w = torch.ops.aten.convolution_backward(
-                grad, x, weight, None, ones, list(ctx.padding), ones, False, [0] * 3, groups, [False, True, False]
+                grad_w_in, x_w, weight_w, None, ones, list(ctx.padding), ones, False, [0] * 3, groups, [False, True, False]
             )[1]
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad.sum(dim=(0, 2, 3, 4), dtype=ctx.dtypes[2])  # accumulated in the bias dtype, not bf16
