@@ -148,6 +148,31 @@ def test_bf16_mixed_run_trains_and_validates(tmp_path, dataset, mode):
     assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in module.parameters())
 
 
+def test_a_step_with_non_finite_gradients_is_skipped(tmp_path, dataset, caplog):
+    """One NaN (or inf) gradient: every gradient is dropped before the optimizer and clipping see
+    it (the clipped norm would turn all weights NaN) and a warning names the step; finite
+    gradients pass untouched."""
+    import logging
+
+    config = tiny_config(dataset, tmp_path / "run")
+    module = SegmentationModule(btcv.module_config(config, model_config("b0"), ["background", "disc", "bar"]))
+    params = [p for p in module.parameters() if p.requires_grad]
+    for bad in (float("nan"), float("inf"), None):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        if bad is not None:
+            params[len(params) // 2].grad.view(-1)[0] = bad
+        kept = [p.grad.clone() for p in params]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hsmla_med"):
+            module.on_before_optimizer_step(None)
+        if bad is None:
+            assert all(torch.equal(p.grad, k) for p, k in zip(params, kept)) and not caplog.records
+        else:
+            assert all(p.grad is None for p in params)
+            assert "step 0: non-finite gradients" in caplog.text
+
+
 def test_resume_with_a_larger_max_steps_follows_the_new_schedule(tmp_path, dataset, monkeypatch):
     """``train --max-steps 20`` then ``--resume --max-steps 40``: step 21 trains at the 40-step
     curve's rate, not at the 20-step curve's floor (the total used to be restored from the checkpoint)."""

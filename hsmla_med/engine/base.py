@@ -4,6 +4,7 @@ inputs on every process), and per-item validation records gathered across proces
 
 from __future__ import annotations
 
+import logging
 from abc import ABCMeta, abstractmethod
 
 import lightning as L
@@ -16,6 +17,8 @@ from hsmla_med.config import build_network
 from hsmla_med.engine.calibration import CalibrationSample, with_temperature
 from hsmla_med.engine.schedule import WarmupCosine
 from hsmla_med.nn import GatedNetwork, calibrate_tau
+
+log = logging.getLogger("hsmla_med")
 
 __all__ = ["GatedModule", "gather_records", "hparams", "item_keys", "plain"]
 
@@ -158,6 +161,20 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
         self.log("train/loss", loss, batch_size=image.shape[0])
         self._calibration_batch = image[:4].detach()
         return loss
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Skip a step whose gradients are not all finite (drop them, so the optimizer moves no
+        weight), with a warning, as torch.amp's GradScaler skips float16 steps. Under bf16-mixed
+        there is no scaler: one non-finite gradient makes the clipped gradient norm NaN and every
+        weight NaN (PyTorch's CPU bfloat16 depthwise 3D weight gradient did that now and then,
+        worked around in :mod:`hsmla_med.nn.conv`; this guards the run against the next such op).
+        After DDP's all-reduce, so every process skips the same steps."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if grads and not torch.isfinite(torch.nn.utils.get_total_norm(grads)):
+            for param in self.parameters():
+                param.grad = None
+            log.warning("step %d: non-finite gradients (precision %s); the step was skipped", self.global_step,
+                        self.trainer.precision if self._trainer is not None else "?")
 
     def on_validation_epoch_start(self) -> None:
         # Inference routes hard with threshold tau; put it where the gate of the current weights
