@@ -9,8 +9,15 @@ from __future__ import annotations
 
 import argparse
 
-from hsmla_med.bench.common import markdown
-from hsmla_med.bench.wsi import bench_wsi
+from hsmla_med.runtime import configure_cpu_threads
+
+# OpenMP's waiting as `hsmla-med` sets it before torch loads (and every heatmap process started
+# from here inherits): started by `python`, this script and its children otherwise ran with
+# libgomp's default spin, which `hsmla-med wsi-heatmap` never does (docs/benchmarks.md, session 22)
+configure_cpu_threads()
+
+from hsmla_med.bench.common import markdown  # noqa: E402 (after the OpenMP settings)
+from hsmla_med.bench.wsi import bench_wsi  # noqa: E402
 
 
 def main(argv=None) -> None:
