@@ -26,12 +26,13 @@ import ctypes.util
 import math
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 
 from hsmla_med.errors import ConfigError
 
-__all__ = ["tune_cpu_allocator", "available_cpus", "configure_cpu_threads", "SPIN_COUNT", "APPLIED"]
+__all__ = ["tune_cpu_allocator", "available_cpus", "configure_cpu_threads", "runnable_others", "LoadAdaptiveThreads", "adaptive_threads_enabled", "SPIN_COUNT", "APPLIED"]
 
 # glibc mallopt parameters
 _M_TOP_PAD, _M_MMAP_THRESHOLD = -2, -3
@@ -145,3 +146,87 @@ def configure_cpu_threads(environ=None, root: Path = _CGROUP) -> dict[str, str]:
     if environ is os.environ:
         APPLIED.update(applied)
     return applied
+
+
+_PROC = Path("/proc")
+
+
+def _own_running(proc: Path) -> int:
+    """Threads of this process in state R (running or runnable), from ``proc/self/task/*/stat``:
+    the field after the parenthesised command name, which may itself hold spaces or ')'."""
+    running = 0
+    for stat in (proc / "self" / "task").glob("*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # the thread ended between the listing and the read
+            continue
+        running += text[text.rindex(")") + 2 : text.rindex(")") + 3] == "R"
+    return running
+
+
+def runnable_others(proc: Path = _PROC, samples: int = 3, gap: float = 5e-4) -> int | None:
+    """Runnable threads on the machine that are not this process's: the kernel's count of
+    runnable tasks (the fourth field of ``/proc/loadavg``, "running/total") less this process's
+    threads in state R; the least of ``samples`` readings ``gap`` seconds apart, so that a thread
+    caught between a wake-up and its sleep (a worker finishing its spin) is not taken for load.
+    ``None`` where ``/proc`` cannot tell (not Linux)."""
+    counts = []
+    for i in range(samples):
+        if i:
+            time.sleep(gap)
+        try:
+            running = int((proc / "loadavg").read_text().split()[3].split("/")[0])
+        except (OSError, ValueError, IndexError):
+            return None
+        counts.append(max(0, running - _own_running(proc)))
+    return min(counts)
+
+
+class LoadAdaptiveThreads:
+    """A forward pre-hook that lowers PyTorch's intra-op threads, before a CPU forward, to the
+    CPUs that other processes' runnable threads leave free (at least one, at most ``threads``,
+    PyTorch's count when it was made), and raises them again when the load goes.
+
+    Why (issue 34): an HSMLA network runs hundreds of short parallel regions per forward, and
+    each ends at a barrier where every thread of the team must have run. Beside processes that
+    keep the CPUs busy, one of our threads is often descheduled there, and the region lasts until
+    the scheduler gives it a time slice: two threads then do worse than one (HSMLA-B2 at 512^2
+    beside one neighbour of two busy threads: 572 ms with two threads, 387 ms with one; beside
+    two: 938 against 763, docs/benchmarks.md). OpenMP's own ``OMP_DYNAMIC`` reads the
+    one-minute load average, minutes behind the load, and oneDNN assumes the team it asked for.
+
+    The load is read at most every ``interval`` seconds (:func:`runnable_others`, about 1 ms), so
+    a stream of small windows pays for one reading per interval. The machine's CPU count
+    (``os.cpu_count()``) is what the others' threads are counted against: a container's quota
+    caps our share of the machine but does not reserve it.
+    """
+
+    def __init__(self, threads: int | None = None, interval: float = 0.5, proc: Path = _PROC) -> None:
+        import torch
+
+        self.threads = threads or torch.get_num_threads()
+        self.interval, self.proc = interval, proc
+        self.cpus = os.cpu_count() or 1
+        self._next = 0.0
+
+    def choose(self) -> int:
+        """Threads for the load now (``threads`` where the load cannot be read)."""
+        others = runnable_others(self.proc)
+        return self.threads if others is None else max(1, min(self.threads, self.cpus - others))
+
+    def __call__(self, module, args) -> None:
+        import torch
+
+        if time.monotonic() < self._next or not any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
+            return
+        threads = self.choose()
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        self._next = time.monotonic() + self.interval
+
+
+def adaptive_threads_enabled(environ=None) -> bool:
+    """Whether hsmla-med's prediction uses :class:`LoadAdaptiveThreads`: unless
+    ``HSMLA_MED_ADAPTIVE_THREADS=0`` or ``HSMLA_MED_CPU_DEFAULTS=0``."""
+    environ = os.environ if environ is None else environ
+    return environ.get("HSMLA_MED_ADAPTIVE_THREADS", "1") != "0" and environ.get("HSMLA_MED_CPU_DEFAULTS", "1") != "0"

@@ -139,7 +139,8 @@ def test_cpu_processes_share_the_cpus(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(distributed, "available_cpus", lambda: 8)
     try:
-        distributed.ShareCPUs().setup(types.SimpleNamespace(accelerator=CPUAccelerator(), num_devices=3), None, "predict")
+        module = types.SimpleNamespace(network=torch.nn.Identity())
+        distributed.ShareCPUs().setup(types.SimpleNamespace(accelerator=CPUAccelerator(), num_devices=3), module, "predict")
         assert torch.get_num_threads() == 2
         torch.set_num_threads(5)
         distributed.ShareCPUs().setup(types.SimpleNamespace(accelerator=CPUAccelerator(), num_devices=1), None, "fit")
@@ -159,3 +160,97 @@ def test_xdist_workers_take_their_share_of_threads(worker_threads):
     assert worker_threads == threads
     if int(workers) >= available_cpus():
         assert threads == 1
+
+
+def _proc(tmp_path, running: int, threads: dict[int, str]):
+    """A fake ``/proc``: ``loadavg`` with ``running`` runnable tasks, and this process's threads
+    as ``self/task/<tid>/stat`` lines (``tid (comm) state ...``)."""
+    (tmp_path / "loadavg").write_text(f"1.52 1.20 0.98 {running}/312 4242\n")
+    for tid, line in threads.items():
+        (tmp_path / "self" / "task" / str(tid)).mkdir(parents=True)
+        (tmp_path / "self" / "task" / str(tid) / "stat").write_text(line + "\n")
+    return tmp_path
+
+
+def test_runnable_others_are_the_machines_less_this_processs(tmp_path, monkeypatch):
+    from hsmla_med import runtime
+
+    # two of our threads run; one sleeps although its name holds ") R"
+    proc = _proc(tmp_path, 6, {1: "1 (python) R 0 1 1", 2: "2 (odd ) R name) S 0 1 1", 3: "3 (omp) R 0 1 1"})
+    assert runtime.runnable_others(proc, samples=1) == 4
+    # the least of the readings: a thread of ours caught running in one of them only
+    seen = iter([0, 3, 0])
+    monkeypatch.setattr(runtime, "_own_running", lambda proc: next(seen))
+    assert runtime.runnable_others(proc, samples=3, gap=0) == 3
+    assert runtime.runnable_others(tmp_path / "absent") is None
+    (tmp_path / "loadavg").write_text("garbage\n")
+    assert runtime.runnable_others(proc) is None
+
+
+def test_threads_give_way_to_the_others_load(tmp_path, monkeypatch):
+    import torch
+
+    from hsmla_med import runtime
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    others = {"n": 0}
+    reads = []
+    monkeypatch.setattr(runtime, "runnable_others", lambda proc: reads.append(1) or others["n"])
+    governor = runtime.LoadAdaptiveThreads(3, interval=0.0)
+    # 4 CPUs, at most 3 threads: the CPUs the others leave, at least one
+    for n, expected in [(0, 3), (1, 3), (2, 2), (3, 1), (4, 1), (9, 1), (None, 3)]:
+        others["n"] = n
+        assert governor.choose() == expected
+    threads = torch.get_num_threads()
+    try:
+        others["n"] = 2
+        governor(None, (torch.zeros(1),))
+        assert torch.get_num_threads() == 2
+        others["n"] = 0
+        governor(None, (torch.zeros(1),))
+        assert torch.get_num_threads() == 3  # back up when the load goes
+        reads.clear()
+        governor(None, (torch.zeros(1, device="meta"),))  # not a CPU forward: nothing read
+        assert reads == []
+        slow = runtime.LoadAdaptiveThreads(3, interval=60.0)
+        slow(None, (torch.zeros(1),)), slow(None, (torch.zeros(1),))
+        assert len(reads) == 1  # one reading per interval
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_prediction_installs_the_load_adaptive_threads(monkeypatch):
+    """ShareCPUs puts the hook on the network in CPU prediction only, removes it at teardown and
+    restores the threads; a user's OMP_NUM_THREADS or HSMLA_MED_ADAPTIVE_THREADS=0 keeps it off."""
+    import types
+
+    import torch
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    from hsmla_med import runtime
+    from hsmla_med.engine import distributed
+
+    trainer = types.SimpleNamespace(accelerator=CPUAccelerator(), num_devices=1)
+    module = types.SimpleNamespace(network=torch.nn.Identity())
+    threads = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("HSMLA_MED_ADAPTIVE_THREADS", raising=False)
+    monkeypatch.delenv("HSMLA_MED_CPU_DEFAULTS", raising=False)
+    monkeypatch.setattr(runtime, "runnable_others", lambda proc: 10**6)  # a machine full of others
+    try:
+        for stage in ("fit", "validate"):
+            distributed.ShareCPUs().setup(trainer, module, stage)
+            assert not module.network._forward_pre_hooks
+        share = distributed.ShareCPUs()
+        share.setup(trainer, module, "predict")
+        module.network(torch.zeros(1))
+        assert torch.get_num_threads() == 1
+        share.teardown(trainer, module, "predict")
+        assert not module.network._forward_pre_hooks and torch.get_num_threads() == threads
+        for name, value in [("OMP_NUM_THREADS", str(threads)), ("HSMLA_MED_ADAPTIVE_THREADS", "0"), ("HSMLA_MED_CPU_DEFAULTS", "0")]:
+            monkeypatch.setenv(name, value)
+            distributed.ShareCPUs().setup(trainer, module, "predict")
+            assert not module.network._forward_pre_hooks
+            monkeypatch.delenv(name)
+    finally:
+        torch.set_num_threads(threads)

@@ -32,6 +32,7 @@ MODELS = ("HSMLA-B0", "HSMLA-B2", "SegFormer-B2", "SwinUNETR-2D", "MONAI UNet")
 LOADS = (0, 1, 2)
 NEIGHBOUR = "import torch\ntorch.set_num_threads(2)\na = torch.randn(1024, 1024)\nprint('ready', flush=True)\nwhile True:\n    a @ a\n"
 _WAIT = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "KMP_BLOCKTIME")
+_ADAPTIVE = "HSMLA_MED_ADAPTIVE_THREADS"
 
 
 def add_arguments(parser) -> None:
@@ -42,10 +43,13 @@ def add_arguments(parser) -> None:
 
 
 def settings(spin_counts: list[int]) -> dict[str, dict[str, str]]:
-    """The OpenMP wait settings compared: libgomp's default (no variable), each spin count, and
-    passive waiting (``OMP_WAIT_POLICY=PASSIVE``: sleep at once)."""
+    """The settings compared: libgomp's default (no variable), each spin count, passive waiting
+    (``OMP_WAIT_POLICY=PASSIVE``: sleep at once), and what hsmla-med's prediction runs: its spin
+    count with the threads giving way to the load (:class:`~hsmla_med.runtime.LoadAdaptiveThreads`
+    on every network, ``HSMLA_MED_ADAPTIVE_THREADS=1`` in the child)."""
     return {"libgomp default": {}, **{f"GOMP_SPINCOUNT={n}": {"GOMP_SPINCOUNT": str(n)} for n in spin_counts},
-            "OMP_WAIT_POLICY=PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"}}
+            "OMP_WAIT_POLICY=PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
+            f"GOMP_SPINCOUNT={runtime.SPIN_COUNT} + load-adaptive threads": {"GOMP_SPINCOUNT": str(runtime.SPIN_COUNT), _ADAPTIVE: "1"}}
 
 
 def _given_environment() -> dict[str, str]:
@@ -58,7 +62,7 @@ def bench_contention(args) -> list[dict]:
     given = _given_environment()
     rows = []
     for name, variables in settings(args.spin_counts).items():
-        env = {**{k: v for k, v in given.items() if k not in _WAIT}, **variables}
+        env = {**{k: v for k, v in given.items() if k not in (*_WAIT, _ADAPTIVE)}, **variables}
         print(f"  {name} ...", flush=True)
         cmd = [sys.executable, "-m", "hsmla_med.bench.contention", str(args.size), str(args.contention_rounds), str(args.threads)]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -125,6 +129,9 @@ def _child(size: int, rounds: int, threads: int) -> dict[str, dict[str, list[flo
     x = torch.randn(1, 1, size, size)
     makers = build_models(x)
     models = {name: makers[name]().eval() for name in MODELS}
+    if os.environ.get(_ADAPTIVE) == "1":
+        for model in models.values():
+            model.register_forward_pre_hook(runtime.LoadAdaptiveThreads(threads))
     times = {name: {str(load): [] for load in LOADS} for name in MODELS}
     with neighbours(max(LOADS)) as set_load, torch.inference_mode():
         for model in models.values():

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hsmla_med.errors import ConfigError
-from hsmla_med.runtime import available_cpus
+from hsmla_med.runtime import APPLIED, LoadAdaptiveThreads, adaptive_threads_enabled, available_cpus
 
 __all__ = ["START_TIMEOUT_ENV", "check_cpu_processes", "start_up_deadline", "ShareCPUs"]
 
@@ -55,13 +55,34 @@ class ShareCPUs(L.Callback):
     that processes x threads does not exceed the CPUs (N processes each spinning on every CPU
     slow all of them: issue 34). Applied in every process when the trainer sets up; an
     ``OMP_NUM_THREADS`` of the user's is left alone. DataLoader workers run one thread each
-    (PyTorch's default in workers) beside them."""
+    (PyTorch's default in workers) beside them.
+
+    In prediction on the CPU, the network's threads also give way to other processes' load
+    (:class:`~hsmla_med.runtime.LoadAdaptiveThreads`, a forward pre-hook, removed at teardown).
+    Not in training and validation, whose results then depend on the thread count no more than
+    on the seed; not where the user set ``OMP_NUM_THREADS``, ``HSMLA_MED_ADAPTIVE_THREADS=0``
+    or ``HSMLA_MED_CPU_DEFAULTS=0``.
+    """
+
+    def __init__(self) -> None:
+        self._hook = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         from lightning.pytorch.accelerators import CPUAccelerator
 
-        if isinstance(trainer.accelerator, CPUAccelerator) and trainer.num_devices > 1 and "OMP_NUM_THREADS" not in os.environ:
+        if not isinstance(trainer.accelerator, CPUAccelerator) or "OMP_NUM_THREADS" in os.environ and "OMP_NUM_THREADS" not in APPLIED:
+            return
+        if trainer.num_devices > 1:
             torch.set_num_threads(max(1, available_cpus() // trainer.num_devices))
+        if stage == "predict" and adaptive_threads_enabled():
+            self._threads = torch.get_num_threads()
+            self._hook = getattr(pl_module, "network", pl_module).register_forward_pre_hook(LoadAdaptiveThreads(self._threads))
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+            torch.set_num_threads(self._threads)
 
 
 def _timeout() -> float:
