@@ -8,12 +8,14 @@ from hsmla_med.bench import contention
 def test_rows_are_medians_slowdowns_and_ratios():
     times = {"HSMLA-B2": {"0": [0.1, 0.3, 0.1], "1": [0.2, 0.2, 0.9], "2": [0.3, 0.4, 0.5]},
              "SegFormer-B2": {"0": [1.0, 1.0, 2.0], "1": [2.0, 4.0, 3.0], "2": [6.0, 6.0, 6.0]}}
-    rows = {r["model"]: r for r in contention._rows("s", times)}
+    threads = {"HSMLA-B2": {"0": [2, 2, 2], "1": [1, 2, 1], "2": [1, 1, 1]}, "SegFormer-B2": {"0": [2] * 3, "1": [2] * 3, "2": [2] * 3}}
+    rows = {r["model"]: r for r in contention._rows("s", times, threads)}
     b2 = rows["HSMLA-B2"]
     assert (b2["ms_0"], b2["ms_1"], b2["ms_2"]) == (100.0, 200.0, 400.0)
     assert (b2["slowdown_1"], b2["slowdown_2"]) == (2.0, 4.0)
     assert (b2["x_segformer_b2_0"], b2["x_segformer_b2_1"], b2["x_segformer_b2_2"]) == (10.0, 15.0, 15.0)
     assert rows["SegFormer-B2"]["x_segformer_b2_2"] == 1.0 and b2["setting"] == "s"
+    assert (b2["threads_0"], b2["threads_1"], b2["threads_2"]) == (2, 1, 1)  # the most common count
 
 
 def test_settings_and_the_neighbours_environment(monkeypatch):

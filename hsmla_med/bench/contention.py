@@ -68,12 +68,14 @@ def bench_contention(args) -> list[dict]:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"contention child ({name}) failed:\n{done.stderr[-2000:]}")
-        times = json.loads(done.stdout.strip().splitlines()[-1])
-        rows += _rows(name, times)
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        rows += _rows(name, result["seconds"], result["threads"])
     return rows
 
 
-def _rows(setting: str, times: dict[str, dict[str, list[float]]]) -> list[dict]:
+def _rows(setting: str, times: dict[str, dict[str, list[float]]], threads: dict[str, dict[str, list[int]]]) -> list[dict]:
+    """Per network: median latency, slowdown and ratio to SegFormer-B2 at each load, and the
+    thread count it ran with most often there."""
     median = {m: {load: statistics.median(times[m][str(load)]) for load in LOADS} for m in times}
     rows = []
     for model, by_load in median.items():
@@ -81,6 +83,7 @@ def _rows(setting: str, times: dict[str, dict[str, list[float]]]) -> list[dict]:
         row.update({f"ms_{load}": round(by_load[load] * 1e3, 1) for load in LOADS})
         row.update({f"slowdown_{load}": round(by_load[load] / by_load[0], 2) for load in LOADS[1:]})
         row.update({f"x_segformer_b2_{load}": round(median["SegFormer-B2"][load] / by_load[load], 2) for load in LOADS})
+        row.update({f"threads_{load}": statistics.mode(threads[model][str(load)]) for load in LOADS})
         rows.append(row)
     return rows
 
@@ -118,8 +121,9 @@ def neighbours(count: int) -> Iterator[Callable[[int], None]]:
             p.wait()
 
 
-def _child(size: int, rounds: int, threads: int) -> dict[str, dict[str, list[float]]]:
-    """Latencies in seconds, per network and load level (the child process's work)."""
+def _child(size: int, rounds: int, threads: int) -> dict[str, dict[str, dict[str, list]]]:
+    """``seconds`` (latencies) and ``threads`` (torch's count as each forward ended), per network
+    and load level (the child process's work)."""
     import torch
 
     from hsmla_med.bench.models import build_models
@@ -133,6 +137,7 @@ def _child(size: int, rounds: int, threads: int) -> dict[str, dict[str, list[flo
         for model in models.values():
             model.register_forward_pre_hook(runtime.LoadAdaptiveThreads(threads))
     times = {name: {str(load): [] for load in LOADS} for name in MODELS}
+    counts = {name: {str(load): [] for load in LOADS} for name in MODELS}
     with neighbours(max(LOADS)) as set_load, torch.inference_mode():
         for model in models.values():
             model(x), model(x)
@@ -143,7 +148,8 @@ def _child(size: int, rounds: int, threads: int) -> dict[str, dict[str, list[flo
                     start = time.perf_counter()
                     model(x)
                     times[name][str(load)].append(time.perf_counter() - start)
-    return times
+                    counts[name][str(load)].append(torch.get_num_threads())
+    return {"seconds": times, "threads": counts}
 
 
 if __name__ == "__main__":
