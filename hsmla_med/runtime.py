@@ -207,7 +207,7 @@ class LoadAdaptiveThreads:
         self.threads = threads or torch.get_num_threads()
         self.interval, self.proc = interval, proc
         self.cpus = os.cpu_count() or 1
-        self._next = 0.0
+        self._next, self._chosen = 0.0, self.threads
 
     def choose(self) -> int:
         """Threads for the load now (``threads`` where the load cannot be read)."""
@@ -217,12 +217,13 @@ class LoadAdaptiveThreads:
     def __call__(self, module, args) -> None:
         import torch
 
-        if time.monotonic() < self._next or not any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
+        if not any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
             return
-        threads = self.choose()
-        if threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
-        self._next = time.monotonic() + self.interval
+        if time.monotonic() >= self._next:
+            self._chosen = self.choose()
+            self._next = time.monotonic() + self.interval
+        if self._chosen != torch.get_num_threads():  # also where something else set them since
+            torch.set_num_threads(self._chosen)
 
 
 def adaptive_threads_enabled(environ=None) -> bool:

@@ -213,8 +213,11 @@ def test_threads_give_way_to_the_others_load(tmp_path, monkeypatch):
         governor(None, (torch.zeros(1, device="meta"),))  # not a CPU forward: nothing read
         assert reads == []
         slow = runtime.LoadAdaptiveThreads(3, interval=60.0)
-        slow(None, (torch.zeros(1),)), slow(None, (torch.zeros(1),))
-        assert len(reads) == 1  # one reading per interval
+        others["n"] = 3
+        slow(None, (torch.zeros(1),))
+        torch.set_num_threads(2)  # something else sets them between two forwards
+        slow(None, (torch.zeros(1),))
+        assert len(reads) == 1 and torch.get_num_threads() == 1  # one reading per interval, its choice kept
     finally:
         torch.set_num_threads(threads)
 

@@ -43,13 +43,14 @@ def add_arguments(parser) -> None:
 
 
 def settings(spin_counts: list[int]) -> dict[str, dict[str, str]]:
-    """The settings compared: libgomp's default (no variable), each spin count, passive waiting
-    (``OMP_WAIT_POLICY=PASSIVE``: sleep at once), and what hsmla-med's prediction runs: its spin
-    count with the threads giving way to the load (:class:`~hsmla_med.runtime.LoadAdaptiveThreads`
-    on every network, ``HSMLA_MED_ADAPTIVE_THREADS=1`` in the child)."""
-    return {"libgomp default": {}, **{f"GOMP_SPINCOUNT={n}": {"GOMP_SPINCOUNT": str(n)} for n in spin_counts},
-            "OMP_WAIT_POLICY=PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
-            f"GOMP_SPINCOUNT={runtime.SPIN_COUNT} + load-adaptive threads": {"GOMP_SPINCOUNT": str(runtime.SPIN_COUNT), _ADAPTIVE: "1"}}
+    """The OpenMP wait settings compared: libgomp's default (no variable), each spin count, and
+    passive waiting (``OMP_WAIT_POLICY=PASSIVE``: sleep at once). The child of hsmla-med's own spin
+    count (``HSMLA_MED_ADAPTIVE_THREADS=1`` in its environment) also times every network with
+    the threads giving way to the load as hsmla-med's prediction runs it
+    (:class:`~hsmla_med.runtime.LoadAdaptiveThreads`), interleaved with the fixed threads."""
+    spins = {f"GOMP_SPINCOUNT={n}": {"GOMP_SPINCOUNT": str(n), **({_ADAPTIVE: "1"} if n == runtime.SPIN_COUNT else {})}
+             for n in spin_counts}
+    return {"libgomp default": {}, **spins, "OMP_WAIT_POLICY=PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"}}
 
 
 def _given_environment() -> dict[str, str]:
@@ -69,7 +70,8 @@ def bench_contention(args) -> list[dict]:
         if done.returncode != 0:
             raise RuntimeError(f"contention child ({name}) failed:\n{done.stderr[-2000:]}")
         result = json.loads(done.stdout.strip().splitlines()[-1])
-        rows += _rows(name, result["seconds"], result["threads"])
+        for suffix, arm in result.items():
+            rows += _rows(name + suffix, arm["seconds"], arm["threads"])
     return rows
 
 
@@ -121,9 +123,11 @@ def neighbours(count: int) -> Iterator[Callable[[int], None]]:
             p.wait()
 
 
-def _child(size: int, rounds: int, threads: int) -> dict[str, dict[str, dict[str, list]]]:
-    """``seconds`` (latencies) and ``threads`` (torch's count as each forward ended), per network
-    and load level (the child process's work)."""
+def _child(size: int, rounds: int, threads: int) -> dict[str, dict[str, dict[str, dict[str, list]]]]:
+    """Per arm (``""``: the threads fixed; ``" + load-adaptive threads"`` where
+    ``HSMLA_MED_ADAPTIVE_THREADS=1``, run right after the fixed one), ``seconds`` (latencies) and
+    ``threads`` (torch's count during each forward), per network and load level (the child
+    process's work)."""
     import torch
 
     from hsmla_med.bench.models import build_models
@@ -133,11 +137,9 @@ def _child(size: int, rounds: int, threads: int) -> dict[str, dict[str, dict[str
     x = torch.randn(1, 1, size, size)
     makers = build_models(x)
     models = {name: makers[name]().eval() for name in MODELS}
-    if os.environ.get(_ADAPTIVE) == "1":
-        for model in models.values():
-            model.register_forward_pre_hook(runtime.LoadAdaptiveThreads(threads))
-    times = {name: {str(load): [] for load in LOADS} for name in MODELS}
-    counts = {name: {str(load): [] for load in LOADS} for name in MODELS}
+    # the pre-hook hsmla-med's prediction installs, called as the hook would be
+    arms = {"": None, **({" + load-adaptive threads": runtime.LoadAdaptiveThreads(threads)} if os.environ.get(_ADAPTIVE) == "1" else {})}
+    result = {arm: {key: {name: {str(load): [] for load in LOADS} for name in MODELS} for key in ("seconds", "threads")} for arm in arms}
     with neighbours(max(LOADS)) as set_load, torch.inference_mode():
         for model in models.values():
             model(x), model(x)
@@ -145,11 +147,15 @@ def _child(size: int, rounds: int, threads: int) -> dict[str, dict[str, dict[str
             for load in LOADS:
                 set_load(load)
                 for name, model in models.items():
-                    start = time.perf_counter()
-                    model(x)
-                    times[name][str(load)].append(time.perf_counter() - start)
-                    counts[name][str(load)].append(torch.get_num_threads())
-    return {"seconds": times, "threads": counts}
+                    for arm, hook in arms.items():
+                        torch.set_num_threads(threads)
+                        start = time.perf_counter()
+                        if hook is not None:
+                            hook(model, (x,))
+                        model(x)
+                        result[arm]["seconds"][name][str(load)].append(time.perf_counter() - start)
+                        result[arm]["threads"][name][str(load)].append(torch.get_num_threads())
+    return result
 
 
 if __name__ == "__main__":
