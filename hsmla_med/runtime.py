@@ -192,8 +192,8 @@ class LoadAdaptiveThreads:
     keep the CPUs busy, one of our threads is often descheduled there, and the region lasts until
     the scheduler gives it a time slice: two threads then do worse than one (HSMLA-B2 at 512^2
     beside one neighbour of two busy threads: 572 ms with two threads, 387 ms with one; beside
-    two: 938 against 763, docs/benchmarks.md). OpenMP's own ``OMP_DYNAMIC`` reads the
-    one-minute load average, minutes behind the load, and oneDNN assumes the team it asked for.
+    two: 938 against 763, docs/benchmarks.md). libgomp's own ``OMP_DYNAMIC`` follows the
+    one-minute load average, which lags the load by a minute.
 
     The load is read at most every ``interval`` seconds (:func:`runnable_others`, about 1 ms), so
     a stream of small windows pays for one reading per interval. The machine's CPU count

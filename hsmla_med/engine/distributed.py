@@ -59,8 +59,8 @@ class ShareCPUs(L.Callback):
 
     In prediction on the CPU, the network's threads also give way to other processes' load
     (:class:`~hsmla_med.runtime.LoadAdaptiveThreads`, a forward pre-hook, removed at teardown).
-    Not in training and validation, whose results then depend on the thread count no more than
-    on the seed; not where the user set ``OMP_NUM_THREADS``, ``HSMLA_MED_ADAPTIVE_THREADS=0``
+    Not in training and validation, whose results should not depend on the host's load through
+    the thread count (reductions change order); not where the user set ``OMP_NUM_THREADS``, ``HSMLA_MED_ADAPTIVE_THREADS=0``
     or ``HSMLA_MED_CPU_DEFAULTS=0``.
     """
 
