@@ -160,7 +160,7 @@ def _own_running(proc: Path) -> int:
             text = stat.read_text()
         except OSError:  # the thread ended between the listing and the read
             continue
-        running += text[text.rindex(")") + 2 : text.rindex(")") + 3] == "R"
+        running += text.rpartition(")")[2].split()[:1] == ["R"]
     return running
 
 
