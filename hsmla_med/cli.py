@@ -383,13 +383,19 @@ def _writable_folder(path: str | Path, option: str) -> Path:
 
 def _remove_empty_created() -> None:
     """Remove the folders :func:`_writable_folder` created in this command that hold no file
-    (after a failure: an export or a run that stopped before writing anything)."""
+    (after a failure: an export or a run that stopped before writing anything), or only the
+    provenance records of a prediction that wrote no output."""
     import os
+    import shutil
+
+    from hsmla_med.engine.prediction import PROVENANCE, RECORDS
+
+    def record(folder: str, name: str) -> bool:
+        return name == PROVENANCE or RECORDS in Path(folder).relative_to(top).parts
 
     for top in reversed(_CREATED):
-        if top.is_dir() and not any(files for _, _, files in os.walk(top)):
-            for folder, _, _ in sorted(os.walk(top), key=lambda entry: -len(entry[0])):  # deepest first
-                Path(folder).rmdir()
+        if top.is_dir() and all(record(folder, name) for folder, _, files in os.walk(top) for name in files):
+            shutil.rmtree(top)
     _CREATED.clear()
 
 

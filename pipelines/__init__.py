@@ -30,7 +30,7 @@ class TaskCard:
 
 CARDS = {
     "btcv": TaskCard(
-        inputs="NIfTI volumes (.nii, .nii.gz) or DICOM series (a series folder, or a folder of series folders)",
+        inputs="NIfTI volumes (.nii, .nii.gz, .hdr/.img pairs) or DICOM series (a series folder, or a folder of series folders)",
         outputs="OUTPUT/<case>.nii.gz label maps with each input's shape and affine (a DICOM series: also or instead <case>.seg.dcm, --output-format)",
         monitor="dice",
     ),

@@ -201,14 +201,14 @@ def held_out(cases: Datalist) -> list[str]:
 
 
 def _volume_inputs(folder: Path, series_uid: str | None = None, rules: SeriesRules | None = None) -> list[Path | DicomSeries]:
-    """The NIfTI files of an input folder, else its DICOM image series (one case per series:
+    """The NIfTI files of an input folder (a pair by its ``.hdr``), else its DICOM image series (one case per series:
     :func:`~hsmla_med.io.dicom.select_series`)."""
-    files = sorted(p for p in folder.iterdir() if p.name.endswith((".nii", ".nii.gz")) and not is_temporary(p))
+    files = sorted(p for p in folder.iterdir() if _NIFTI.search(p.name) and not is_temporary(p))
     if files:
         return files
     series = find_series(folder)
     if not series:
-        raise DataError(f"{folder}: no NIfTI files (.nii, .nii.gz) and no DICOM image series in the input folder")
+        raise DataError(f"{folder}: no NIfTI files (.nii, .nii.gz, .hdr/.img pairs) and no DICOM image series in the input folder")
     return select_series(series, folder, series_uid, rules)
 
 
@@ -230,6 +230,8 @@ def _case(source: Path | DicomSeries, output: Path, inference: dict) -> dict:
         name = case_name(source)
         return {"name": name, "image": [str(f) for f in source], "source": str(source[0]), "output": output / f"{name}.nii.gz",
                 "inference": inference}
+    if isinstance(source, Path) and source.suffix == ".img":  # the voxels of a NIfTI pair: the pair, by its header
+        source = source.with_suffix(".hdr")
     if isinstance(source, Path) and is_dicom_file(source):
         source = series_of(source)
     if isinstance(source, DicomSeries):

@@ -407,3 +407,37 @@ def test_damaged_patch_grid_cache_is_computed_again(tmp_path, caplog, damage):
         np.testing.assert_array_equal(again[key], first[key])
     with np.load(cache) as f:
         assert set(f.files) == set(first)
+
+
+def test_infer_refuses_analyze_and_a_pair_without_its_voxels_in_one_line(capsys, tmp_path, btcv_ckpt):
+    import nibabel as nib
+
+    (tmp_path / "in").mkdir()
+    nib.save(nib.AnalyzeImage(np.zeros((8, 8, 4), np.float32), np.eye(4)), str(tmp_path / "in" / "old.hdr"))
+    argv = ["infer", "--task", "btcv", "--checkpoint", str(btcv_ckpt), "--output", str(tmp_path / "o"), "--input"]
+    line = _error(capsys, argv + [str(tmp_path / "in" / "old.hdr")])
+    assert "old.hdr: an Analyze 7.5 image, not NIfTI" in line and "no orientation" in line
+    nib.save(nib.Nifti1Pair(np.zeros((8, 8, 4), np.float32), np.eye(4)), str(tmp_path / "in" / "pair.hdr"))
+    (tmp_path / "in" / "pair.img").unlink()
+    line = _error(capsys, argv + [str(tmp_path / "in" / "pair.hdr")])
+    assert "pair.hdr: the NIfTI pair's image file pair.img is missing" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_prediction_that_failed_before_its_first_output_blocks_no_later_run(capsys, tmp_path, btcv_ckpt):
+    # it wrote provenance.json, then failed on the image (NaN voxels); before, the next run with other
+    # options was refused: "holds outputs of other options (tta False -> True)", though it held none
+    bad = np.zeros((16, 16, 4), np.float32)
+    bad[3, 3, 1] = np.nan
+    case = write_nifti(tmp_path / "in" / "a.nii.gz", bad, np.eye(4))
+    out = tmp_path / "existing"
+    out.mkdir()
+    argv = ["infer", "--task", "btcv", "--checkpoint", str(btcv_ckpt), "--input", str(case), "--output", str(out)]
+    assert "NaN or Inf" in _error(capsys, argv)
+    assert "NaN or Inf" in _error(capsys, [*argv[:-1], str(tmp_path / "new" / "o")])
+    assert not (tmp_path / "new").exists()  # a folder it created holds nothing after the failure, not even records
+    write_nifti(case, np.zeros((16, 16, 4), np.float32), np.eye(4))
+    from hsmla_med.cli import main
+
+    assert main(argv + ["--tta"]) == 0
+    assert (out / "a.nii.gz").is_file()

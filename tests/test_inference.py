@@ -211,3 +211,27 @@ def test_labels_keep_the_input_header_codes_and_forms(tmp_path, qform_code, sfor
     np.testing.assert_allclose(pred.affine, ref.affine, atol=1e-6)
     assert pred.header.get_zooms()[:3] == ref.header.get_zooms()[:3]
     assert pred.shape == shape and pred.get_data_dtype() == np.uint8
+
+
+def test_a_nifti_pair_is_segmented_as_its_single_file(tmp_path):
+    # SPM's and FSL's older output: CASE.hdr + CASE.img. Before, a pair's header went to the DICOM
+    # reader ("cannot read image data (InvalidDicomError ...)") and a folder of pairs held "no NIfTI files"
+    shape, affine = (37, 29, 7), GEOMETRIES["LPS-anisotropic"]
+    rng = np.random.default_rng(3)
+    image = np.where(rng.random(shape) > 0.6, 200.0, -100.0).astype(np.float32)
+    single = _with_codes(tmp_path / "single" / "case.nii.gz", image, affine, 1, 2)
+    pair = nib.Nifti1Pair(image, None, nib.load(str(single)).header)
+    (tmp_path / "pairs").mkdir()
+    nib.save(pair, str(tmp_path / "pairs" / "case.hdr"))
+    assert (tmp_path / "pairs" / "case.img").is_file()
+    module, quiet = _oracle_module(tmp_path), InferenceOptions(progress=lambda _: None)
+    [want] = btcv.infer(module, single, tmp_path / "want", quiet)
+    [got] = btcv.infer(module, tmp_path / "pairs", tmp_path / "got", quiet)  # a folder: the pair once, by its .hdr
+    [again] = btcv.infer(module, tmp_path / "pairs" / "case.img", tmp_path / "again", quiet)  # its voxel file: the same case
+    assert got.name == again.name == "case.nii.gz"
+    ref = nib.load(str(want))
+    for out in (got, again):
+        pred = nib.load(str(out))
+        np.testing.assert_allclose(pred.affine, ref.affine, atol=1e-6)
+        assert (int(pred.header["qform_code"]), int(pred.header["sform_code"])) == (1, 2)
+        np.testing.assert_array_equal(np.asanyarray(pred.dataobj), np.asanyarray(ref.dataobj))

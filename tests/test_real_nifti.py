@@ -1,7 +1,7 @@
 """Real NIfTI files that ship inside nibabel's wheel (its own test data, written by other tools)
 through ``hsmla-med infer``: big-endian int16 (``anatomical.nii``, LAS, q/sform code 2), an unset
 qform with a set sform on a 4 x 5 x 7 uint8 volume (``standard.nii.gz``), and a 4D time series
-(``example4d.nii.gz``), refused in one line. The label map keeps the input's grid and codes."""
+(``example4d.nii.gz``) and SPM2's Analyze header (``analyze.hdr``), refused in one line. The label map keeps the input's grid and codes."""
 
 from __future__ import annotations
 
@@ -42,3 +42,16 @@ def test_a_4d_series_is_refused_in_one_line(tiny_btcv_checkpoint, tmp_path, caps
                  "--output", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == f"hsmla-med: error: {source}: image has 2 channel(s), the model expects 1"
+
+
+def test_a_real_analyze_header_is_refused_in_one_line(tiny_btcv_checkpoint, tmp_path, capsys):
+    # SPM2's Analyze 7.5 header (the wheel ships it without its .img; the header alone decides):
+    # nibabel reads it with a guessed left-right flip; before, the header went to the DICOM reader
+    # and the error spoke of a missing DICM prefix
+    if not (DATA / "analyze.hdr").is_file():
+        pytest.skip("nibabel's test data lacks analyze.hdr")
+    shutil.copy(DATA / "analyze.hdr", tmp_path / "analyze.hdr")
+    assert main(["infer", "--task", "btcv", "--checkpoint", tiny_btcv_checkpoint, "--input", str(tmp_path),
+                 "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"hsmla-med: error: {tmp_path / 'analyze.hdr'}: an Analyze 7.5 image, not NIfTI")

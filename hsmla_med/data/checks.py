@@ -15,14 +15,15 @@ import warnings
 from collections.abc import Hashable, Mapping, Sequence
 
 import torch
-from monai.data import MetaTensor
+from monai.data import MetaTensor, NibabelReader
 from monai.transforms import LoadImaged, MapTransform
+from monai.utils import ensure_tuple
 
 from hsmla_med.errors import DataError
 from hsmla_med.io.dicom import DicomSeriesReader, series_in
 from hsmla_med.io.dicom_seg import is_seg_file, read_seg
 
-__all__ = ["CheckCased", "LoadCased", "source_file"]
+__all__ = ["CheckCased", "LoadCased", "NiftiPairReader", "source_file"]
 
 
 def source_file(tensor) -> str:
@@ -31,9 +32,18 @@ def source_file(tensor) -> str:
     return str(meta.get("filename_or_obj", "?"))
 
 
+class NiftiPairReader(NibabelReader):
+    """MONAI's ``NibabelReader`` for NIfTI pairs (``CASE.hdr`` with ``CASE.img``): nibabel reads
+    them as it reads ``.nii``, but MONAI picks that reader by the suffixes ``.nii`` and
+    ``.nii.gz`` only, and without it a pair's header went to the DICOM reader."""
+
+    def verify_suffix(self, filename) -> bool:
+        return all(str(f).endswith((".hdr", ".img")) for f in ensure_tuple(filename))
+
+
 class LoadCased(LoadImaged):
     """``LoadImaged`` whose failures (truncated or foreign files) name the file that failed, and
-    which also reads a DICOM series (a series folder, or the list of a series' files:
+    which also reads NIfTI pairs (:class:`NiftiPairReader`), a DICOM series (a series folder, or the list of a series' files:
     :class:`~hsmla_med.io.dicom.DicomSeriesReader`, tried before MONAI's readers) and, for a
     key after the first, a DICOM SEG: the label map of a case whose image (the first key) is
     the series the SEG references, read onto that series' grid
@@ -54,6 +64,7 @@ class LoadCased(LoadImaged):
                 super().__init__(keys, *args, allow_missing_keys=True, **kwargs)
         finally:
             plugin_log.disabled = disabled
+        self.register(NiftiPairReader())
         self.register(DicomSeriesReader())
         self.label_names = list(label_names) if label_names is not None else None
 

@@ -36,10 +36,12 @@ from monai.data import load_decathlon_datalist
 from hsmla_med.errors import DataError
 
 __all__ = ["Datalist", "load_datalist", "label_spec", "channel_groups", "find_dataset_json", "read_json", "read_header", "channels_grid", "image_series", "check_affine",
-           "case_name", "check_pair"]
+           "case_name", "check_pair", "check_nifti"]
 
 _JSON_NAMES = ("dataset.json", "dataset_0.json")
-_NIFTI = re.compile(r"\.nii(\.gz)?$")
+# a NIfTI file, or the header of a NIfTI pair (SPM's and FSL's older output: the header in
+# CASE.hdr, the voxels in CASE.img beside it), which names the pair's case
+_NIFTI = re.compile(r"\.(nii(\.gz)?|hdr)$")
 _CHANNEL_SUFFIX = re.compile(r"_\d{4}$")  # nnU-Net's modality index, CASE_0000
 
 
@@ -250,7 +252,7 @@ def _check_file_ending(meta: dict, path: Path) -> None:
     if ending is None:
         return
     if not isinstance(ending, str) or not _NIFTI.search(ending):
-        raise DataError(f"{path}: file_ending {ending!r}: hsmla-med reads NIfTI images (.nii.gz, .nii) and DICOM series; convert the "
+        raise DataError(f"{path}: file_ending {ending!r}: hsmla-med reads NIfTI images (.nii.gz, .nii, .hdr/.img pairs) and DICOM series; convert the "
                         "dataset to NIfTI (SimpleITK's ReadImage / WriteImage keep the geometry) and set file_ending to \".nii.gz\"")
 
 
@@ -286,8 +288,22 @@ def read_header(path: str | Path) -> tuple[tuple[int, ...], np.ndarray]:
         raise DataError(f"{path}: file not found") from None
     except Exception as err:  # nibabel raises several types for truncated or foreign files
         raise DataError(f"{path}: cannot read as NIfTI ({err})") from None
+    check_nifti(img, path)
     check_affine(affine, path)
     return shape, affine
+
+
+def check_nifti(img, path: str | Path) -> None:
+    """:class:`DataError` unless nibabel read ``path`` as NIfTI (one file or a pair). An Analyze
+    7.5 header (a ``.hdr`` without NIfTI's magic) stores no orientation: nibabel's affine for it
+    assumes a radiological left-right flip, which a label map written back in it would repeat
+    unchecked, so it is refused rather than guessed."""
+    if not isinstance(img, nib.Nifti1Pair):  # Nifti1Image, Nifti2Image and the pairs derive from it
+        raise DataError(f"{path}: an Analyze 7.5 image, not NIfTI: its header has no orientation; convert it to NIfTI "
+                        "with the orientation checked (e.g. FSL's fslchfiletype NIFTI_GZ, then fslreorient2std)")
+    voxels = Path(img.file_map["image"].filename)
+    if not voxels.is_file():  # nibabel reads a pair's header alone and fails only when the voxels are read
+        raise DataError(f"{path}: the NIfTI pair's image file {voxels.name} is missing")
 
 
 def image_series(folder: str | Path):

@@ -41,8 +41,8 @@ from hsmla_med.errors import InputError
 from hsmla_med.io import write_json
 
 __all__ = [
-    "Shard", "PredictionDataModule", "PredictionWriter", "PROVENANCE", "claim_outputs", "model_digest", "model_record", "output_folder",
-    "run_prediction", "first",
+    "Shard", "PredictionDataModule", "PredictionWriter", "PROVENANCE", "RECORDS", "claim_outputs", "model_digest", "model_record", "output_folder",
+    "run_prediction", "first", "holds_outputs",
 ]
 
 log = logging.getLogger("hsmla_med")
@@ -78,7 +78,7 @@ class Shard:
 
 
 PROVENANCE = "provenance.json"  # the output folder's record
-_RECORDS = ".provenance"  # one record per output: <folder>/.provenance/<output relative to folder>.json
+RECORDS = ".provenance"  # one record per output: <folder>/.provenance/<output relative to folder>.json
 
 
 def model_digest(module: torch.nn.Module) -> str:
@@ -162,7 +162,7 @@ def claim_outputs(items: Sequence[dict], folder: str | Path, record: dict, overw
     folder = Path(folder)
     record = json.loads(json.dumps(record))  # as it reads back (tuples as lists)
     old = _read_record(folder / PROVENANCE)
-    if old is not None and not overwrite and (difference := _difference(old, record)):
+    if old is not None and not overwrite and holds_outputs(folder) and (difference := _difference(old, record)):
         raise InputError(f"{folder}: holds outputs of {difference}; give --overwrite to replace them, or another --output")
     todo, stale = [], []
     for item in items:
@@ -187,8 +187,17 @@ def claim_outputs(items: Sequence[dict], folder: str | Path, record: dict, overw
     return todo
 
 
+def holds_outputs(folder: str | Path) -> bool:
+    """Whether an output that a record under ``folder/.provenance/`` was written for exists. A
+    run that failed before its first output leaves ``provenance.json`` and the records of outputs
+    that never came; such a folder holds nothing to protect and is no other run's."""
+    records = Path(folder) / RECORDS
+    return records.is_dir() and any((Path(folder) / r.relative_to(records).as_posix().removesuffix(".json")).exists()
+                                    for r in records.rglob("*.json"))
+
+
 def _record_path(folder: Path, output: Path) -> Path:
-    return folder / _RECORDS / f"{output.relative_to(folder).as_posix()}.json"
+    return folder / RECORDS / f"{output.relative_to(folder).as_posix()}.json"
 
 
 def first(batch: list):
