@@ -8,11 +8,12 @@ stained copies of the same synthetic CAMELYON16 slides (issue 30 targets).
     strength only, stains nearly collinear); the time to estimate a slide's matrix and to
     normalise a 256 x 256 patch (MONAI's per-patch ``NormalizeHEStains`` beside it).
 (b) A patch classifier (HSMLA-B0, ``hsmla-med train --task camelyon16``) trained on the first
-    stain, normalisation off and on; patch AUC on the test slides of the same stain and of the
-    other (target: the drop on the other stain with normalisation at most half the drop without).
+    stain, normalisation off and on; patch AUC on the test slides of the same stain, of the
+    other, and with a stain of its own per slide (:func:`mixed_stains`) (target: the drop on the
+    other stain with normalisation at most half the drop without).
 
-    python scripts/bench_stain.py [--work /tmp/bench-stain] [--steps 200] [--seeds 0] [--size 4096 3072] [--skip-training]
-                                  [--no-colour-augment]
+    python scripts/bench_stain.py [--work /tmp/bench-stain] [--steps 200] [--seeds 0] [--size 4096 3072] [--skip-training | --skip-colour]
+                                  [--no-colour-augment] [--tumour clear|subtle]
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from hsmla_med.cli import main as cli
 from hsmla_med.config import merge_config, task_config
 from hsmla_med.data.slides import open_slide, read_region, tissue_mask
 from hsmla_med.data.stain import normalize_stain, slide_stain
-from hsmla_med.data.synthetic.wsi import DEFAULT_STAIN, OTHER_STAIN, generate_camelyon16
+from hsmla_med.data.synthetic.wsi import DEFAULT_STAIN, OTHER_STAIN, TUMOURS, generate_camelyon16
 from hsmla_med.engine.classification import ClassificationModule, patch_images
 from hsmla_med.engine.run import load_module
 from hsmla_med.io import write_json, write_yaml
@@ -81,17 +82,42 @@ def colour_distances(first: Path, second: Path, cache: Path, slides: list[Path] 
     return {"slides": rows, "before": statistics.mean(r["before"] for r in rows), "after": statistics.mean(r["after"] for r in rows)}
 
 
-def variants(first: Path, work: Path, cache: Path, size: tuple[int, int]) -> list[dict]:
-    """:func:`colour_distances` of the first tumour slide (of ``size``) against copies in :data:`VARIANTS`' stains."""
+def variants(first: Path, work: Path, cache: Path, counts: dict) -> list[dict]:
+    """:func:`colour_distances` of the first tumour slide (of ``counts``' size and tumour) against copies in :data:`VARIANTS`' stains."""
     rows = []
     for name, stain in VARIANTS.items():
-        root = generate_camelyon16(work / f"variant-{len(rows)}", **{**COUNTS, "num_normal": 0, "num_tumor": 1, "num_test": 0,
-                                                                      "size": size}, stain=stain)
+        root = generate_camelyon16(work / f"variant-{len(rows)}", **{**counts, "num_normal": 0, "num_tumor": 1, "num_test": 0}, stain=stain)
         h, e = (_unit(v) for v in stain)
         print(f"  {name}: stains {np.degrees(np.arccos(h @ e)):.0f} degrees apart")
         row = colour_distances(first, root, cache, [Path("training/tumor/tumor_001.tif")])["slides"][0]
         rows.append({"variant": name, "stain": [list(map(float, v)) for v in stain], **row})
     return rows
+
+
+def mixed_stains(work: Path, first: Path, counts: dict, seed: int = 0) -> tuple[Path, list[dict]]:
+    """The test slides again, each in a stain of its own, as the slides of a laboratory vary among
+    themselves: each stain's direction a random point between Ruifrok's and :data:`OTHER_STAIN`'s,
+    haematoxylin 0.75-1.35 and eosin 0.75-1.25 times as strong (uniform, ``seed``). A shift shared
+    by every test slide moves all scores alike and leaves the AUC as it was; one per slide does
+    not. Returns the dataset's root (training: ``first``'s, unused) and each slide's draw."""
+    rng = np.random.default_rng(seed)
+    root, draws = work / "mixed-stain", []
+    (root / "testing" / "images").mkdir(parents=True, exist_ok=True)
+    (root / "testing" / "lesion_annotations").mkdir(exist_ok=True)
+    if not (root / "training").exists():
+        (root / "training").symlink_to(first / "training", target_is_directory=True)
+    for i in range(1, counts["num_test"] + 1):
+        mix, strength = rng.uniform(0, 1, 2), (rng.uniform(0.75, 1.35), rng.uniform(0.75, 1.25))
+        stain = tuple(s * _unit((1 - t) * _unit(a) + t * _unit(b)) for s, t, a, b in zip(strength, mix, DEFAULT_STAIN, OTHER_STAIN))
+        copy = generate_camelyon16(work / f"mixed-{i}", **{**counts, "num_normal": 1, "num_tumor": 0}, stain=stain)
+        for rel in (f"testing/images/test_{i:03d}.tif", f"testing/lesion_annotations/test_{i:03d}.xml"):
+            link = root / rel
+            if (copy / rel).exists() and not link.is_symlink():
+                link.symlink_to(copy / rel)
+        draws.append({"slide": f"test_{i:03d}", "haematoxylin": float(strength[0]), "eosin": float(strength[1]),
+                      "towards_other": [float(t) for t in mix]})
+        print(f"  test_{i:03d}: haematoxylin x{strength[0]:.2f}, eosin x{strength[1]:.2f}, hues {mix[0]:.2f} / {mix[1]:.2f} of the way to OTHER_STAIN's")
+    return root, draws
 
 
 def patch_timing(path: Path, cache: Path, repeats: int = 50) -> dict:
@@ -132,23 +158,9 @@ def patch_auc(module: ClassificationModule, config: dict, root: Path) -> tuple[f
     return auc(scores, labels), int(sum(labels)), len(labels)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", type=Path, default=Path("/tmp/bench-stain"))
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--size", type=int, nargs=2, default=COUNTS["size"], help="slide width and height at level 0")
-    parser.add_argument("--skip-training", action="store_true", help="(a) only")
-    parser.add_argument("--no-colour-augment", action="store_true",
-                        help="(b) without the per-channel colour jitter (data.augment.colour_prob 0): a classifier that has seen one stain's colours only")
-    args = parser.parse_args()
-    torch.set_num_threads(2)
-    started = time.perf_counter()
-    roots = {"first": args.work / "first-stain", "other": args.work / "other-stain"}
-    counts = {**COUNTS, "size": tuple(args.size)}
-    generate_camelyon16(roots["first"], **counts)
-    generate_camelyon16(roots["other"], stain=OTHER_STAIN, **counts)
-    cache = args.work / "cache"
+def colour_part(roots: dict, cache: Path, counts: dict) -> tuple[dict, dict]:
+    """(a): the colour distances (the pipeline's estimate, the picture's, level 0's, other second
+    stains) and the per-patch timing."""
     print(f"(a) two copies of {sum(COUNTS[k] for k in ('num_normal', 'num_tumor', 'num_test'))} synthetic slides "
           f"{counts['size'][0]} x {counts['size'][1]}, second stain {OTHER_STAIN}")
     distances = colour_distances(roots["first"], roots["other"], cache / "camelyon16-patches")
@@ -159,15 +171,41 @@ def main() -> None:
         row = distances[name] = colour_distances(roots["first"], roots["other"], cache / "camelyon16-patches", **estimate)
         print(f"  mean: before {row['before']:.2f}, after {row['after']:.2f}: x{row['before'] / row['after']:.2f}")
     print("  tumor_001 against other second stains:")
-    distances["variants"] = variants(roots["first"], args.work, cache / "camelyon16-patches", counts["size"])
+    distances["variants"] = variants(roots["first"], roots["first"].parent, cache / "camelyon16-patches", counts)
     timing = patch_timing(roots["first"] / "training" / "tumor" / "tumor_001.tif", cache / "camelyon16-patches")
     estimate = statistics.median(r["estimate_s"] for r in distances["slides"])
     print(f"  a slide's matrix (cached after): {estimate:.2f} s; a 256 x 256 patch: {timing['slide_matrix_ms']:.2f} ms with the slide's "
           f"matrix, {timing['monai_per_patch_ms']:.2f} ms MONAI NormalizeHEStains (per patch)")
+    return distances, timing
 
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, default=Path("/tmp/bench-stain"))
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--size", type=int, nargs=2, default=COUNTS["size"], help="slide width and height at level 0")
+    parser.add_argument("--skip-training", action="store_true", help="(a) only")
+    parser.add_argument("--skip-colour", action="store_true", help="(b) only")
+    parser.add_argument("--tumour", choices=sorted(TUMOURS), default="clear",
+                        help="the slides' metastases: clear (the default data, found by their shapes) or subtle (darker nuclei of "
+                        "nearly normal size and density, found by the haematoxylin's strength, which the second stain moves)")
+    parser.add_argument("--no-colour-augment", action="store_true",
+                        help="(b) without the per-channel colour jitter (data.augment.colour_prob 0): a classifier that has seen one stain's colours only")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    started = time.perf_counter()
+    roots = {"first": args.work / "first-stain", "other": args.work / "other-stain"}
+    counts = {**COUNTS, "size": tuple(args.size), "tumour": args.tumour}
+    generate_camelyon16(roots["first"], **counts)
+    generate_camelyon16(roots["other"], stain=OTHER_STAIN, **counts)
+    cache = args.work / "cache"
+    distances, timing = (None, None) if args.skip_colour else colour_part(roots, cache, counts)
     arms, seeds = [], [] if args.skip_training else args.seeds
     if seeds:
-        print(f"(b) HSMLA-B0 trained {args.steps} steps on the first stain, patch AUC on the test slides")
+        print("(b) the test slides each in a stain of its own:")
+        roots["mixed"], draws = mixed_stains(args.work, roots["first"], counts)
+        print(f"    HSMLA-B0 trained {args.steps} steps on the first stain, patch AUC on the test slides")
     for seed in seeds:
         for method in (None, "macenko"):
             name = f"{method or 'off'}-seed{seed}"
@@ -187,13 +225,18 @@ def main() -> None:
             config = merge_config(task_config("camelyon16"), overrides)
             same, tumour, patches = patch_auc(module, config, roots["first"])
             other, _, _ = patch_auc(module, config, roots["other"])
-            arms.append({"arm": name, "same": same, "other": other, "drop": same - other, "train_s": seconds, "patches": patches, "tumour": tumour})
-            print(f"  normalisation {method or 'off':<8} seed {seed}: AUC same stain {same:.4f}, other stain {other:.4f}, "
-                  f"drop {same - other:+.4f} ({patches} test patches, {tumour} tumour; training {seconds:.0f} s)")
+            mixed, _, _ = patch_auc(module, config, roots["mixed"])
+            arms.append({"arm": name, "same": same, "other": other, "drop": same - other, "mixed": mixed, "drop_mixed": same - mixed,
+                         "train_s": seconds, "patches": patches, "tumour": tumour})
+            print(f"  normalisation {method or 'off':<8} seed {seed}: AUC same stain {same:.4f}, other stain {other:.4f} "
+                  f"(drop {same - other:+.4f}), a stain per slide {mixed:.4f} (drop {same - mixed:+.4f}) "
+                  f"({patches} test patches, {tumour} tumour; training {seconds:.0f} s)")
     for seed in seeds:
         off, on = (next(a for a in arms if a["arm"] == f"{m}-seed{seed}") for m in ("off", "macenko"))
-        print(f"  seed {seed}: drop with normalisation {on['drop']:+.4f} against {off['drop']:+.4f} without")
-    result = {"colour_distance": distances, "patch_timing_ms": timing, "classifier": arms, "wall_s": time.perf_counter() - started}
+        print(f"  seed {seed}: drop with normalisation {on['drop']:+.4f} against {off['drop']:+.4f} without; "
+              f"a stain per slide {on['drop_mixed']:+.4f} against {off['drop_mixed']:+.4f}")
+    result = {"colour_distance": distances, "patch_timing_ms": timing, "classifier": arms, "mixed_stains": draws if seeds else None,
+              "wall_s": time.perf_counter() - started}
     write_json(args.work / ("colour.json" if args.skip_training else "result.json"), result)
     print(f"wall time {time.perf_counter() - started:.0f} s")
 

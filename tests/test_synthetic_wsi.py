@@ -129,6 +129,28 @@ def test_pixels_agree_with_outlines(root):
             assert abs(red_hole - red_healthy) < abs(red_hole - red_tumour), slide_rel
 
 
+def test_a_subtle_tumour_differs_from_normal_tissue_mainly_in_its_darker_nuclei(root, tmp_path):
+    # the stain-shift benchmark's slides (scripts/bench_stain.py --tumour subtle): the same tissue
+    # and outlines as the default's, metastases whose nuclei are darker but nearly as sparse
+    subtle = generate_camelyon16(tmp_path / "subtle", num_normal=1, num_tumor=1, num_test=0, size=SIZE, seed=0, tumour="subtle")
+    normal = "training/normal/normal_001.tif"
+    assert np.array_equal(_pixels(subtle / normal), _pixels(root / normal))
+    xml = "training/lesion_annotations/tumor_001.xml"
+    assert (subtle / xml).read_text() == (root / xml).read_text()
+    image = _pixels(subtle / "training/tumor/tumor_001.tif").astype(float)
+    tumour, excluded = _masks(_outlines(subtle / xml), image.shape[:2])
+    tissue = ndi.binary_opening(image.mean(-1) < 225, iterations=2)
+    core = ndi.binary_erosion(tumour, iterations=3)
+    healthy = ndi.binary_erosion(tissue & ~ndi.binary_dilation(tumour | excluded, iterations=5), iterations=3)
+    grey = image.mean(-1)
+    assert np.percentile(grey[core], 5) < np.percentile(grey[healthy], 5) - 10  # darker nuclei
+    dark = grey < 150
+    assert dark[core].mean() < dark[healthy].mean() + 0.08  # nearly as many nuclei (the clear tumour: more than +0.08)
+    assert -30 < image[core, 0].mean() - image[healthy, 0].mean() < -5  # darker overall, less than the clear tumour's -45
+    with pytest.raises(ValueError, match="tumour"):
+        generate_camelyon16(tmp_path / "x", size=SIZE, tumour="large")
+
+
 def test_deterministic_per_seed(root, tmp_path):
     # Fewer slides with the same seed: the same first slides, pixel for pixel.
     same = generate_camelyon16(tmp_path / "same", num_normal=1, num_tumor=1, num_test=0, size=SIZE, seed=0)

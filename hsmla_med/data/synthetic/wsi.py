@@ -48,7 +48,7 @@ from hsmla_med.io.tiff import write_pyramidal_tiff
 from hsmla_med.io import atomic_path, write_json
 from hsmla_med.io.annotations import write_asap_xml
 
-__all__ = ["generate_camelyon16", "DEFAULT_STAIN", "OTHER_STAIN"]
+__all__ = ["generate_camelyon16", "DEFAULT_STAIN", "OTHER_STAIN", "TUMOURS"]
 
 _GENERATOR_VERSION = 3  # 2: odd sides, fractional level downsamples; 3: an ITC cluster and a lesion under half a patch
 _MIN_SIDE = 256  # pixels; smaller slides leave no room for tissue islands with metastases
@@ -69,6 +69,11 @@ _NOISE = 2.5  # grey levels of sensor noise
 # nuclei and around them, eosin of the background.
 _NORMAL = dict(radius_um=3.5, coverage=0.20, nucleus=(0.85, 1.15), haematoxylin=0.06, eosin=0.45)
 _TUMOUR = dict(radius_um=6.0, coverage=0.45, nucleus=(1.35, 1.75), haematoxylin=0.22, eosin=0.28)
+# generate_camelyon16's ``tumour``: ``clear``, the default above, found by its shapes alone; and
+# ``subtle``, a tumour whose nuclei are only a little larger and denser than the normal tissue's
+# but darker (hyperchromatic), so its main cue is the strength of the haematoxylin, the thing a
+# second laboratory's stain changes (the stain-shift benchmark, scripts/bench_stain.py)
+TUMOURS = {"clear": _TUMOUR, "subtle": dict(radius_um=4.0, coverage=0.24, nucleus=(1.25, 1.55), haematoxylin=0.10, eosin=0.40)}
 
 _MIN_METASTASIS = 0.02  # smallest metastasis radius, as a share of the slide's shorter side
 _MACRO_UM = 2000.0  # CAMELYON: a macro-metastasis is larger than 2 mm, a micro-metastasis smaller
@@ -88,6 +93,7 @@ def generate_camelyon16(
     mpp: float = 0.972,
     seed: int = 0,
     stain: tuple[Sequence[float], Sequence[float]] | None = None,
+    tumour: str = "clear",
 ) -> Path:
     """Write a synthetic CAMELYON16-format dataset under ``root`` and return ``root``.
 
@@ -106,6 +112,9 @@ def generate_camelyon16(
             another laboratory's staining would colour the same tissue; ``None``: Ruifrok &
             Johnston's H&E vectors. The same seed with another stain gives the same tissue
             (same shapes, nuclei and noise) in other colours.
+        tumour: the metastases' tissue, one of :data:`TUMOURS`: ``clear`` (larger, denser and
+            darker nuclei than the normal tissue's) or ``subtle`` (nearly the normal nuclei's
+            size and density, darker), whose detection depends on the stain's strength.
 
     Returns at once if ``root/synthetic.json`` records the same parameters and the files it lists
     exist. Every file is written under a temporary name and renamed, ``synthetic.json`` last, so a
@@ -123,6 +132,8 @@ def generate_camelyon16(
     seed = int(seed)
     if seed < 0:
         raise ValueError(f"seed must be non-negative, got {seed}")
+    if tumour not in TUMOURS:
+        raise ValueError(f"tumour must be one of {sorted(TUMOURS)}, got {tumour!r}")
     if stain is not None:
         stain = np.asarray(stain, dtype=np.float32)
         if stain.shape != (2, 3) or not np.isfinite(stain).all() or (stain < 0).any() or not (stain.sum(axis=1) > 0).all():
@@ -139,6 +150,8 @@ def generate_camelyon16(
     }
     if stain is not None:  # absent by default: the datasets written before it stay valid
         params["stain"] = stain.tolist()
+    if tumour != "clear":  # likewise
+        params["tumour"] = tumour
     marker = root / "synthetic.json"
     if marker.is_file():
         meta = _read_marker(marker)
@@ -161,7 +174,7 @@ def generate_camelyon16(
     for slide_rel, xml_rel, key in slides:
         number = key[2]
         exclusion = xml_rel is not None and number % 2 == 1
-        image, polygons = _slide(np.random.default_rng(key), width, height, mpp, xml_rel is not None, exclusion, stain)
+        image, polygons = _slide(np.random.default_rng(key), width, height, mpp, xml_rel is not None, exclusion, stain, TUMOURS[tumour])
         write_pyramidal_tiff(root / slide_rel, image, mpp, compression="jpeg")
         del image
         files.append(slide_rel)
@@ -199,9 +212,11 @@ def _read_marker(marker: Path) -> dict:
     return meta
 
 
-def _slide(rng: np.random.Generator, width: int, height: int, mpp: float, tumour: bool, exclusion: bool, stain: np.ndarray | None = None):
+def _slide(rng: np.random.Generator, width: int, height: int, mpp: float, tumour: bool, exclusion: bool, stain: np.ndarray | None = None,
+           kind: dict = _TUMOUR):
     """One slide: its RGB level 0 (uint8, (height, width, 3)) and its outlines; ``stain``: the
-    (2, 3) haematoxylin and eosin optical densities (default Ruifrok & Johnston's).
+    (2, 3) haematoxylin and eosin optical densities (default Ruifrok & Johnston's); ``kind``: the
+    metastases' tissue (:data:`TUMOURS`).
 
     The outlines are ``(group, points)`` with points an (n, 2) array of (x, y) level-0 pixels:
     group ``Tumor`` (or ``_0`` with ``exclusion``) for each metastasis and, with ``exclusion``,
@@ -218,11 +233,11 @@ def _slide(rng: np.random.Generator, width: int, height: int, mpp: float, tumour
     eosin = np.float32(_NORMAL["eosin"]) * (1 + 0.35 * fibres)
     haematoxylin = np.full((height, width), _NORMAL["haematoxylin"], dtype=np.float32)
     if polygons:
-        eosin[tumour_mask] *= np.float32(_TUMOUR["eosin"] / _NORMAL["eosin"])
-        haematoxylin[tumour_mask] = _TUMOUR["haematoxylin"]
+        eosin[tumour_mask] *= np.float32(kind["eosin"] / _NORMAL["eosin"])
+        haematoxylin[tumour_mask] = kind["haematoxylin"]
     _nuclei(rng, haematoxylin, tissue & ~tumour_mask, mpp, _NORMAL)
     if polygons:
-        _nuclei(rng, haematoxylin, tumour_mask, mpp, _TUMOUR)
+        _nuclei(rng, haematoxylin, tumour_mask, mpp, kind)
 
     # Beer-Lambert: transmitted light falls exponentially with the optical density of the stains,
     # 255 * exp(-density) = exp(log(255) - density). In place: these are the costly passes.
