@@ -13,7 +13,7 @@ stained copies of the same synthetic CAMELYON16 slides (issue 30 targets).
     other stain with normalisation at most half the drop without).
 
     python scripts/bench_stain.py [--work /tmp/bench-stain] [--steps 200] [--seeds 0] [--size 4096 3072] [--skip-training | --skip-colour]
-                                  [--no-colour-augment] [--tumour clear|subtle]
+                                  [--no-colour-augment] [--tumour clear|subtle] [--mixed-seed 0]
 """
 
 from __future__ import annotations
@@ -190,6 +190,7 @@ def main() -> None:
     parser.add_argument("--tumour", choices=sorted(TUMOURS), default="clear",
                         help="the slides' metastases: clear (the default data, found by their shapes) or subtle (darker nuclei of "
                         "nearly normal size and density, found by the haematoxylin's strength, which the second stain moves)")
+    parser.add_argument("--mixed-seed", type=int, default=0, help="(b) the seed of the test slides' own stains")
     parser.add_argument("--no-colour-augment", action="store_true",
                         help="(b) without the per-channel colour jitter (data.augment.colour_prob 0): a classifier that has seen one stain's colours only")
     args = parser.parse_args()
@@ -204,7 +205,7 @@ def main() -> None:
     arms, seeds = [], [] if args.skip_training else args.seeds
     if seeds:
         print("(b) the test slides each in a stain of its own:")
-        roots["mixed"], draws = mixed_stains(args.work, roots["first"], counts)
+        roots["mixed"], draws = mixed_stains(args.work, roots["first"], counts, args.mixed_seed)
         print(f"    HSMLA-B0 trained {args.steps} steps on the first stain, patch AUC on the test slides")
     for seed in seeds:
         for method in (None, "macenko"):
