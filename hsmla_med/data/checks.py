@@ -45,11 +45,10 @@ class LoadCased(LoadImaged):
     """``LoadImaged`` whose failures (truncated or foreign files) name the file that failed, and
     which also reads NIfTI pairs (:class:`NiftiPairReader`), a DICOM series (a series folder,
     or the list of a series' files: :class:`~hsmla_med.io.dicom.DicomSeriesReader`, tried
-    before MONAI's readers) and, for a
-    key after the first, a DICOM SEG: the label map of a case whose image (the first key) is
-    the series the SEG references, read onto that series' grid
-    (:func:`~hsmla_med.io.dicom_seg.read_seg`; ``label_names``, the dataset's, give its segments
-    their values). MONAI has no SEG reader (MONAI #8468), and a SEG alone has no voxel grid.
+    before MONAI's readers) and, for a key after the first, a DICOM SEG: the label map of a
+    case whose image (the first key) is the series the SEG references, read onto that series'
+    grid (:func:`~hsmla_med.io.dicom_seg.read_seg`; ``label_names``, the dataset's, give its
+    segments their values). MONAI has no SEG reader (MONAI #8468), and a SEG alone has no voxel grid.
     """
 
     def __init__(self, keys, *args, label_names: Sequence[str] | None = None, **kwargs) -> None:
