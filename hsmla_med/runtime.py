@@ -32,7 +32,8 @@ from pathlib import Path
 
 from hsmla_med.errors import ConfigError
 
-__all__ = ["tune_cpu_allocator", "available_cpus", "configure_cpu_threads", "runnable_others", "LoadAdaptiveThreads", "adaptive_threads_enabled", "SPIN_COUNT", "APPLIED"]
+__all__ = ["tune_cpu_allocator", "available_cpus", "configure_cpu_threads", "runnable_others", "LoadAdaptiveThreads", "adaptive_threads_enabled", "applied_variables", "SPIN_COUNT", "APPLIED",
+           "MARK"]
 
 # glibc mallopt parameters
 _M_TOP_PAD, _M_MMAP_THRESHOLD = -2, -3
@@ -89,6 +90,10 @@ _WAIT_VARIABLES = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "KMP_BLOCKTIME")
 #: what :func:`configure_cpu_threads` set in this process's environment (the contention
 #: benchmark starts its neighbours without it)
 APPLIED: dict[str, str] = {}
+#: "NAME=VALUE;..." of the variables hsmla-med set, exported beside them: a child process that
+#: inherits them (a DDP rank Lightning starts by running the command again) can tell them from a
+#: user's own setting (:func:`applied_variables`)
+MARK = "HSMLA_MED_APPLIED"
 _CGROUP = Path("/sys/fs/cgroup")
 
 
@@ -126,6 +131,9 @@ def configure_cpu_threads(environ=None, root: Path = _CGROUP) -> dict[str, str]:
 
     Effective only before torch (libgomp) loads; called later it warns and changes nothing.
 
+    Beside them it exports :data:`MARK`, so that a child process started with this environment
+    takes them for hsmla-med's, not the user's (:func:`applied_variables`).
+
     Returns:
         the variables it set.
     """
@@ -142,10 +150,22 @@ def configure_cpu_threads(environ=None, root: Path = _CGROUP) -> dict[str, str]:
     cpus = available_cpus(root)
     if "OMP_NUM_THREADS" not in environ and cpus < (os.cpu_count() or cpus):
         applied["OMP_NUM_THREADS"] = str(cpus)
+    inherited = applied_variables(environ)
     environ.update(applied)
+    if applied or inherited:
+        environ[MARK] = ";".join(f"{name}={value}" for name, value in {**inherited, **applied}.items())
     if environ is os.environ:
         APPLIED.update(applied)
     return applied
+
+
+def applied_variables(environ=None) -> dict[str, str]:
+    """The variables of ``environ`` (default ``os.environ``) that hsmla-med set, in this process
+    or in the hsmla-med process that started it (:data:`MARK`), and that still hold the value it
+    gave them; a user's own setting is never among them."""
+    environ = os.environ if environ is None else environ
+    pairs = (item.partition("=") for item in environ.get(MARK, "").split(";") if item)
+    return {name: value for name, _, value in pairs if environ.get(name) == value}
 
 
 _PROC = Path("/proc")

@@ -73,7 +73,7 @@ def test_cpus_follow_the_affinity_and_the_cgroup_quota(tmp_path, files, quota):
 def test_cpu_thread_settings_respect_the_users_environment(tmp_path, monkeypatch):
     import os
 
-    from hsmla_med.runtime import SPIN_COUNT, configure_cpu_threads
+    from hsmla_med.runtime import MARK, SPIN_COUNT, configure_cpu_threads
 
     one_cpu = _cgroup(tmp_path / "one", {"cpu.max": "100000 100000"})
     unlimited = _cgroup(tmp_path / "max", {"cpu.max": "max 100000"})
@@ -82,7 +82,8 @@ def test_cpu_thread_settings_respect_the_users_environment(tmp_path, monkeypatch
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     env = {}
     expected = {"GOMP_SPINCOUNT": str(SPIN_COUNT), "OMP_NUM_THREADS": "1"}
-    assert configure_cpu_threads(env, one_cpu) == expected and env == expected
+    assert configure_cpu_threads(env, one_cpu) == expected
+    assert env == {**expected, MARK: f"GOMP_SPINCOUNT={SPIN_COUNT};OMP_NUM_THREADS=1"}  # what it set, marked as hsmla-med's
     assert configure_cpu_threads({}, unlimited) == {"GOMP_SPINCOUNT": str(SPIN_COUNT)}  # every CPU: torch's own count
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {1, 3})  # taskset -c 1,3
     assert configure_cpu_threads({}, unlimited) == {"GOMP_SPINCOUNT": str(SPIN_COUNT), "OMP_NUM_THREADS": "2"}
@@ -145,6 +146,49 @@ def test_cpu_processes_share_the_cpus(monkeypatch):
         torch.set_num_threads(5)
         distributed.ShareCPUs().setup(types.SimpleNamespace(accelerator=CPUAccelerator(), num_devices=1), None, "fit")
         assert torch.get_num_threads() == 5  # one process keeps the threads it has
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_child_process_tells_hsmla_meds_thread_count_from_the_users(tmp_path, monkeypatch):
+    """A DDP rank that Lightning starts by running the command again inherits the OMP_NUM_THREADS
+    that its launcher's hsmla-med set (a cgroup quota): it is hsmla-med's there too, so the rank
+    shares the CPUs as rank 0 does; before, the rank took it for the user's and kept every CPU's
+    worth of threads. A user's own value, or one changed since, stays the user's."""
+    import types
+
+    import torch
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    from hsmla_med.engine import distributed
+    from hsmla_med.runtime import MARK, SPIN_COUNT, applied_variables, configure_cpu_threads
+
+    two = _cgroup(tmp_path / "two", {"cpu.max": "200000 100000"})
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    parent = {"PATH": "/bin"}
+    assert configure_cpu_threads(parent, two) == {"GOMP_SPINCOUNT": str(SPIN_COUNT), "OMP_NUM_THREADS": "2"}
+    child = dict(parent)  # the rank's environment
+    assert configure_cpu_threads(child, two) == {} and child == parent  # nothing set again
+    assert applied_variables(child) == {"GOMP_SPINCOUNT": str(SPIN_COUNT), "OMP_NUM_THREADS": "2"}
+    assert applied_variables({**child, "OMP_NUM_THREADS": "3"}) == {"GOMP_SPINCOUNT": str(SPIN_COUNT)}  # changed: the user's
+    assert applied_variables({"OMP_NUM_THREADS": "2"}) == {}
+    user = {"OMP_NUM_THREADS": "2"}
+    configure_cpu_threads(user, two)
+    assert "OMP_NUM_THREADS" not in applied_variables(user)
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(distributed, "available_cpus", lambda: 2)
+    trainer = types.SimpleNamespace(accelerator=CPUAccelerator(), num_devices=2)
+    try:
+        for env, expected in ((child, 1), (user, 5)):  # the rank's: 2 CPUs over 2 ranks; the user's: left alone
+            torch.set_num_threads(5)
+            for name in ("OMP_NUM_THREADS", "GOMP_SPINCOUNT", MARK):
+                monkeypatch.delenv(name, raising=False)
+                if name in env:
+                    monkeypatch.setenv(name, env[name])
+            distributed.ShareCPUs().setup(trainer, None, "fit")
+            assert torch.get_num_threads() == expected
     finally:
         torch.set_num_threads(threads)
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hsmla_med.errors import ConfigError
-from hsmla_med.runtime import APPLIED, LoadAdaptiveThreads, adaptive_threads_enabled, available_cpus
+from hsmla_med.runtime import LoadAdaptiveThreads, adaptive_threads_enabled, applied_variables, available_cpus
 
 __all__ = ["START_TIMEOUT_ENV", "check_cpu_processes", "start_up_deadline", "ShareCPUs"]
 
@@ -70,7 +70,9 @@ class ShareCPUs(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         from lightning.pytorch.accelerators import CPUAccelerator
 
-        if not isinstance(trainer.accelerator, CPUAccelerator) or "OMP_NUM_THREADS" in os.environ and "OMP_NUM_THREADS" not in APPLIED:
+        # a DDP rank started by Lightning inherits the OMP_NUM_THREADS its launcher's hsmla-med set:
+        # hsmla-med's (applied_variables), so shared here as on rank 0, not taken for the user's
+        if not isinstance(trainer.accelerator, CPUAccelerator) or "OMP_NUM_THREADS" in os.environ and "OMP_NUM_THREADS" not in applied_variables():
             return
         if trainer.num_devices > 1:
             torch.set_num_threads(max(1, available_cpus() // trainer.num_devices))
