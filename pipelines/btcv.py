@@ -201,8 +201,8 @@ def held_out(cases: Datalist) -> list[str]:
 
 
 def _volume_inputs(folder: Path, series_uid: str | None = None, rules: SeriesRules | None = None) -> list[Path | DicomSeries]:
-    """The NIfTI files of an input folder (a pair by its ``.hdr``), else its DICOM image series (one case per series:
-    :func:`~hsmla_med.io.dicom.select_series`)."""
+    """The NIfTI files of an input folder (a pair by its ``.hdr``), else its DICOM image series
+    (one case per series: :func:`~hsmla_med.io.dicom.select_series`)."""
     files = sorted(p for p in folder.iterdir() if _NIFTI.search(p.name) and not is_temporary(p))
     if files:
         return files
@@ -230,8 +230,8 @@ def _case(source: Path | DicomSeries, output: Path, inference: dict) -> dict:
         name = case_name(source)
         return {"name": name, "image": [str(f) for f in source], "source": str(source[0]), "output": output / f"{name}.nii.gz",
                 "inference": inference}
-    if isinstance(source, Path) and source.suffix == ".img":  # the voxels of a NIfTI pair: the pair, by its header
-        source = source.with_suffix(".hdr")
+    if isinstance(source, Path) and source.suffix == ".img" and source.with_suffix(".hdr").is_file():
+        source = source.with_suffix(".hdr")  # the voxels of a NIfTI pair: the pair, by its header (not a DICOM file so named)
     if isinstance(source, Path) and is_dicom_file(source):
         source = series_of(source)
     if isinstance(source, DicomSeries):

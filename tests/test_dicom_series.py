@@ -256,6 +256,16 @@ def test_infer_item_keeps_the_sorted_source_files(tmp_path):
     assert item["output"] == tmp_path / "out" / "P-01_20240102_3_CT-abdomen.nii.gz"
 
 
+def test_a_dicom_file_named_img_is_its_series_not_a_nifti_pair(tmp_path):
+    # NIfTI pairs' voxel files end in .img too; one given alone stands for its pair only where the
+    # pair's .hdr is beside it
+    files = write_series(tmp_path / "s", _volume())
+    named = files[0].rename(files[0].with_suffix(".img"))
+    (series,) = find_series(tmp_path / "s")
+    item = btcv._case(named, tmp_path / "out", {})
+    assert item["dicom_files"] == [str(f) for f in series.files] and str(named) in item["dicom_files"]
+
+
 def test_cli_infer_refuses_two_series_then_segments_the_picked_one(tmp_path, capsys, tiny_btcv_checkpoint):
     from hsmla_med.cli import main
     from tests.conftest import cli_error
