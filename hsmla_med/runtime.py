@@ -32,7 +32,7 @@ from pathlib import Path
 
 from hsmla_med.errors import ConfigError
 
-__all__ = ["tune_cpu_allocator", "available_cpus", "configure_cpu_threads", "runnable_others", "LoadAdaptiveThreads", "adaptive_threads_enabled", "applied_variables", "SPIN_COUNT", "APPLIED",
+__all__ = ["tune_cpu_allocator", "available_cpus", "configure_cpu_threads", "runnable_others", "LoadAdaptiveThreads", "adaptive_threads_enabled", "applied_variables", "SPIN_COUNT",
            "MARK"]
 
 # glibc mallopt parameters
@@ -87,12 +87,9 @@ def tune_cpu_allocator(top_pad: int | None = None) -> bool:
 SPIN_COUNT = 10000
 #: variables through which a user (or a launcher) already decided how OpenMP threads wait
 _WAIT_VARIABLES = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "KMP_BLOCKTIME")
-#: what :func:`configure_cpu_threads` set in this process's environment (the contention
-#: benchmark starts its neighbours without it)
-APPLIED: dict[str, str] = {}
 #: "NAME=VALUE;..." of the variables hsmla-med set, exported beside them: a child process that
 #: inherits them (a DDP rank Lightning starts by running the command again) can tell them from a
-#: user's own setting (:func:`applied_variables`)
+#: user's own setting (:func:`applied_variables`; the benchmarks start their neighbours without them)
 MARK = "HSMLA_MED_APPLIED"
 _CGROUP = Path("/sys/fs/cgroup")
 
@@ -154,8 +151,6 @@ def configure_cpu_threads(environ=None, root: Path = _CGROUP) -> dict[str, str]:
     environ.update(applied)
     if applied or inherited:
         environ[MARK] = ";".join(f"{name}={value}" for name, value in {**inherited, **applied}.items())
-    if environ is os.environ:
-        APPLIED.update(applied)
     return applied
 
 

@@ -27,9 +27,11 @@ def test_settings_and_the_neighbours_environment(monkeypatch):
     # what hsmla-med set itself is not the environment the user gave it
     monkeypatch.setenv("GOMP_SPINCOUNT", "10000")
     monkeypatch.setenv("SOME_USER_VARIABLE", "1")
-    monkeypatch.setattr(runtime, "APPLIED", {"GOMP_SPINCOUNT": "10000"})
+    monkeypatch.setenv(runtime.MARK, "GOMP_SPINCOUNT=10000")
     given = contention._given_environment()
-    assert "GOMP_SPINCOUNT" not in given and given["SOME_USER_VARIABLE"] == "1"
+    assert "GOMP_SPINCOUNT" not in given and runtime.MARK not in given and given["SOME_USER_VARIABLE"] == "1"
+    monkeypatch.setenv("GOMP_SPINCOUNT", "300")  # the user's own value since: kept
+    assert contention._given_environment()["GOMP_SPINCOUNT"] == "300"
 
 
 def test_neighbours_run_as_loaded_and_are_gone_after():

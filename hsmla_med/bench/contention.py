@@ -55,7 +55,8 @@ def settings(spin_counts: list[int]) -> dict[str, dict[str, str]]:
 
 def _given_environment() -> dict[str, str]:
     """The environment hsmla-med was started with: without the variables it set itself."""
-    return {k: v for k, v in os.environ.items() if k not in runtime.APPLIED and k != runtime.MARK}
+    set_here = runtime.applied_variables()
+    return {k: v for k, v in os.environ.items() if k not in set_here and k != runtime.MARK}
 
 
 def bench_contention(args) -> list[dict]:

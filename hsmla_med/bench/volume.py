@@ -214,7 +214,8 @@ def bench_processes(cases: int = 8, shape: tuple[int, int, int] = (192, 192, 64)
     from hsmla_med import runtime
     from hsmla_med.data.synthetic.btcv import generate_btcv
 
-    environ = {k: v for k, v in os.environ.items() if k not in runtime.APPLIED and k not in ("OMP_NUM_THREADS", runtime.MARK)}
+    set_here = runtime.applied_variables()
+    environ = {k: v for k, v in os.environ.items() if k not in set_here and k not in ("OMP_NUM_THREADS", runtime.MARK)}
     first = PROCESS_RUNS[0][0]
     rows, labels = [], {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -65,8 +65,8 @@ def _lerp_axis(x: torch.Tensor, axis: int, scale: float, offset: float, n: int, 
     The map is viewed as (before, axis, after) and ``index_select`` runs on the middle dim of that
     view: on the last dim of a 4D map its CPU kernel gathered single elements 20-40x slower
     (0.67-0.75 s against 0.002-0.017 s for 256 x 256 x 64 -> 256 x 256 x 96; 0.50 s against
-    0.03 s for 14 x 128 x 128 x 40 -> 60, measured), which made this the largest cost of ``infer``
-    after the network (docs/benchmarks.md)."""
+    0.03 s for 14 x 128 x 128 x 40 -> 60, measured); it was the largest single cost in a profile
+    of ``infer`` (docs/benchmarks.md)."""
     length = x.shape[axis]
     coord = torch.arange(n, dtype=torch.float64) * scale + offset
     low = torch.floor(coord)
