@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap", type=float, help=f"sliding-window overlap in [0, 1) (default: the checkpoint's; as trained by default: {overlaps})")
     p.add_argument("--crop", choices=["auto", "none"], default="auto", help="endovis: auto crops frames of the challenge's raw size as in training and uses other sizes whole; none never crops")
     p.add_argument("--save-probabilities", action="store_true", help="btcv: also write OUTPUT/<case>.npz, the class probabilities (float16) in the input's grid (an ensemble's: their mean)")
-    p.add_argument("--output-format", action="append", metavar="F", help="btcv: nifti (default: OUTPUT/<case>.nii.gz) and/or dicom-seg "
+    p.add_argument("--output-format", action="append", metavar="F", help="btcv: nifti (default: OUTPUT/<case>.nii.gz; a MetaImage / NRRD input's as <case>.mha / .nrrd) and/or dicom-seg "
                    "(OUTPUT/<case>.seg.dcm, a DICOM SEG referencing the input series; DICOM inputs only); repeat it or give a comma list for both")
     p.add_argument("--postprocessing", metavar="F", help="btcv: the postprocessing.json to apply to the label maps (largest connected "
                    "components, chosen on validation by cross-validate); default: the postprocessing.json in the folder that holds "
@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", nargs="+", metavar="CKPT", help="a checkpoint written by train; several: their ensemble (probabilities "
                    "averaged as infer does), which has trained on every member's training cases")
     p.add_argument("--output", help="folder for metrics.json (default runs/evaluate), or for summary.json with --predictions (default: that folder)")
-    p.add_argument("--predictions", metavar="P", help="predictions of any tool, scored without a checkpoint: btcv (default) a folder of NIfTI "
+    p.add_argument("--predictions", metavar="P", help="predictions of any tool, scored without a checkpoint: btcv (default) a folder of NIfTI / MetaImage / NRRD "
                    "label maps; luna16 a submission CSV (or the folder infer wrote it in); camelyon16 a folder of lesion CSVs and the slide CSV; endovis a folder of mask PNGs")
     p.add_argument("--labels", metavar="L", help="with --predictions, the reference: btcv a folder of label maps (same file names, same shape "
                    "and affine); luna16 annotations.csv (or a LUNA16 folder, whose CSVs are found there); camelyon16 the folder of annotation XMLs; endovis the dataset folder")

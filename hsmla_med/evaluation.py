@@ -34,9 +34,10 @@ import nibabel as nib
 import numpy as np
 
 # (private helpers of the dataset JSON reader, reused so both read `labels` and file names alike)
-from hsmla_med.data.datalist import _NIFTI, case_name, label_spec, read_header, read_json
+from hsmla_med.data.datalist import VOLUME_FILE, VOLUME_FORMATS, case_name, label_spec, read_header, read_json
 from hsmla_med.errors import DataError, InputError
 from hsmla_med.io import is_temporary
+from hsmla_med.io.itk import is_itk_file, read_itk
 from hsmla_med.metrics.summary import absent_class, case_metrics, summarize_cases, write_reports
 
 __all__ = ["DEFAULT_NSD_TOLERANCE", "check_nsd_tolerance", "evaluate_folder", "pair_files", "check_geometry", "read_labels", "score_prediction"]
@@ -49,7 +50,8 @@ DEFAULT_NSD_TOLERANCE = 2.0  # mm: --nsd-tolerance and inference.nsd_tolerance w
 
 
 def _label_files(folder: Path, option: str, seg: bool = False) -> dict[str, Path]:
-    """NIfTI files (and with ``seg`` DICOM SEG files) of ``folder`` by name without the extension.
+    """Volume files (NIfTI, MetaImage, NRRD; with ``seg`` also DICOM SEG files) of ``folder`` by
+    name without the extension, so ``X.mha`` pairs with ``X.nii.gz``.
     A SEG beside a NIfTI file of its name is left out: ``infer --output-format nifti,dicom-seg``
     writes both, with the same labels."""
     if not folder.is_dir():
@@ -57,16 +59,16 @@ def _label_files(folder: Path, option: str, seg: bool = False) -> dict[str, Path
     files: dict[str, Path] = {}
     segs: dict[str, Path] = {}
     for path in sorted(folder.iterdir()):
-        pattern = _NIFTI if _NIFTI.search(path.name) else _SEG if seg and _SEG.search(path.name) else None
+        pattern = VOLUME_FILE if VOLUME_FILE.search(path.name) else _SEG if seg and _SEG.search(path.name) else None
         if pattern is not None and path.is_file() and not is_temporary(path):
-            found = files if pattern is _NIFTI else segs
+            found = files if pattern is VOLUME_FILE else segs
             stem = pattern.sub("", path.name)
             if stem in found:
                 raise DataError(f"{path}: {found[stem].name} has the same name in {option} {folder}")
             found[stem] = path
     files = {**{stem: path for stem, path in segs.items() if stem not in files}, **files}
     if not files:
-        raise DataError(f"{option} {folder}: no NIfTI label maps (.nii, .nii.gz){' or DICOM SEG files (.dcm)' if seg else ''} in the folder")
+        raise DataError(f"{option} {folder}: no label maps in {VOLUME_FORMATS}{' or DICOM SEG (.dcm)' if seg else ''} in the folder")
     return files
 
 
@@ -77,7 +79,7 @@ def _image_names(meta: dict) -> dict[str, str]:
     for entry in [e for entries in lists if isinstance(entries, list) for e in entries]:
         image = entry.get("image") if isinstance(entry, dict) else None  # (a list: a case's channel files, named by the first)
         if (isinstance(image, str) or isinstance(image, list) and image and isinstance(image[0], str)) and isinstance(entry.get("label"), str):
-            aliases[_NIFTI.sub("", Path(entry["label"]).name)] = case_name(image)
+            aliases[VOLUME_FILE.sub("", Path(entry["label"]).name)] = case_name(image)
     return aliases
 
 
@@ -138,10 +140,13 @@ def check_geometry(pairs: list[tuple[Path, Path]], grids: dict[Path, tuple] | No
 
 def read_labels(path: Path) -> np.ndarray:
     """A label map as non-negative integers (3D); :class:`DataError` for other values."""
-    try:
-        data = np.asanyarray(nib.load(str(path)).dataobj)
-    except Exception as err:  # nibabel raises several types for truncated or foreign files
-        raise DataError(f"{path}: cannot read as NIfTI ({err})") from None
+    if is_itk_file(path):
+        data = read_itk(path)[0]
+    else:
+        try:
+            data = np.asanyarray(nib.load(str(path)).dataobj)
+        except Exception as err:  # nibabel raises several types for truncated or foreign files
+            raise DataError(f"{path}: cannot read as NIfTI ({err})") from None
     data = data.reshape(data.shape[:3])
     if not np.issubdtype(data.dtype, np.integer):
         if not np.all(np.isfinite(data)) or np.any(data != np.round(data)):

@@ -30,8 +30,10 @@ class TaskCard:
 
 CARDS = {
     "btcv": TaskCard(
-        inputs="NIfTI volumes (.nii, .nii.gz, .hdr/.img pairs) or DICOM series (a series folder, or a folder of series folders)",
-        outputs="OUTPUT/<case>.nii.gz label maps with each input's shape and affine (a DICOM series: also or instead <case>.seg.dcm, --output-format)",
+        inputs="NIfTI volumes (.nii, .nii.gz, .hdr/.img pairs), MetaImage (.mha, .mhd) or NRRD (.nrrd, .nhdr) volumes, or DICOM series "
+               "(a series folder, or a folder of series folders)",
+        outputs="OUTPUT/<case>.nii.gz label maps with each input's shape and affine (MetaImage / NRRD in: <case>.mha / .nrrd; a DICOM "
+                "series: also or instead <case>.seg.dcm, --output-format)",
         monitor="dice",
     ),
     "camelyon16": TaskCard(

@@ -18,7 +18,7 @@ from monai.bundle import ConfigParser
 from monai.transforms import Compose
 
 from hsmla_med.data.checks import CheckCased, LoadCased
-from hsmla_med.data.datalist import _NIFTI, Datalist, case_name, channel_groups, channels_grid, load_datalist, read_header, read_json
+from hsmla_med.data.datalist import VOLUME_FILE, VOLUME_FORMATS, Datalist, case_name, channel_groups, channels_grid, load_datalist, read_header, read_json
 from hsmla_med.data.plans import plan_dataset
 from hsmla_med.data.splits import fold_datalist
 from hsmla_med.data.synthetic.btcv import generate_btcv
@@ -38,6 +38,7 @@ from hsmla_med.inference.postprocessing import apply_postprocessing
 from hsmla_med.io import is_temporary, write_json
 from hsmla_med.io.dicom import DicomSeries, SeriesRules, find_series, is_dicom_file, select_series, series_of
 from hsmla_med.io.dicom_seg import SEG_SUFFIX, is_seg_file, write_seg
+from hsmla_med.io.itk import data_file, label_suffix
 from hsmla_med.pipelines.task import InferenceOptions, Task, input_files, predict_cases, synthetic_root
 
 __all__ = ["TASK", "datalist", "check_config", "preprocessing_items", "UNCROPPED_BACKGROUND", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer", "score_predictions", "crossval_score"]
@@ -201,14 +202,14 @@ def held_out(cases: Datalist) -> list[str]:
 
 
 def _volume_inputs(folder: Path, series_uid: str | None = None, rules: SeriesRules | None = None) -> list[Path | DicomSeries]:
-    """The NIfTI files of an input folder (a pair by its ``.hdr``), else its DICOM image series
-    (one case per series: :func:`~hsmla_med.io.dicom.select_series`)."""
-    files = sorted(p for p in folder.iterdir() if _NIFTI.search(p.name) and not is_temporary(p))
+    """The volume files of an input folder (NIfTI, a NIfTI pair by its ``.hdr``, MetaImage,
+    NRRD), else its DICOM image series (one case per series: :func:`~hsmla_med.io.dicom.select_series`)."""
+    files = sorted(p for p in folder.iterdir() if VOLUME_FILE.search(p.name) and not is_temporary(p))
     if files:
         return files
     series = find_series(folder)
     if not series:
-        raise DataError(f"{folder}: no NIfTI files (.nii, .nii.gz, .hdr/.img pairs) and no DICOM image series in the input folder")
+        raise DataError(f"{folder}: no volume files ({VOLUME_FORMATS}) and no DICOM image series in the input folder")
     return select_series(series, folder, series_uid, rules)
 
 
@@ -228,7 +229,7 @@ def _case(source: Path | DicomSeries, output: Path, inference: dict) -> dict:
     if isinstance(source, list):  # a case's channel files (CASE_0000.nii.gz, ...): one grid
         channels_grid(source)
         name = case_name(source)
-        return {"name": name, "image": [str(f) for f in source], "source": str(source[0]), "output": output / f"{name}.nii.gz",
+        return {"name": name, "image": [str(f) for f in source], "source": str(source[0]), "output": output / f"{name}{label_suffix(source[0])}",
                 "inference": inference}
     if isinstance(source, Path) and source.suffix == ".img" and source.with_suffix(".hdr").is_file():
         source = source.with_suffix(".hdr")  # the voxels of a NIfTI pair: the pair, by its header (not a DICOM file so named)
@@ -239,15 +240,16 @@ def _case(source: Path | DicomSeries, output: Path, inference: dict) -> dict:
         return {"name": source.name, "image": files, "dicom_files": files, "source": str(source.folder),
                 "output": output / f"{source.name}.nii.gz", "inference": inference}
     read_header(source)  # an unreadable header or an affine that places no voxel: one line, before any work
-    return {"name": case_name(source), "image": str(source), "source": str(source), "output": output / f"{case_name(source)}.nii.gz", "inference": inference}
+    name = case_name(source)
+    return {"name": name, "image": str(source), "source": str(source), "output": output / f"{name}{label_suffix(source)}", "inference": inference}
 
 
 def _channel_cases(sources: list, channels: int) -> list:
     """The inputs of a model of several input channels: NIfTI files grouped into cases
     (:func:`~hsmla_med.data.datalist.channel_groups`), a case of one file (4D) as that file."""
-    series = next((s for s in sources if not (isinstance(s, Path) and _NIFTI.search(s.name))), None)
+    series = next((s for s in sources if not (isinstance(s, Path) and VOLUME_FILE.search(s.name))), None)
     if series is not None:
-        raise DataError(f"{getattr(series, 'folder', series)}: the model takes {channels} input channels, one NIfTI file each "
+        raise DataError(f"{getattr(series, 'folder', series)}: the model takes {channels} input channels, one volume file each "
                         "(CASE_0000.nii.gz, CASE_0001.nii.gz, ...); a DICOM series is one channel")
     return [group if len(group) > 1 else group[0] for group in channel_groups(sources, channels)]
 
@@ -267,7 +269,8 @@ def infer(
 ) -> list[Path]:
     """Segment NIfTI volumes or DICOM series (folders: :func:`_volume_inputs`; a folder of
     several series needs ``options.series_uid``) and write ``output/<case>.nii.gz`` label maps
-    (uint8) with exactly each input's shape and affine (a series: ``<series name>.nii.gz`` on the
+    (uint8) with exactly each input's shape and affine (a MetaImage or NRRD input: ``<case>.mha``
+    or ``<case>.nrrd`` on its grid, as nnU-Net writes a dataset's ``file_ending``; a series: ``<series name>.nii.gz`` on the
     grid SimpleITK reads it on, :func:`~hsmla_med.io.dicom.read_series`), with ``dicom-seg`` among
     ``options.output_formats`` a series' ``<case>.seg.dcm`` (:func:`~hsmla_med.io.dicom_seg.write_seg`:
     the same labels as a DICOM SEG referencing the series; instead of the NIfTI without ``nifti``),
@@ -323,9 +326,8 @@ def infer(
         if uncertainty is not None:
             written.append(write_uncertainty(output / UNCERTAINTY / f"{case['name']}_uncertainty.nii.gz", uncertainty, reference))
             write_json(_row_path(output, case["name"]), case_row(case["name"], uncertainty, labels, affine, options.uncertainty_threshold))
-        nifti = output / f"{case['name']}.nii.gz"
         if "nifti" in options.output_formats:
-            written.append(write_labels(nifti, labels, reference))
+            written.append(write_labels(output / f"{case['name']}{label_suffix(source)}", labels, reference))
         if seg and labels.any():  # last: it marks the case done
             written.append(write_seg(labels, case["dicom_files"], module.label_names, case["output"], algorithm))
         elif seg:
@@ -391,10 +393,15 @@ def crossval_score(folds: list[tuple[Datalist, Path]], output: Path, config: dic
 
     for cases, folder in folds:
         for case in cases.validation:
-            name = f"{case_name(case['image'])}.nii.gz"
-            pool_file(folder / name, output / "predictions" / name)
-            label = Path(case["label"])  # a DICOM SEG keeps its kind: the evaluator reads it onto its series
-            pool_file(label, output / "labels" / (f"{case_name(case['image'])}{SEG_SUFFIX}" if is_seg_file(label) else name))
+            name = case_name(case["image"])
+            first = case["image"][0] if isinstance(case["image"], list) else case["image"]
+            pool_file(folder / f"{name}{label_suffix(first)}", output / "predictions" / f"{name}{label_suffix(first)}")
+            label = Path(case["label"])  # a DICOM SEG keeps its kind: the evaluator reads it onto its series; a volume its format
+            pool_file(label, output / "labels" / f"{name}{SEG_SUFFIX if is_seg_file(label) else VOLUME_FILE.search(label.name).group(0)}")
+            if label.suffix == ".hdr":  # a NIfTI pair's voxels: beside the header, of its name
+                pool_file(label.with_suffix(".img"), output / "labels" / f"{name}.img")
+            elif (voxels := data_file(label)) is not None:  # a detached ITK header's: under the name it gives them
+                pool_file(voxels, output / "labels" / voxels.name)
     options = {"dataset_json": folds[0][0].source, "nsd_tolerance": config["inference"].get("nsd_tolerance", 2.0),
                "dicom": folds[0][0].source.parent}  # where the series of SEG labels are
     return score_predictions(output / "predictions", output / "labels", output, options)

@@ -200,7 +200,7 @@ def test_train_3d_then_infer_through_the_cli(tmp_path, capsys):
     assert "1 output file(s)" in out and out.rstrip().endswith("img0001.nii.gz")
     pred, ref = nib.load(str(tmp_path / "pred" / "img0001.nii.gz")), nib.load(str(source))
     assert pred.shape == ref.shape and np.allclose(pred.affine, ref.affine)
-    assert "no NIfTI files" in _error(capsys, ["infer", "--task", "btcv", "--checkpoint", str(run / "best.ckpt"),
+    assert "no volume files" in _error(capsys, ["infer", "--task", "btcv", "--checkpoint", str(run / "best.ckpt"),
                                               "--input", str(tmp_path / "run" / "logs"), "--output", str(tmp_path / "p2")])
 
 

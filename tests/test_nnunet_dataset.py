@@ -53,19 +53,6 @@ def test_missing_or_odd_channel_file_refused(tmp_path):
         load_datalist(data)
 
 
-@pytest.mark.parametrize("ending", [".mha", ".nrrd", 5])
-def test_a_file_ending_other_than_nifti_is_named(tmp_path, capsys, ending):
-    """nnU-Net v2 datasets in another format (``file_ending`` ".mha", ...) get one line naming
-    the key and what to do, not "no NIfTI images"; ".nii" and ".nii.gz" are read."""
-    data = nnunet_dataset(tmp_path / "data", file_ending=ending)
-    with pytest.raises(DataError, match=rf"dataset\.json: file_ending {ending!r}: hsmla-med reads NIfTI images"):
-        load_datalist(data)
-    line = cli_error(capsys, ["train", "--task", "btcv", "--data-dir", str(data), "--output", str(tmp_path / "run")])
-    assert "file_ending" in line and "convert the dataset to NIfTI" in line
-    for nifti in (".nii", ".nii.gz"):
-        assert len(load_datalist(nnunet_dataset(tmp_path / nifti, file_ending=nifti)).training) == 3
-
-
 def test_msd_list_entries_are_multichannel_cases(tmp_path):
     """MSD's lists: an entry's image as one file per modality."""
     data = nnunet_dataset(tmp_path / "data")

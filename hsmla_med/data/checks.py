@@ -22,6 +22,7 @@ from monai.utils import ensure_tuple
 from hsmla_med.errors import DataError
 from hsmla_med.io.dicom import DicomSeriesReader, series_in
 from hsmla_med.io.dicom_seg import is_seg_file, read_seg
+from hsmla_med.io.itk import ITKFileReader
 
 __all__ = ["CheckCased", "LoadCased", "NiftiPairReader", "source_file"]
 
@@ -43,7 +44,8 @@ class NiftiPairReader(NibabelReader):
 
 class LoadCased(LoadImaged):
     """``LoadImaged`` whose failures (truncated or foreign files) name the file that failed, and
-    which also reads NIfTI pairs (:class:`NiftiPairReader`), a DICOM series (a series folder,
+    which also reads NIfTI pairs (:class:`NiftiPairReader`), MetaImage and NRRD files through
+    SimpleITK (:class:`~hsmla_med.io.itk.ITKFileReader`), a DICOM series (a series folder,
     or the list of a series' files: :class:`~hsmla_med.io.dicom.DicomSeriesReader`, tried
     before MONAI's readers) and, for a key after the first, a DICOM SEG: the label map of a
     case whose image (the first key) is the series the SEG references, read onto that series'
@@ -65,6 +67,7 @@ class LoadCased(LoadImaged):
         finally:
             plugin_log.disabled = disabled
         self.register(NiftiPairReader())
+        self.register(ITKFileReader())
         self.register(DicomSeriesReader())
         self.label_names = list(label_names) if label_names is not None else None
 

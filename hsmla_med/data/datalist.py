@@ -6,7 +6,8 @@ Three layouts describe the same thing, a list of image/label pairs and the label
   ``[{"image": ..., "label": ...}]``), which MONAI's tutorials extend with a ``validation`` list
   (BTCV's ``dataset_0.json``);
 - nnU-Net v2 (``labels`` ``{"background": 0, ...}``, no lists: ``imagesTr/CASE_0000.nii.gz``
-  pairs with ``labelsTr/CASE.nii.gz``).
+  pairs with ``labelsTr/CASE.nii.gz``; with ``file_ending`` ``.mha``, ``.nrrd``, ... the files of
+  that ending, read through SimpleITK: :mod:`hsmla_med.io.itk`).
 
 Several input channels: ``channel_names`` (nnU-Net v2, ``{"0": "T1", "1": "T2"}``) or
 ``modality`` (MSD) give their number; a case's image is then the list of its channel files
@@ -34,14 +35,18 @@ import numpy as np
 from monai.data import load_decathlon_datalist
 
 from hsmla_med.errors import DataError
+from hsmla_med.io.itk import is_itk_file, itk_header
 
 __all__ = ["Datalist", "load_datalist", "label_spec", "channel_groups", "find_dataset_json", "read_json", "read_header", "channels_grid", "image_series", "check_affine",
-           "case_name", "check_pair", "check_nifti"]
+           "case_name", "check_pair", "check_nifti", "VOLUME_FILE", "VOLUME_FORMATS"]
 
 _JSON_NAMES = ("dataset.json", "dataset_0.json")
-# a NIfTI file, or the header of a NIfTI pair (SPM's and FSL's older output: the header in
-# CASE.hdr, the voxels in CASE.img beside it), which names the pair's case
-_NIFTI = re.compile(r"\.(nii(\.gz)?|hdr)$")
+# a volume file: NIfTI, or the header of a NIfTI pair (SPM's and FSL's older output: the header
+# in CASE.hdr, the voxels in CASE.img beside it), which names the pair's case; or MetaImage / NRRD
+# (hsmla_med.io.itk: nnU-Net v2's other file_endings for volumes)
+VOLUME_FILE = re.compile(r"\.(nii(\.gz)?|hdr|mha|mhd|nrrd|nhdr)$")
+#: what the readers take, for messages
+VOLUME_FORMATS = "NIfTI (.nii.gz, .nii, .hdr/.img pairs), MetaImage (.mha, .mhd) or NRRD (.nrrd, .nhdr)"
 _CHANNEL_SUFFIX = re.compile(r"_\d{4}$")  # nnU-Net's modality index, CASE_0000
 
 
@@ -87,7 +92,7 @@ def case_name(path: str | Path | list) -> str:
     """``img0001`` for ``img0001.nii.gz``; nnU-Net's channel suffix is dropped (``case_0000``);
     a list of channel files is named by its first."""
     path = path[0] if isinstance(path, (list, tuple)) else path
-    return _CHANNEL_SUFFIX.sub("", _NIFTI.sub("", Path(path).name))
+    return _CHANNEL_SUFFIX.sub("", VOLUME_FILE.sub("", Path(path).name))
 
 
 def find_dataset_json(data_dir: str | Path, name: str | None = None) -> Path:
@@ -228,7 +233,7 @@ def _checked(entry: dict, original, path: Path, key: str, fields: tuple[str, ...
 
 
 def channel_groups(files, channels: int) -> list[list[Path]]:
-    """NIfTI files grouped into cases by :func:`case_name`, each case's files in channel order
+    """Volume files grouped into cases by :func:`case_name`, each case's files in channel order
     (nnU-Net's ``CASE_0000``, ``CASE_0001``, ...); :class:`DataError` naming a case that does not
     have exactly ``channels`` files with the suffixes ``_0000`` to ``_{channels - 1:04d}``. A
     file without a channel suffix is a case alone (MSD's 4D file of every channel)."""
@@ -236,59 +241,63 @@ def channel_groups(files, channels: int) -> list[list[Path]]:
     for file in sorted(Path(f) for f in files):
         groups.setdefault(case_name(file), []).append(file)
     for name, group in groups.items():
-        suffixes = [_NIFTI.sub("", f.name)[len(name):] for f in group]
+        suffixes = [VOLUME_FILE.sub("", f.name)[len(name):] for f in group]
         expected = [f"_{i:04d}" for i in range(channels)]
         if channels > 1 and suffixes not in (expected, [""]):
             raise DataError(f"{group[0].parent / name}: the case has channel files {', '.join(f.name for f in group)}; the dataset has "
-                            f"{channels} channels, one file each: {name}{expected[0]} to {name}{expected[-1]} (.nii.gz)")
+                            f"{channels} channels, one file each: {name}{expected[0]} to {name}{expected[-1]} ({VOLUME_FILE.search(group[0].name).group(0)})")
     return list(groups.values())
 
 
-def _check_file_ending(meta: dict, path: Path) -> None:
-    """nnU-Net v2's ``file_ending`` names the images' format; one this reader does not take
-    (nnU-Net also reads ``.mha``, ``.nrrd``, ``.png``, ``.tif`` through its own readers) is one
-    :class:`DataError` naming it, before any folder is searched for NIfTI files."""
+def _file_ending(meta: dict, path: Path) -> str | None:
+    """nnU-Net v2's ``file_ending``, the images' format (``None``: not given); one this reader
+    does not take (nnU-Net also reads ``.png`` and ``.tif`` through its own readers) is one
+    :class:`DataError` naming it, before any folder is searched."""
     ending = meta.get("file_ending")
     if ending is None:
-        return
-    if not isinstance(ending, str) or not _NIFTI.search(ending):
-        raise DataError(f"{path}: file_ending {ending!r}: hsmla-med reads NIfTI images (.nii.gz, .nii, .hdr/.img pairs) and DICOM series; convert the "
+        return None
+    if not isinstance(ending, str) or not VOLUME_FILE.search(ending):
+        raise DataError(f"{path}: file_ending {ending!r}: hsmla-med reads volumes in {VOLUME_FORMATS} and DICOM series; convert the "
                         "dataset to NIfTI (SimpleITK's ReadImage / WriteImage keep the geometry) and set file_ending to \".nii.gz\"")
+    return ending
 
 
-def _pair_folders(data_dir: Path, path: Path, channels: int = 1) -> list[dict]:
+def _pair_folders(data_dir: Path, path: Path, channels: int = 1, ending: str | None = None) -> list[dict]:
     """nnU-Net v2: ``imagesTr/CASE_0000.nii.gz`` (and ``CASE_0001.nii.gz``, ... with several
-    channels) with ``labelsTr/CASE.nii.gz``."""
-    images = [p for p in (data_dir / "imagesTr").glob("*") if _NIFTI.search(p.name)]
+    channels) with ``labelsTr/CASE.nii.gz``; with a ``file_ending`` the files of that ending
+    only, as nnU-Net lists them."""
+    images = [p for p in (data_dir / "imagesTr").glob("*") if (p.name.endswith(ending) if ending else VOLUME_FILE.search(p.name))]
     cases = []
     for group in channel_groups(images, channels) if channels > 1 else [[p] for p in sorted(images)]:
-        label = data_dir / "labelsTr" / (case_name(group[0]) + _NIFTI.search(group[0].name).group(0))
+        label = data_dir / "labelsTr" / (case_name(group[0]) + VOLUME_FILE.search(group[0].name).group(0))
         if not label.is_file():
             raise DataError(f"{group[0]}: no label file {label} for this image")
         cases.append({"image": [str(p) for p in group] if len(group) > 1 else str(group[0]), "label": str(label)})
     if not cases:
-        raise DataError(f"{path}: no 'training' list and no NIfTI images in {data_dir / 'imagesTr'}")
+        raise DataError(f"{path}: no 'training' list and no {ending or 'volume'} images in {data_dir / 'imagesTr'} ({VOLUME_FORMATS})")
     return cases
 
 
 def read_header(path: str | Path) -> tuple[tuple[int, ...], np.ndarray]:
-    """Shape and affine of a NIfTI file from its header, or of a folder holding one DICOM series
-    from the series' headers (:func:`~hsmla_med.io.dicom.series_geometry`); :class:`DataError`
-    if unreadable or if the affine cannot place voxels (:func:`check_affine`)."""
+    """Shape and affine of a NIfTI, MetaImage or NRRD file from its header
+    (:func:`~hsmla_med.io.itk.itk_header` for the last two), or of a folder holding one DICOM
+    series from the series' headers (:func:`~hsmla_med.io.dicom.series_geometry`);
+    :class:`DataError` if unreadable or if the affine cannot place voxels (:func:`check_affine`)."""
     if Path(path).is_dir():
         from hsmla_med.io.dicom import series_geometry
 
         shape, affine = series_geometry(image_series(path))
-        check_affine(affine, path)
-        return shape, affine
-    try:
-        img = nib.load(str(path))
-        shape, affine = tuple(int(s) for s in img.shape), np.asarray(img.affine, dtype=np.float64)
-    except FileNotFoundError:
-        raise DataError(f"{path}: file not found") from None
-    except Exception as err:  # nibabel raises several types for truncated or foreign files
-        raise DataError(f"{path}: cannot read as NIfTI ({err})") from None
-    check_nifti(img, path)
+    elif is_itk_file(path):
+        shape, affine = itk_header(path)
+    else:
+        try:
+            img = nib.load(str(path))
+            shape, affine = tuple(int(s) for s in img.shape), np.asarray(img.affine, dtype=np.float64)
+        except FileNotFoundError:
+            raise DataError(f"{path}: file not found") from None
+        except Exception as err:  # nibabel raises several types for truncated or foreign files
+            raise DataError(f"{path}: cannot read as NIfTI ({err})") from None
+        check_nifti(img, path)
     check_affine(affine, path)
     return shape, affine
 
@@ -391,8 +400,8 @@ def load_datalist(data_dir: str | Path, dataset_json: str | None = None) -> Data
     names, ignore, regions, order = label_spec(meta, path)
     channels = _channels(meta, path)
     pair = ("image", "label")
-    _check_file_ending(meta, path)
-    training = _listed(data_dir, path, meta, "training", pair, channels) if "training" in meta else _pair_folders(data_dir, path, channels)
+    ending = _file_ending(meta, path)
+    training = _listed(data_dir, path, meta, "training", pair, channels) if "training" in meta else _pair_folders(data_dir, path, channels, ending)
     validation = _listed(data_dir, path, meta, "validation", pair, channels)
     test = _listed(data_dir, path, meta, "test", ("image",), channels)
     if not training:

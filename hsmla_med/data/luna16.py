@@ -34,6 +34,7 @@ from monai.transforms import MapTransform
 
 from hsmla_med.errors import DataError
 from hsmla_med.io.dicom import read_series
+from hsmla_med.io.itk import check_metaimage, header_reader, read_itk
 from hsmla_med.metrics.detection import affine_points
 
 __all__ = [
@@ -87,59 +88,9 @@ def lps_to_ras(points: np.ndarray) -> np.ndarray:
     return np.asarray(points, dtype=np.float64) * LPS_TO_RAS
 
 
-_ELEMENT_BYTES = {"MET_UCHAR": 1, "MET_CHAR": 1, "MET_USHORT": 2, "MET_SHORT": 2, "MET_UINT": 4, "MET_INT": 4,
-                  "MET_FLOAT": 4, "MET_ULONG": 8, "MET_LONG": 8, "MET_ULONG_LONG": 8, "MET_LONG_LONG": 8, "MET_DOUBLE": 8}
-
-
-def _check_mhd(path: Path) -> None:
-    """Refuse, naming the file, a MetaImage header that is not a 3D scan with a positive voxel
-    spacing, or whose uncompressed voxel file is missing or not exactly the size the header
-    describes. Checked before SimpleITK reads it: ITK aborts the process on some of these."""
-    try:
-        header = dict(line.split("=", 1) for line in path.read_text(errors="replace").splitlines() if "=" in line)
-    except OSError as err:
-        raise DataError(f"{path}: cannot read MetaImage header ({err.strerror})") from None
-    header = {k.strip(): v.strip() for k, v in header.items()}
-    data_file = header.get("ElementDataFile")
-    if data_file is None:
-        raise DataError(f"{path}: not a MetaImage header (no ElementDataFile)")
-    try:
-        size = [int(v) for v in header.get("DimSize", "").split()]
-        spacing = [float(v) for v in (header.get("ElementSpacing") or header.get("ElementSize") or "1 1 1").split()]
-    except ValueError:
-        raise DataError(f"{path}: DimSize and ElementSpacing must be numbers, got {header.get('DimSize')!r}, {header.get('ElementSpacing')!r}") from None
-    if len(size) != 3 or min(size) < 1:
-        raise DataError(f"{path}: a scan has three dimensions of at least one voxel, the header says DimSize = {header.get('DimSize')!r}")
-    if len(spacing) != 3 or not all(np.isfinite(spacing)) or min(spacing) <= 0:
-        raise DataError(f"{path}: voxel spacing must be three positive numbers, got {header.get('ElementSpacing')!r}")
-    if data_file == "LOCAL":
-        return
-    raw = path.parent / data_file
-    if not raw.is_file():
-        raise DataError(f"{path}: its voxel file {raw} is missing")
-    itemsize = _ELEMENT_BYTES.get(header.get("ElementType", ""))
-    if itemsize is None:  # ITK reads an unknown type as "unknown(0)" and names neither file nor type
-        raise DataError(f"{path}: ElementType {header.get('ElementType')!r} is not a MetaImage voxel type ({', '.join(_ELEMENT_BYTES)})")
-    compressed = header.get("CompressedData", "False").lower() == "true"
-    if not compressed:
-        expected = int(np.prod(size)) * itemsize * int(header.get("ElementNumberOfChannels", "1") or 1)
-        actual = raw.stat().st_size
-        if actual != expected:
-            raise DataError(f"{raw}: {actual} bytes, the header {path.name} describes {expected} ({' x '.join(map(str, size))} {header['ElementType']})")
-
-
 def read_geometry(path: str | Path) -> Geometry:
     """The voxel grid of a MetaImage scan, from its header only."""
-    path = Path(path)
-    _check_mhd(path)
-    import SimpleITK as sitk  # here, not at the top: every CLI command imports this module, only LUNA16 scans need SimpleITK
-
-    reader = sitk.ImageFileReader()
-    reader.SetFileName(str(path))
-    try:
-        reader.ReadImageInformation()
-    except RuntimeError as err:
-        raise DataError(f"{path}: unreadable MetaImage header ({str(err).strip().splitlines()[-1]})") from None
+    reader = header_reader(path)
     return Geometry(reader.GetOrigin(), reader.GetSpacing(), reader.GetDirection(), reader.GetSize())
 
 
@@ -154,7 +105,7 @@ def find_scans(root: str | Path) -> dict[str, Path]:
     for path in sorted(root.rglob("*.mhd")):
         if LUNG_MASKS in path.relative_to(root).parts[:-1]:
             continue
-        _check_mhd(path)
+        check_metaimage(path)
         if path.stem in scans:
             raise DataError(f"{path}: series {path.stem} appears twice (also {scans[path.stem]})")
         scans[path.stem] = path
@@ -256,19 +207,8 @@ def voxel_to_lps(index: np.ndarray, affine) -> np.ndarray:
 
 def _read_mhd(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """The voxels ``(x, y, z)`` (float32) and RAS affine of a MetaImage scan (SimpleITK)."""
-    _check_mhd(path)
-    import SimpleITK as sitk
-
-    try:
-        image = sitk.ReadImage(str(path))
-    except RuntimeError as err:
-        raise DataError(f"{path}: cannot read MetaImage ({str(err).strip().splitlines()[-1]})") from None
-    voxels = sitk.GetArrayViewFromImage(image).astype(np.float32).transpose(2, 1, 0)  # (z, y, x) -> (x, y, z)
-    geometry = Geometry(image.GetOrigin(), image.GetSpacing(), image.GetDirection(), image.GetSize())
-    affine = np.eye(4)
-    affine[:3, :3] = geometry.direction * geometry.spacing  # column i: axis i's step in LPS mm
-    affine[:3, 3] = geometry.origin
-    return voxels, np.diag([*LPS_TO_RAS, 1.0]) @ affine
+    voxels, affine = read_itk(path)
+    return voxels.astype(np.float32), affine
 
 
 def _read_scan(source: str | Path | list) -> tuple[np.ndarray, np.ndarray, str]:

@@ -20,6 +20,7 @@ from hsmla_med.data.datalist import case_name
 from hsmla_med.engine.base import GatedModule, item_keys, plain
 from hsmla_med.evaluation import DEFAULT_NSD_TOLERANCE, score_prediction
 from hsmla_med.inference.geometry import labels_in_input_geometry, write_labels, write_probabilities
+from hsmla_med.io.itk import label_suffix
 from hsmla_med.inference.sliding import accumulation_device, predict_volume
 from hsmla_med.metrics import frame_reference_scores, frame_scores, summarize, summarize_frames
 from hsmla_med.metrics.summary import summarize_cases
@@ -152,7 +153,7 @@ class SegmentationModule(GatedModule):
 
     def save_validation(self, folder: str | Path | None, probabilities: bool = False) -> None:
         """Have validation write each case's label map in its original geometry, as ``infer``
-        does, to ``folder/<case>.nii.gz`` (``None``: write nothing), and with ``probabilities``
+        does, to ``folder/<case>.nii.gz`` (a MetaImage or NRRD image: ``.mha`` / ``.nrrd``; ``None``: write nothing), and with ``probabilities``
         its class probabilities as nnU-Net keeps them (``<case>.npz``, key ``probabilities``,
         float16, classes first)."""
         self.validation_output = None if folder is None else Path(folder)
@@ -190,7 +191,7 @@ class SegmentationModule(GatedModule):
             name = case_name(source)
             if probabilities is not None:
                 write_probabilities(self.validation_output / f"{name}.npz", probabilities)
-            prediction_file = str(write_labels(self.validation_output / f"{name}.nii.gz", labels, source))
+            prediction_file = str(write_labels(self.validation_output / f"{name}{label_suffix(source)}", labels, source))
         classes = range(1, len(self.label_names))
         scored = dict(zip(classes, self.regions, strict=True)) if self.regions else classes  # regions: scored as regions
         case = score_prediction(label_file, labels, scored, self._nsd_tolerance(), prediction_file, source, self.label_names,

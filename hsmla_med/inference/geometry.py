@@ -33,6 +33,7 @@ from monai.transforms.utils import allow_missing_keys_mode
 from monai.utils import TraceKeys
 
 from hsmla_med.io import atomic_path
+from hsmla_med.io.itk import is_itk_file, itk_header, write_itk
 
 __all__ = ["UNCROPPED_BACKGROUND", "invert", "separable_resample", "labels_in_input_geometry", "write_labels", "write_uncertainty",
            "write_probabilities"]
@@ -183,7 +184,11 @@ def write_labels(path: Path, labels: np.ndarray, reference: Path | np.ndarray) -
     whose code is 0 (unknown) stays undeclared and a code 2 (aligned) stays 2, and every reader
     picks the same affine for both files (nibabel: sform if its code is set, else qform, else
     the voxel sizes alone); or a DICOM series (its folder) or its RAS affine, which has no NIfTI
-    header to copy: the affine becomes qform and sform, code 1 (scanner)."""
+    header to copy: the affine becomes qform and sform, code 1 (scanner). A ``path`` ending in
+    ``.mha`` or ``.nrrd`` is written in that format on the grid of ``reference``, a MetaImage or
+    NRRD file (:func:`~hsmla_med.io.itk.write_itk`)."""
+    if is_itk_file(path):
+        return write_itk(path, labels.astype(np.uint8, copy=False), reference)
     with atomic_path(path) as tmp:
         nib.save(_in_geometry(labels, reference), str(tmp))
     return path
@@ -204,7 +209,10 @@ def write_uncertainty(path: Path, uncertainty: np.ndarray, reference: Path | np.
 
 
 def _in_geometry(data: np.ndarray, reference: Path | np.ndarray) -> nib.Nifti1Image:
-    """``data`` as a NIfTI image with the reference's geometry (see :func:`write_labels`)."""
+    """``data`` as a NIfTI image with the reference's geometry (see :func:`write_labels`; a
+    MetaImage or NRRD reference by its RAS affine, as a series)."""
+    if not isinstance(reference, np.ndarray) and is_itk_file(reference):
+        reference = itk_header(reference)[1]
     if isinstance(reference, np.ndarray) or Path(reference).is_dir():
         if not isinstance(reference, np.ndarray):
             from hsmla_med.data.datalist import image_series

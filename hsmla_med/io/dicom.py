@@ -28,6 +28,7 @@ from monai.data import ImageReader
 from pydicom.errors import InvalidDicomError
 
 from hsmla_med.errors import DataError
+from hsmla_med.io.itk import ras_affine
 
 __all__ = ["DicomSeries", "DicomSeriesReader", "SeriesRules", "find_series", "series_of", "select_series", "series_in", "read_series", "series_geometry",
            "is_dicom_file"]
@@ -356,19 +357,7 @@ def _sitk_volume(files: Sequence[Path]) -> tuple[np.ndarray, np.ndarray]:
     reader.SetOutputPixelType(sitk.sitkFloat32)
     image = reader.Execute()
     direction = np.array(image.GetDirection(), dtype=np.float64).reshape(3, 3)
-    return sitk.GetArrayFromImage(image).transpose(2, 1, 0), _ras_affine(direction * np.array(image.GetSpacing()), np.array(image.GetOrigin()))
-
-
-def _ras_affine(linear_lps: np.ndarray, origin_lps: np.ndarray) -> np.ndarray:
-    """DICOM's (and ITK's) LPS world to NIfTI's RAS: x and y negated, as MONAI's ITKReader
-    (``affine_lps_to_ras``) and SimpleITK's NIfTI writer do; rounded to float32 as a NIfTI
-    header (sform) stores it, so that a series and its NIfTI conversion enter the preprocessing
-    with the same affine: MONAI's ``Spacing`` places an oblique output grid by a corner test
-    (``compute_shape_offset``) that float rounding flips, shifting the grid by a fraction of a
-    voxel."""
-    affine = np.eye(4)
-    affine[:3, :3], affine[:3, 3] = linear_lps, origin_lps
-    return (np.diag([-1.0, -1.0, 1.0, 1.0]) @ affine).astype(np.float32).astype(np.float64)
+    return sitk.GetArrayFromImage(image).transpose(2, 1, 0), ras_affine(direction * np.array(image.GetSpacing()), np.array(image.GetOrigin()))
 
 
 def _grid(first, last, count: int) -> np.ndarray:
@@ -384,7 +373,7 @@ def _grid(first, last, count: int) -> np.ndarray:
         step = float(first.get("SpacingBetweenSlices", 1.0) or 1.0)
     row_spacing, col_spacing = (float(v) for v in first.PixelSpacing)  # DICOM: between rows, then between columns
     linear = np.stack([row_col[:3] * col_spacing, row_col[3:] * row_spacing, normal * step], axis=1)
-    return _ras_affine(linear, origin)
+    return ras_affine(linear, origin)
 
 
 def series_geometry(series: DicomSeries | Sequence[str | Path]) -> tuple[tuple[int, int, int], np.ndarray]:
