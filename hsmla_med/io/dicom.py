@@ -28,7 +28,7 @@ from monai.data import ImageReader
 from pydicom.errors import InvalidDicomError
 
 from hsmla_med.errors import DataError
-from hsmla_med.io.itk import ras_affine
+from hsmla_med.io.itk import image_affine, ras_affine
 
 __all__ = ["DicomSeries", "DicomSeriesReader", "SeriesRules", "find_series", "series_of", "select_series", "series_in", "read_series", "series_geometry",
            "is_dicom_file"]
@@ -356,8 +356,7 @@ def _sitk_volume(files: Sequence[Path]) -> tuple[np.ndarray, np.ndarray]:
     # slice, and a later slice's fractional rescale slope would be truncated to integers
     reader.SetOutputPixelType(sitk.sitkFloat32)
     image = reader.Execute()
-    direction = np.array(image.GetDirection(), dtype=np.float64).reshape(3, 3)
-    return sitk.GetArrayFromImage(image).transpose(2, 1, 0), ras_affine(direction * np.array(image.GetSpacing()), np.array(image.GetOrigin()))
+    return sitk.GetArrayFromImage(image).transpose(2, 1, 0), image_affine(image)
 
 
 def _grid(first, last, count: int) -> np.ndarray:

@@ -28,7 +28,7 @@ from monai.data import ImageReader
 from hsmla_med.errors import DataError
 from hsmla_med.io.atomic import atomic_path
 
-__all__ = ["ITK_FILE", "ITKFileReader", "check_metaimage", "data_file", "header_reader", "is_itk_file", "itk_header", "label_suffix", "ras_affine", "read_itk", "write_itk"]
+__all__ = ["ITK_FILE", "ITKFileReader", "check_metaimage", "data_file", "header_reader", "image_affine", "is_itk_file", "itk_header", "label_suffix", "ras_affine", "read_itk", "write_itk"]
 
 #: the file names SimpleITK reads here: MetaImage and NRRD, one file or a header
 ITK_FILE = re.compile(r"\.(mha|mhd|nrrd|nhdr)$")
@@ -150,7 +150,7 @@ def ras_affine(linear_lps: np.ndarray, origin_lps: np.ndarray) -> np.ndarray:
     return (np.diag([-1.0, -1.0, 1.0, 1.0]) @ affine).astype(np.float32).astype(np.float64)
 
 
-def _affine(image) -> np.ndarray:
+def image_affine(image) -> np.ndarray:
     """The RAS affine of a SimpleITK image or reader (origin, spacing and direction)."""
     direction = np.array(image.GetDirection(), dtype=np.float64).reshape(3, 3)
     return ras_affine(direction * np.array(image.GetSpacing()), np.array(image.GetOrigin()))
@@ -159,7 +159,7 @@ def _affine(image) -> np.ndarray:
 def itk_header(path: str | Path) -> tuple[tuple[int, int, int], np.ndarray]:
     """Shape ``(x, y, z)`` and RAS affine of a MetaImage or NRRD volume, from its header only."""
     reader = header_reader(Path(path))
-    return tuple(int(n) for n in reader.GetSize()), _affine(reader)
+    return tuple(int(n) for n in reader.GetSize()), image_affine(reader)
 
 
 def read_itk(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
@@ -172,7 +172,7 @@ def read_itk(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
         image = reader.Execute()
     except RuntimeError as err:
         raise DataError(f"{path}: cannot read the voxels ({_last_line(err)})") from None
-    return sitk.GetArrayFromImage(image).transpose(2, 1, 0), _affine(image)
+    return sitk.GetArrayFromImage(image).transpose(2, 1, 0), image_affine(image)
 
 
 class ITKFileReader(ImageReader):
