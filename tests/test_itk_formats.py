@@ -139,6 +139,8 @@ def test_a_file_ending_no_reader_takes_is_named(tmp_path, capsys, ending):
         load_datalist(data)
     line = cli_error(capsys, ["train", "--task", "btcv", "--data-dir", str(data), "--output", str(tmp_path / "run")])
     assert "file_ending" in line and "convert the dataset to NIfTI" in line
+    for nifti in (".nii", ".nii.gz"):  # NIfTI's endings name one format: .nii.gz files are read either way
+        assert len(load_datalist(nnunet_dataset(tmp_path / nifti, file_ending=nifti)).training) == 3
 
 
 @pytest.mark.parametrize("ending, written", [(".mha", ".mha"), (".nhdr", ".nrrd")])

@@ -35,7 +35,7 @@ import numpy as np
 from monai.data import load_decathlon_datalist
 
 from hsmla_med.errors import DataError
-from hsmla_med.io.itk import is_itk_file, itk_header
+from hsmla_med.io.itk import is_itk_file, itk_header, label_suffix
 
 __all__ = ["Datalist", "load_datalist", "label_spec", "channel_groups", "find_dataset_json", "read_json", "read_header", "channels_grid", "image_series", "check_affine",
            "case_name", "check_pair", "check_nifti", "VOLUME_FILE", "VOLUME_FORMATS"]
@@ -264,9 +264,10 @@ def _file_ending(meta: dict, path: Path) -> str | None:
 
 def _pair_folders(data_dir: Path, path: Path, channels: int = 1, ending: str | None = None) -> list[dict]:
     """nnU-Net v2: ``imagesTr/CASE_0000.nii.gz`` (and ``CASE_0001.nii.gz``, ... with several
-    channels) with ``labelsTr/CASE.nii.gz``; with a ``file_ending`` the files of that ending
-    only, as nnU-Net lists them."""
-    images = [p for p in (data_dir / "imagesTr").glob("*") if (p.name.endswith(ending) if ending else VOLUME_FILE.search(p.name))]
+    channels) with ``labelsTr/CASE.nii.gz``; with a ``file_ending`` the files of that format
+    only, as nnU-Net lists them (NIfTI: ``.nii.gz``, ``.nii`` and pairs alike)."""
+    wanted = None if ending is None else label_suffix(f"x{ending}")
+    images = [p for p in (data_dir / "imagesTr").glob("*") if VOLUME_FILE.search(p.name) and wanted in (None, label_suffix(p))]
     cases = []
     for group in channel_groups(images, channels) if channels > 1 else [[p] for p in sorted(images)]:
         label = data_dir / "labelsTr" / (case_name(group[0]) + VOLUME_FILE.search(group[0].name).group(0))
