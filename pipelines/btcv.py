@@ -233,6 +233,8 @@ def _case(source: Path | DicomSeries, output: Path, inference: dict) -> dict:
                 "inference": inference}
     if isinstance(source, Path) and source.suffix == ".img" and source.with_suffix(".hdr").is_file():
         source = source.with_suffix(".hdr")  # the voxels of a NIfTI pair: the pair, by its header (not a DICOM file so named)
+    elif isinstance(source, Path) and source.suffix == ".raw":  # the voxels of a detached MetaImage / NRRD header beside them
+        source = next((h for h in map(source.with_suffix, (".mhd", ".nhdr")) if h.is_file() and data_file(h) == source), source)
     if isinstance(source, Path) and is_dicom_file(source):
         source = series_of(source)
     if isinstance(source, DicomSeries):

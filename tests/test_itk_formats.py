@@ -170,6 +170,23 @@ def test_train_infer_and_evaluate_in_the_datasets_format(tmp_path, ending, writt
     assert {Path(c["prediction_file"]).name for c in summary["metric_per_case"]} == {f"case{k}{written}" for k in range(3)}
 
 
+def test_the_voxel_file_of_a_detached_header_stands_for_its_header(tmp_path, capsys):
+    """infer --input CASE.raw: the .mhd beside it that names it is the case (as an .img is its
+    NIfTI pair's); a .raw no header names is one error naming it."""
+    from hsmla_med.cli import main
+
+    data = itk_dataset(tmp_path / "data", ".mhd", channels=1)
+    run = tmp_path / "run"
+    assert main(["train", "--task", "btcv", "--data-dir", str(data), "--config", str(tiny_yaml(tmp_path / "tiny.yaml")),
+                 "--max-steps", "2", "--output", str(run)]) == 0
+    voxels = data / "imagesTr" / "case1_0000.raw"
+    assert main(["infer", "--checkpoint", str(run / "last.ckpt"), "--input", str(voxels), "--output", str(tmp_path / "pred")]) == 0
+    assert [p.name for p in (tmp_path / "pred").glob("*.mha")] == ["case1.mha"]
+    (data / "imagesTr" / "case1_0000.mhd").unlink()
+    line = cli_error(capsys, ["infer", "--checkpoint", str(run / "last.ckpt"), "--input", str(voxels), "--output", str(tmp_path / "pred2")])
+    assert "case1_0000.raw: cannot read" in line
+
+
 def test_crossval_pools_detached_headers_with_their_voxels(tmp_path):
     """cross-validate pools each fold's predictions and labels by link: a label in a detached
     format (.nhdr, .mhd, a NIfTI pair) keeps its voxel file beside it, and the pooled folders score."""
