@@ -35,10 +35,14 @@ log = logging.getLogger("hsmla_med")
 
 def input_files(inputs: str | Path | Iterable[str | Path], in_folder: Callable[[Path], list[Path]]) -> list[Path]:
     """The input files of ``infer --input`` (a file, a folder or a list of them): a file as
-    given, a folder through the task's ``in_folder``; a missing path is one
-    :class:`~hsmla_med.errors.DataError`."""
+    given, a folder through the task's ``in_folder``, a list in the list (a case's channel
+    files, as cross-validate passes a fold's cases) as its files, which the pipeline groups into
+    cases again; a missing path is one :class:`~hsmla_med.errors.DataError`."""
     files = []
     for path in [inputs] if isinstance(inputs, (str, Path)) else inputs:
+        if isinstance(path, (list, tuple)):
+            files += input_files(path, in_folder)
+            continue
         path = Path(path)
         if path.is_dir():
             files += in_folder(path)

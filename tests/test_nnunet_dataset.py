@@ -304,3 +304,16 @@ def test_regions_train_infer_and_score(tmp_path, capsys):
     # a bundle would read one file per case and take the argmax: refused in one line
     line = cli_error(capsys, ["export", "--checkpoint", str(run / "last.ckpt"), "--format", "bundle", "--output", str(tmp_path / "b")])
     assert "--format bundle: the bundle reads one single-channel file per case and takes the argmax" in line and "predicts regions" in line
+
+
+def test_cross_validate_a_multichannel_dataset(tmp_path):
+    """cross-validate predicts each fold's validation cases from their channel files (a list per
+    case: it raised a TypeError before) and pools them under the cases' names."""
+    from hsmla_med.cli import main
+
+    data = nnunet_dataset(tmp_path / "data")
+    out = tmp_path / "cv"
+    assert main(["cross-validate", "--task", "btcv", "--data-dir", str(data), "--config", str(tiny_yaml(tmp_path / "tiny.yaml")),
+                 "--max-steps", "1", "--output", str(out)]) == 0
+    assert sorted(p.name for p in (out / "crossval" / "predictions").iterdir()) == ["case0.nii.gz", "case1.nii.gz", "case2.nii.gz"]
+    assert "foreground_mean" in json.loads((out / "crossval.json").read_text())["pooled"]
