@@ -3,9 +3,10 @@
 
 Per seed, the learning benchmark's default 2D arm (``hsmla-b0-unet``: HSMLA-B0, U-shaped decoder,
 its :func:`~hsmla_med.bench.learning.overlay` and crops) is trained through ``hsmla-med train
---task btcv`` for as many steps as that command trains by default (:func:`default_steps`: a
-network trained for the learning benchmark's 400 steps is nearly calibrated already, one trained
-as users train it is over-confident, docs/benchmarks.md) on the MNI152 grey/white-matter slabs, calibrated with ``hsmla-med calibrate``
+--task btcv`` on the MNI152 grey/white-matter slabs for as many steps as that command trains by
+default (:func:`default_steps`: a network trained for the learning benchmark's 400 steps is
+nearly calibrated already, one trained as users train it is over-confident, docs/benchmarks.md),
+calibrated with ``hsmla-med calibrate``
 (one temperature, fitted on the validation case of the recorded split: the held-out slab; and,
 opt-in, one per class), and the checkpoints segment the held-out slab and its perturbed "other scanner" copy with ``hsmla-med
 infer --save-probabilities --uncertainty entropy`` (the calibrated one also ``--tta --uncertainty

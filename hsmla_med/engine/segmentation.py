@@ -20,8 +20,8 @@ from hsmla_med.data.datalist import case_name
 from hsmla_med.engine.base import GatedModule, item_keys, plain
 from hsmla_med.evaluation import DEFAULT_NSD_TOLERANCE, score_prediction
 from hsmla_med.inference.geometry import labels_in_input_geometry, write_labels, write_probabilities
-from hsmla_med.io.itk import label_suffix
 from hsmla_med.inference.sliding import accumulation_device, predict_volume
+from hsmla_med.io.itk import label_suffix
 from hsmla_med.metrics import frame_reference_scores, frame_scores, summarize, summarize_frames
 from hsmla_med.metrics.summary import summarize_cases
 
@@ -153,8 +153,8 @@ class SegmentationModule(GatedModule):
 
     def save_validation(self, folder: str | Path | None, probabilities: bool = False) -> None:
         """Have validation write each case's label map in its original geometry, as ``infer``
-        does, to ``folder/<case>.nii.gz`` (a MetaImage or NRRD image: ``.mha`` / ``.nrrd``; ``None``: write nothing), and with ``probabilities``
-        its class probabilities as nnU-Net keeps them (``<case>.npz``, key ``probabilities``,
+        does, to ``folder/<case>.nii.gz`` (a MetaImage or NRRD image's: ``.mha`` / ``.nrrd``;
+        ``None``: write nothing), and with ``probabilities`` its class probabilities as nnU-Net keeps them (``<case>.npz``, key ``probabilities``,
         float16, classes first)."""
         self.validation_output = None if folder is None else Path(folder)
         self.validation_probabilities = probabilities and folder is not None
