@@ -79,20 +79,23 @@ def check_metaimage(path: str | Path) -> None:
         raise DataError(f"{path}: a scan has three dimensions of at least one voxel, the header says DimSize = {header.get('DimSize')!r}")
     if len(spacing) != 3 or not all(np.isfinite(spacing)) or min(spacing) <= 0:
         raise DataError(f"{path}: voxel spacing must be three positive numbers, got {header.get('ElementSpacing')!r}")
+    itemsize = _ELEMENT_BYTES.get(header.get("ElementType", ""))
+    if itemsize is None:  # ITK reads an unknown type as "unknown(0)" and names neither file nor type
+        raise DataError(f"{path}: ElementType {header.get('ElementType')!r} is not a MetaImage voxel type ({', '.join(_ELEMENT_BYTES)})")
     data_file = header["ElementDataFile"]
+    if data_file == "LIST" or " " in data_file:
+        return  # one file per slice (a list, or a name pattern with its range): SimpleITK checks them
     local = data_file == "LOCAL"
     raw = path if local else path.parent / data_file
     if not raw.is_file():
         raise DataError(f"{path}: its voxel file {raw} is missing")
-    itemsize = _ELEMENT_BYTES.get(header.get("ElementType", ""))
-    if itemsize is None:  # ITK reads an unknown type as "unknown(0)" and names neither file nor type
-        raise DataError(f"{path}: ElementType {header.get('ElementType')!r} is not a MetaImage voxel type ({', '.join(_ELEMENT_BYTES)})")
-    if header.get("CompressedData", "False").lower() == "true":
+    skip = int(header.get("HeaderSize", "0") or 0)  # bytes before the voxels in the voxel file; -1: the voxels end it
+    if header.get("CompressedData", "False").lower() == "true" or skip < 0:
         return  # zlib: its size is known only once inflated (SimpleITK's error names a short stream)
     expected = int(np.prod(size)) * itemsize * int(header.get("ElementNumberOfChannels", "1") or 1)
-    actual = raw.stat().st_size - (offset if local else 0)
+    actual = raw.stat().st_size - (offset if local else 0) - skip
     if actual != expected:
-        where = f"{path.name} holds {actual} bytes of voxels after its header" if local else f"{raw}: {actual} bytes"
+        where = f"{path}: {actual} bytes of voxels after the header" if local else f"{raw}: {actual} bytes"
         raise DataError(f"{where}, the header {path.name} describes {expected} ({' x '.join(map(str, size))} {header['ElementType']})")
 
 
