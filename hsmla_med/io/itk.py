@@ -110,7 +110,7 @@ def data_file(path: str | Path) -> Path | None:
         name = next((line.split(":", 1)[1].strip() for line in lines if line.lower().startswith(("data file:", "datafile:"))), "LOCAL")
     else:
         return None
-    return None if name == "LOCAL" or " " in name else path.parent / name
+    return None if name in ("LOCAL", "LIST") or " " in name else path.parent / name
 
 
 def _last_line(err: Exception) -> str:
