@@ -187,24 +187,26 @@ def test_the_voxel_file_of_a_detached_header_stands_for_its_header(tmp_path, cap
     assert "case1_0000.raw: cannot read" in line
 
 
-def test_crossval_pools_detached_headers_with_their_voxels(tmp_path):
+@pytest.mark.parametrize("ending, predicted, voxels", [(".nhdr", ".nrrd", ".raw"), (".hdr", ".nii.gz", ".img")])
+def test_crossval_pools_detached_headers_with_their_voxels(tmp_path, ending, predicted, voxels):
     """cross-validate pools each fold's predictions and labels by link: a label in a detached
-    format (.nhdr, .mhd, a NIfTI pair) keeps its voxel file beside it, and the pooled folders score."""
+    format (an .nhdr's raw file, a NIfTI pair's .img) keeps its voxel file beside it, and the
+    pooled folders score. (A NIfTI pair was pooled as a header named .nii.gz, without its .img.)"""
     from hsmla_med.evaluation import evaluate_folder
     from hsmla_med.pipelines import btcv
 
-    data = itk_dataset(tmp_path / "data", ".nhdr", cases=2, channels=1)
+    data = itk_dataset(tmp_path / "data", ending, cases=2, channels=1)
     folder = tmp_path / "fold_0" / "validation"
     cases = load_datalist(data)
     cases.validation, cases.training = cases.training, []
     folder.mkdir(parents=True)
-    for case in cases.validation:  # the fold's predictions, as validation writes them: the labels themselves
-        sitk.WriteImage(sitk.ReadImage(case["label"]), str(folder / f"{Path(case['label']).stem}.nrrd"))
+    for case in cases.validation:  # the fold's predictions, as validation names them: the labels themselves
+        sitk.WriteImage(sitk.ReadImage(case["label"]), str(folder / f"{Path(case['label']).stem}{predicted}"))
     pooled = tmp_path / "pooled"
-    scores = btcv.crossval_score([(cases, folder)], pooled, {"inference": {}})
-    assert sorted(p.name for p in (pooled / "labels").iterdir()) == sorted(["case0.nhdr", "case1.nhdr", *(p.name for p in (data / "labelsTr").glob("*.raw*"))])
-    assert evaluate_folder(pooled / "predictions", pooled / "labels", data / "dataset.json")["foreground_mean"]["Dice"] == 1.0
-    assert scores
+    btcv.crossval_score([(cases, folder)], pooled, {"inference": {}})
+    assert sorted(p.name for p in (pooled / "labels").iterdir()) == [f"case{k}{suffix}" for k in range(2) for suffix in sorted((ending, voxels))]
+    summary = evaluate_folder(pooled / "predictions", pooled / "labels", data / "dataset.json")
+    assert len(summary["metric_per_case"]) == 2 and summary["foreground_mean"]["Dice"] == 1.0
 
 
 def test_metaimage_header_size_and_slice_lists_are_not_refused(tmp_path):
