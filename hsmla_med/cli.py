@@ -70,8 +70,15 @@ def _add_training_options(p: argparse.ArgumentParser, output: str) -> None:
     _add_trainer_options(p)
 
 
+def _add_graph_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="on CUDA, run the network eagerly instead of replaying a CUDA graph captured once per window or patch-batch shape "
+                   "(the default: the host launches one graph instead of hundreds of kernels per forward)")
+
+
 def _add_prediction_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto")
+    _add_graph_option(p)
     g = p.add_argument_group("many cases: Lightning's predict loop, each output written once by the process that owns its case")
     g.add_argument("--devices", type=int, help="processes per node, one per device (with --strategy ddp)")
     g.add_argument("--strategy", choices=["auto", "ddp"], default="auto", help="ddp: split the cases over --devices x --num-nodes processes (also under torchrun or SLURM)")
@@ -183,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-training-cases", action="store_true", help="score validation cases the checkpoint trained on (refused by default: "
                    "the checkpoint records its fold's case IDs)")
     p.add_argument("--routing", choices=["gate", "off", "all"], help="override HSMLA routing: off = linear attention only, all = refine every tile")
+    _add_graph_option(p)
     _add_trainer_options(p)
 
     p = sub.add_parser("calibrate", help="fit a temperature to a checkpoint's probabilities on its validation cases",
@@ -416,7 +424,7 @@ def _options(args, **extra):
     return InferenceOptions(
         device=_device(args.device), tta=getattr(args, "tta", False), overlap=getattr(args, "overlap", None), devices=args.devices,
         strategy=args.strategy, num_nodes=args.num_nodes, precision=args.precision, shard=Shard.parse(args.shard),
-        num_workers=args.num_workers, overwrite=args.overwrite, **extra,
+        num_workers=args.num_workers, overwrite=args.overwrite, cuda_graphs=args.cuda_graphs, **extra,
     )
 
 
@@ -602,6 +610,7 @@ def _evaluate(args) -> dict:
         args.output = "runs/evaluate"
     output = _writable_folder(args.output, "--output")
     module, meta = task.load(args.checkpoint, tta=args.tta)
+    module.use_cuda_graphs(args.cuda_graphs)
     if args.routing:
         if not hasattr(module.network, "set_routing") or not module.network.hsmla_layers():
             raise InputError(f"--routing: {' '.join(args.checkpoint)} holds a {type(module.network).__name__}, which has no HSMLA layers")

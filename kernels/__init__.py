@@ -6,6 +6,8 @@ One public function per op, each in its own module beside its reference (the mat
 - :func:`linear_attention` (:mod:`.linear`, Triton): fused global ReLU linear attention;
 - :func:`local_refine` (:mod:`.refine`, Triton): tile-compacted local residual
   ``R = O_loc - O_linloc``;
+- :func:`attention` (:mod:`.attention`, Triton): the two above in three launches, the gated
+  refinement added into the linear output in place with no host sync (the CUDA inference path);
 - :func:`local_refine_cpu` (:mod:`.refine_cpu`, C compiled at first use): the same on the CPU;
 - :func:`block_gate_cpu` (:mod:`.gate_cpu`, C compiled at first use): the block gate on the CPU;
 - :func:`instance_norm_act_cpu` (:mod:`.norm_cpu`, C compiled at first use): instance norm and
@@ -13,10 +15,10 @@ One public function per op, each in its own module beside its reference (the mat
   :class:`hsmla_med.nn.blocks.InstanceNorm` then ``torch.nn.Hardswish``).
 
 The same ops are registered as PyTorch custom operators by :mod:`.ops` (``torch.ops.hsmla.*``:
-``linear_attention``, ``block_gate``, ``local_refine``, each with a fake implementation and a
+``linear_attention``, ``block_gate``, ``local_refine``, ``attention``, each with a fake implementation and a
 CPU and a CUDA implementation that run the kernels above where they take the inputs, else the
 references), so that ``torch.compile`` and ``torch.export`` see one node per op:
-:func:`linear_attention_op`, :func:`block_gate_op` and :func:`local_refine_op` call them, and the
+:func:`linear_attention_op`, :func:`block_gate_op`, :func:`local_refine_op` and :func:`attention_op` call them, and the
 HSMLA layer's ``cpu`` and ``triton`` backends run through them.
 
 Importing this package never needs triton, a GPU or a compiler; :func:`triton_available` says
@@ -34,6 +36,7 @@ from .linear import linear_attention
 from .gate_cpu import block_gate as block_gate_cpu
 from .norm_cpu import instance_norm_act as instance_norm_act_cpu
 from .refine import local_refine
+from .attention import attention
 from .refine_cpu import compiled as cpu_kernel_available
 from .refine_cpu import local_refine as local_refine_cpu
 from .refine_cpu import unsupported as cpu_kernel_unsupported
@@ -41,6 +44,7 @@ from . import ops
 from .ops import block_gate as block_gate_op
 from .ops import linear_attention as linear_attention_op
 from .ops import local_refine as local_refine_op
+from .ops import attention_op
 
 __all__ = [
     "linear_attention",
@@ -56,4 +60,6 @@ __all__ = [
     "linear_attention_op",
     "block_gate_op",
     "local_refine_op",
+    "attention",
+    "attention_op",
 ]

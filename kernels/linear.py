@@ -1,11 +1,15 @@
 """Fused global ReLU linear attention (docs/design.md §2.3, §4.3) and its reference.
 
-Two launches: ``_aggregate_kernel`` sums ``Z = phi(kh)^T vh`` and ``Dn = sum phi(kh)`` in
-float32 over one chunk of tokens per program (the token axis is split so that a single
-``(batch, head)`` still fills the GPU); the chunk partials, a few ``d x d`` blocks, are summed
-with ``torch.sum``; ``_apply_kernel`` then computes ``phi(qh) Z / (phi(qh) . Dn + eps)`` per
-token block with the division fused and writes the input dtype. The map is only a token axis
-here, so 2D and 3D are the same kernels.
+Two launches and nothing else on the device but two ``torch.empty`` buffers of partials and the
+output's: ``_aggregate_kernel`` sums ``Z = phi(kh)^T vh`` and ``Dn = sum phi(kh)`` in float32
+over one chunk of tokens per program (the token axis is split so that a single
+``(batch, head)`` still fills the GPU) and writes each chunk's partials, a few ``d x d`` blocks;
+``_apply_kernel`` sums them in a fixed order (deterministic: no atomics, no zero fill) and
+computes ``phi(qh) Z / (phi(qh) . Dn + eps)`` over a span of tokens with the division fused,
+writing the input dtype. A span is long enough that the partials a program sums are no more
+than the tokens it reads and writes. The map is only a token axis here, so 2D and 3D are the
+same kernels. The result is allocated token-major (``(batch, *spatial, heads, head_dim)`` in
+memory), the channels-last layout in which the layer's output projection reads it.
 """
 
 from __future__ import annotations
@@ -75,38 +79,45 @@ def _aggregate_kernel(
 @lazy_jit
 def _apply_kernel(
     q_ptr, z_ptr, dn_ptr, o_ptr,
-    n_tokens, heads, head_dim, eps,
+    n_tokens, heads, head_dim, chunks, span, eps,
     sq_b, sq_h, sq_n, sq_d,
     so_b, so_h, so_n, so_d,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """``phi(qh) Z / (phi(qh) . Dn + eps)`` for one token block of one (batch, head), output
-    channels ``BLOCK_E * program_id(2)`` on (all of them unless the shared memory is short)."""
-    block_id = tl.program_id(0)
+    """``phi(qh) Z / (phi(qh) . Dn + eps)`` for the ``span`` tokens from ``span * program_id(0)``
+    of one (batch, head), output channels ``BLOCK_E * program_id(2)`` on (all of them unless the
+    shared memory is short); ``Z`` and ``Dn`` are first summed over the ``chunks`` partials."""
     bh = tl.program_id(1)
     b = (bh // heads).to(tl.int64)
     h = (bh % heads).to(tl.int64)
-    offs_n = (block_id * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     offs_e = tl.program_id(2) * BLOCK_E + tl.arange(0, BLOCK_E)
     d_ok = offs_d < head_dim
     e_ok = offs_e < head_dim
-    agg = bh.to(tl.int64) * head_dim
-    z = tl.load(
-        z_ptr + (agg + offs_d[:, None]) * head_dim + offs_e[None, :], mask=d_ok[:, None] & e_ok[None, :], other=0.0
-    )
-    dn = tl.load(dn_ptr + agg + offs_d, mask=d_ok, other=0.0)
-    n_ok = offs_n < n_tokens
-    q = tl.load(
-        q_ptr + b * sq_b + h * sq_h + offs_n[:, None] * sq_n + offs_d[None, :] * sq_d,
-        mask=n_ok[:, None] & d_ok[None, :], other=0.0,
-    )
-    q = tl.maximum(q.to(tl.float32), 0.0)
-    num = tl.dot(q, z, input_precision=PRECISION)
-    den = tl.reduce(q * dn[None, :], 1, tl.standard._sum_combine) + eps
-    out = num / den[:, None]
-    o_ptrs = o_ptr + b * so_b + h * so_h + offs_n[:, None] * so_n + offs_e[None, :] * so_d
-    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=n_ok[:, None] & e_ok[None, :])
+    z = tl.full((BLOCK_D, BLOCK_E), 0.0, dtype=tl.float32)
+    dn = tl.full((BLOCK_D,), 0.0, dtype=tl.float32)
+    first = bh.to(tl.int64) * chunks
+    for c in range(0, chunks):  # always in chunk order: the same sum on every run
+        part = (first + c) * head_dim
+        z += tl.load(
+            z_ptr + (part + offs_d[:, None]) * head_dim + offs_e[None, :], mask=d_ok[:, None] & e_ok[None, :], other=0.0
+        )
+        dn += tl.load(dn_ptr + part + offs_d, mask=d_ok, other=0.0)
+    start = tl.program_id(0) * span
+    stop = tl.minimum(start + span, n_tokens)
+    for n0 in range(start, stop, BLOCK_N):
+        offs_n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+        n_ok = offs_n < stop
+        q = tl.load(
+            q_ptr + b * sq_b + h * sq_h + offs_n[:, None] * sq_n + offs_d[None, :] * sq_d,
+            mask=n_ok[:, None] & d_ok[None, :], other=0.0,
+        )
+        q = tl.maximum(q.to(tl.float32), 0.0)
+        num = tl.dot(q, z, input_precision=PRECISION)
+        den = tl.reduce(q * dn[None, :], 1, tl.standard._sum_combine) + eps
+        out = num / den[:, None]
+        o_ptrs = o_ptr + b * so_b + h * so_h + offs_n[:, None] * so_n + offs_e[None, :] * so_d
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=n_ok[:, None] & e_ok[None, :])
 
 
 def _block_d(head_dim: int) -> int:
@@ -177,6 +188,7 @@ def linear_attention(
 
     ``out_i = phi(qh_i) Z / (phi(qh_i) . Dn + eps)``, ``Z = sum_j phi(kh_j)^T vh_j``,
     ``Dn = sum_j phi(kh_j)`` per batch element and head, aggregates and division in float32.
+    Two kernel launches; nothing waits for the device.
 
     Args:
         qh, kh, vh: ``(batch, heads, *spatial, head_dim)``, 2 or 3 spatial dims, any strides,
@@ -186,13 +198,17 @@ def linear_attention(
             one token axis; every element is overwritten.
 
     Returns:
-        ``out``, or a new tensor of ``qh``'s shape and dtype laid out channel-first
-        (``(batch, heads, head_dim, *spatial)`` in memory) like the reference's result.
+        ``out``, or a new tensor of ``qh``'s shape and dtype laid out token-major
+        (``(batch, *spatial, heads, head_dim)`` in memory): its ``(batch, heads * head_dim,
+        *spatial)`` view is channels-last, the layout of the networks on CUDA, so the layer's
+        output projection reads it without a conversion.
     """
     check_features("linear_attention", (2, 3), qh=qh, kh=kh, vh=vh)
-    b, h, d = qh.shape[0], qh.shape[1], qh.shape[-1]
+    b, h, *spatial, d = qh.shape
     if out is None:
-        out = torch.empty((b, h, d, *qh.shape[2:-1]), dtype=qh.dtype, device=qh.device).movedim(2, -1)
+        dims = len(spatial)
+        token_major = torch.empty((b, *spatial, h, d), dtype=qh.dtype, device=qh.device)
+        out = token_major.permute(0, dims + 1, *range(1, dims + 1), dims + 2)
     elif out.shape != qh.shape or out.dtype != qh.dtype or out.device != qh.device:
         raise ValueError(f"out must be {tuple(qh.shape)} {qh.dtype} on {qh.device}, got {tuple(out.shape)} {out.dtype}.")
     # Tokens as one axis; inputs whose spatial strides do not merge are copied, out must merge.
@@ -209,7 +225,13 @@ def linear_attention(
     _aggregate_kernel[(chunks, b * h)](
         k, v, z_part, dn_part, n, h, d, chunk, *k.stride(), *v.stride(), **aggregate.launch_kwargs
     )
-    z, dn = z_part.sum(dim=1), dn_part.sum(dim=1)  # (b*h, d, d), (b*h, d): contiguous
-    grid = (triton.cdiv(n, apply.constexprs["BLOCK_N"]), b * h, triton.cdiv(d, apply.constexprs["BLOCK_E"]))
-    _apply_kernel[grid](q, z, dn, o, n, h, d, float(eps), *q.stride(), *o.stride(), **apply.launch_kwargs)
+    # Each apply program sums all the partials of its channels, so its span of tokens grows with
+    # their number: the partials it reads (BLOCK_D x BLOCK_E per chunk) stay within the tokens
+    # it reads and writes (BLOCK_D + BLOCK_E per token).
+    block_n, block_d, block_e = (apply.constexprs[key] for key in ("BLOCK_N", "BLOCK_D", "BLOCK_E"))
+    span = block_n * triton.cdiv(chunks * block_d * block_e, block_n * (block_d + block_e))
+    grid = (triton.cdiv(n, span), b * h, triton.cdiv(d, block_e))
+    _apply_kernel[grid](
+        q, z_part, dn_part, o, n, h, d, chunks, span, float(eps), *q.stride(), *o.stride(), **apply.launch_kwargs
+    )
     return out

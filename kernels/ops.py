@@ -1,36 +1,45 @@
 """The HSMLA kernels as PyTorch custom operators: ``torch.ops.hsmla.{linear_attention,
-block_gate, local_refine}``.
+block_gate, local_refine, attention}``.
 
 ``torch.compile`` and ``torch.export`` cannot trace into a ctypes call or a Triton launch on raw
-pointers, nor through the refinement's data-dependent tile list (``nonzero``): each of these
-would break the graph. Registered with :mod:`torch.library`, every op is one node with a fake
-(meta) implementation that gives its output's shape, dtype, strides and device from its inputs'
-alone; what runs inside is chosen per device when the op executes:
+pointers, nor through the reference refinement's data-dependent tile list (``nonzero``): each of
+these would break the graph. Registered with :mod:`torch.library`, every op is one node with a
+fake (meta) implementation that gives its output's shape, dtype, strides and device from its
+inputs' alone; what runs inside is chosen per device when the op executes:
 
 ========================  =======================================  ============================
 op                        CPU                                      CUDA
 ========================  =======================================  ============================
-``linear_attention``      the reference (no C kernel)              Triton where it takes the
-                                                                   inputs, else the reference
+``linear_attention``      the reference (no C kernel)              Triton (2 launches) where it
+                                                                   takes the inputs, else the
+                                                                   reference
 ``block_gate``            the C gate where it takes the inputs,    the reference
                           else the reference
 ``local_refine``          the C kernel where it takes the inputs,  Triton (2D and 3D) where it
                           else the reference                       takes the inputs, else the
                                                                    reference
+``attention``             the reference linear attention, the C    Triton: 3 launches, no host
+                          refinement added into it in place        sync (the layer's CUDA path)
 ========================  =======================================  ============================
 
-(the references are the functions of the same name in :mod:`hsmla_med.nn.functional`). The
-gate's tile selection (``gate > tau``) stays inside ``local_refine``, whose output has the shape
-of its input, so no data-dependent shape leaves an op; ``tau`` is a 0-d tensor, not a Python
-float, so that the layer's ``tau`` buffer stays a graph input.
+(the references are the functions of the same name in :mod:`hsmla_med.nn.functional`; that of
+``attention`` is :func:`.attention.reference`). The gate's tile selection (``gate > tau``) stays
+inside ``local_refine`` and ``attention``, whose outputs have the shape of their inputs, so no
+data-dependent shape leaves an op; on CUDA the Triton refinement reads the gate and ``tau`` on
+the device (no tile list at all). ``tau`` is a 0-d tensor, not a Python float, so that the
+layer's ``tau`` buffer stays a graph input. Results are laid out channel-first on the CPU (the
+references' layout) and token-major on CUDA (the Triton kernels': the channels-last map the
+layer's output projection reads).
 
 Each op has one public function here with the calling convention of its reference, which is what
-:meth:`hsmla_med.nn.dispatch.BackendChoice.ops` hands the HSMLA layer on the ``cpu`` and
-``triton`` backends (except the ``cpu`` backend's linear attention: with no C kernel behind it,
-the reference's PyTorch operations trace as they are, without the op's dispatch cost). An op may not write its inputs: ``local_refine(..., add_to=out)`` returns
-``out + M * R`` as a new tensor instead of adding into ``out`` (one copy of the map). None of the
-ops has a backward (the kernels are inference-only; training runs the references). Importing
-:mod:`hsmla_med.kernels` registers them, which loading a saved ``torch.export`` program needs.
+:meth:`hsmla_med.nn.dispatch.BackendChoice.ops` and :meth:`~hsmla_med.nn.dispatch.BackendChoice.attend`
+hand the HSMLA layer (except the ``cpu`` backend's linear attention: with no C kernel behind it,
+the reference's PyTorch operations trace as they are, without the op's dispatch cost). An op may
+not write its inputs: ``local_refine(..., add_to=out)`` returns ``out + M * R`` as a new tensor
+instead of adding into ``out`` (one copy of the map); ``attention`` refines its own linear output
+in place. None of the ops has a backward (the kernels are inference-only; training runs the
+references). Importing :mod:`hsmla_med.kernels` registers them, which loading a saved
+``torch.export`` program needs.
 """
 
 from typing import Optional
@@ -40,10 +49,10 @@ from torch import Tensor
 
 from hsmla_med.nn import functional as HF
 
-from . import gate_cpu, linear, refine, refine_cpu
+from . import attention, gate_cpu, linear, refine, refine_cpu
 from ._runtime import triton_unsupported
 
-__all__ = ["linear_attention", "block_gate", "local_refine", "OPS"]
+__all__ = ["linear_attention", "block_gate", "local_refine", "attention_op", "OPS"]
 
 
 def _channel_first_empty(like: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
@@ -52,6 +61,13 @@ def _channel_first_empty(like: Tensor, dtype: Optional[torch.dtype] = None) -> T
     view."""
     b, h, *spatial, d = like.shape
     return like.new_empty((b, h, d, *spatial), dtype=dtype or like.dtype).movedim(2, -1)
+
+
+def _token_major_empty(like: Tensor) -> Tensor:
+    """Empty ``(b, h, *S, d)`` laid out token-major (``(b, *S, h, d)`` in memory): the layout
+    of the Triton kernels' results on CUDA, a channels-last map once the heads are merged."""
+    b, h, *spatial, d = like.shape
+    return like.new_empty((b, *spatial, h, d)).movedim(-2, 1)
 
 
 def _triton_takes(*tensors: Tensor) -> bool:
@@ -74,12 +90,12 @@ def _linear_attention(qh: Tensor, kh: Tensor, vh: Tensor, eps: float) -> Tensor:
 def _(qh: Tensor, kh: Tensor, vh: Tensor, eps: float) -> Tensor:
     if _triton_takes(qh, kh, vh):
         return linear.linear_attention(qh, kh, vh, eps)
-    return HF.linear_attention(qh, kh, vh, eps)
+    return _token_major_empty(qh).copy_(HF.linear_attention(qh, kh, vh, eps))  # the layout the fake promises on CUDA
 
 
 @_linear_attention.register_fake
 def _(qh: Tensor, kh: Tensor, vh: Tensor, eps: float) -> Tensor:
-    return _channel_first_empty(qh)
+    return _token_major_empty(qh) if qh.device.type == "cuda" else _channel_first_empty(qh)
 
 
 def linear_attention(qh: Tensor, kh: Tensor, vh: Tensor, eps: float = HF.DEFAULT_EPS) -> Tensor:
@@ -216,5 +232,68 @@ def local_refine(
     return _local_refine(q, k, v, qh, kh, vh, gate, tau, int(block), int(window), float(eps), add_to)
 
 
+# -- the attention core: linear attention and gated refinement in one op ----------------------------
+
+
+@torch.library.custom_op("hsmla::attention", mutates_args=())
+def _attention(
+    q: Tensor, k: Tensor, v: Tensor, qh: Tensor, kh: Tensor, vh: Tensor,
+    gate: Optional[Tensor], tau: Tensor, refine: bool, block: int, window: int, eps: float,
+) -> Tensor:
+    # devices without a kernel: the reference's composition (channel-first, as the fake says)
+    return _channel_first(attention.reference(q, k, v, qh, kh, vh, gate, tau, refine, block, window, eps))
+
+
+@_attention.register_kernel("cpu")
+def _(q, k, v, qh, kh, vh, gate, tau, refine, block, window, eps):
+    out = HF.linear_attention(qh, kh, vh, eps)  # a fresh tensor of this op's: refined in place
+    if not refine:
+        return out
+    if gate is None:
+        return out.add_(refine_cpu.local_refine(q, k, v, qh, kh, vh, None, 0.0, block, window, eps))
+    return refine_cpu.local_refine(q, k, v, qh, kh, vh, gate, tau, block, window, eps, add_to=out)
+
+
+@_attention.register_kernel("cuda")
+def _(q, k, v, qh, kh, vh, gate, tau, refine, block, window, eps):
+    if _triton_takes(q, k, v, qh, kh, vh):
+        return attention.attention(q, k, v, qh, kh, vh, gate, tau, refine, block, window, eps)
+    out = attention.reference(q, k, v, qh, kh, vh, gate, tau, refine, block, window, eps)
+    return _token_major_empty(q).copy_(out)  # the layout the fake promises on CUDA
+
+
+@_attention.register_fake
+def _(q, k, v, qh, kh, vh, gate, tau, refine, block, window, eps):
+    HF.check_refine((q, k, v, qh, kh, vh), gate, block, window, None)
+    return _token_major_empty(q) if q.device.type == "cuda" else _channel_first_empty(q)
+
+
+def _channel_first(x: Tensor) -> Tensor:
+    """``x`` laid out as :func:`_channel_first_empty` (a copy only where it is not)."""
+    expected = _channel_first_empty(x)
+    return x if x.stride() == expected.stride() else expected.copy_(x)
+
+
+def attention_op(
+    q: Tensor, k: Tensor, v: Tensor, qh: Tensor, kh: Tensor, vh: Tensor,
+    gate: Optional[Tensor], tau, refine: bool, block: int, window: int, eps: float = HF.DEFAULT_EPS,
+) -> Tensor:
+    """``torch.ops.hsmla.attention``: ``O_lin`` (``refine`` False), ``O_lin + R`` (``gate``
+    None) or ``O_lin + [M > tau] * M * R`` (:func:`.attention.reference`).
+
+    On CUDA the Triton kernels (:func:`.attention.attention`: three launches, no host sync,
+    token-major result); on the CPU the reference linear attention and the C refinement added in
+    place into it (channel-first result, as the references').
+
+    Args:
+        q, k, v, qh, kh, vh: ``(batch, heads, *spatial, head_dim)``.
+        gate: ``(batch, *ceil(spatial / block))`` or ``None``; tau: 0-d tensor or number.
+        refine: whether to add the local residual; block, window, eps: as :func:`local_refine`.
+    """
+    if not isinstance(tau, Tensor):
+        tau = q.new_full((), float(tau))
+    return _attention(q, k, v, qh, kh, vh, gate, tau, bool(refine), int(block), int(window), float(eps))
+
+
 #: the registered operators, by name
-OPS = {"linear_attention": _linear_attention, "block_gate": _block_gate, "local_refine": _local_refine}
+OPS = {"linear_attention": _linear_attention, "block_gate": _block_gate, "local_refine": _local_refine, "attention": _attention}

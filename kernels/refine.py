@@ -1,13 +1,17 @@
-"""Tile-compacted local refinement ``R = O_loc - O_linloc`` (docs/design.md §2.5-2.6, §4.3) and
-its reference.
+"""Sync-free local refinement ``R = O_loc - O_linloc`` added into the output in place
+(docs/design.md §2.5-2.6, §4.3) and its reference.
 
-The active tiles (``gate > tau``) are compacted into a dense ``(n, 1 + dims)`` list of
-``(batch, *tile index)`` with ``torch.nonzero``; one program per (active tile, head, chunk of
-at most ``MAX_BLOCK_Q`` of the tile's queries) walks the tile's ``(block + window - 1)^dims``
-halo of keys in chunks, evaluates for its queries the window softmax with a running maximum
-(flash-attention style) and the local ReLU linear term over the same band, and writes ``R`` for
-them. Tiles are disjoint, so programs never write the same element and no atomics are needed.
-2D and 3D maps share the kernel: a 2D map is a 3D one of depth 1 with no tile or window in z.
+One launch on a grid fixed by the shapes alone, ``(batch * tiles, heads, chunks)``: one program
+per tile of the map (row-major over the tile grid), head, and chunk of at most ``MAX_BLOCK_Q``
+of the tile's queries. Each program reads its tile's gate value ``M`` and the threshold ``tau``
+from device memory and returns at once unless ``M > tau``, so the gate's choice never reaches the
+host: no ``nonzero``, no value-dependent grid, nothing that stops a CUDA graph capture. An
+active program walks the tile's ``(block + window - 1)^dims`` halo of keys in chunks, evaluates
+for its queries the window softmax with a running maximum (flash-attention style) and the
+local ReLU linear term over the same band, and adds ``M * R`` (or ``R``) into the output's
+elements of its tile: a read-modify-write of tokens no other program touches (tiles are
+disjoint), so no atomics. 2D and 3D maps share the kernel: a 2D map is a 3D one of depth 1
+with no tile or window in z.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import math
 
 import torch
 
-from hsmla_med.nn.functional import check_refine, tile_broadcast
+from hsmla_med.nn.functional import check_refine, tile_grid
 from hsmla_med.nn.functional import local_refine as reference
 
 from ._runtime import (
@@ -32,7 +36,7 @@ from ._runtime import (
     triton,
 )
 
-__all__ = ["local_refine", "refine_tiles", "reference", "launch_config", "compile_specs"]
+__all__ = ["local_refine", "refine_add", "reference", "launch_config", "compile_specs"]
 
 MAX_BLOCK_K = 64  # halo keys per loop step (fewer for big tiles or where shared memory is short)
 MAX_BLOCK_Q = 128  # queries per program: bigger tiles (3D 8^3) are split over programs
@@ -41,8 +45,8 @@ SCRATCH = 2048  # bytes of shared memory allowed beyond the tiles (reductions, l
 
 @lazy_jit
 def _refine_kernel(
-    q_ptr, k_ptr, v_ptr, qh_ptr, kh_ptr, vh_ptr, o_ptr, tiles_ptr,
-    heads, depth, height, width, head_dim, scale_log2, eps,
+    q_ptr, k_ptr, v_ptr, qh_ptr, kh_ptr, vh_ptr, o_ptr, gate_ptr, tau_ptr,
+    depth, height, width, head_dim, scale_log2, eps,
     sq_b, sq_h, sq_z, sq_y, sq_x, sq_d,
     sk_b, sk_h, sk_z, sk_y, sk_x, sk_d,
     sv_b, sv_h, sv_z, sv_y, sv_x, sv_d,
@@ -50,21 +54,40 @@ def _refine_kernel(
     skh_b, skh_h, skh_z, skh_y, skh_x, skh_d,
     svh_b, svh_h, svh_z, svh_y, svh_x, svh_d,
     so_b, so_h, so_z, so_y, so_x, so_d,
+    sg_b, sg_z, sg_y, sg_x,
     BLOCK: tl.constexpr, BLOCK_Z: tl.constexpr, RADIUS: tl.constexpr, RADIUS_Z: tl.constexpr,
     HALO: tl.constexpr, HALO_Z: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_GATE: tl.constexpr, WEIGHTED: tl.constexpr,
 ):
-    """``R`` for one chunk of ``BLOCK_Q`` queries of one listed tile and one head; nothing
-    outside the tile is written.
+    """``out += w * R`` for one chunk of ``BLOCK_Q`` queries of one tile and one head, where the
+    tile is active (``M > tau``; every tile without a gate); ``w`` is ``M`` when ``WEIGHTED``,
+    else 1. Nothing outside an active tile is read from or written to ``out``.
 
     Maps are ``(depth, height, width)``: a 2D map is one slice (``depth`` 1, ``BLOCK_Z`` 1,
-    ``RADIUS_Z`` 0, ``HALO_Z`` 1, its ``z`` strides 0), so both ranks share one kernel."""
-    tile = tl.program_id(0).to(tl.int64)
+    ``RADIUS_Z`` 0, ``HALO_Z`` 1, its ``z`` strides 0), so both ranks share one kernel. Without a
+    gate (``HAS_GATE`` false) ``gate_ptr`` and ``tau_ptr`` are never read."""
+    tiles_x = (width + BLOCK - 1) // BLOCK
+    tiles_y = (height + BLOCK - 1) // BLOCK
+    tiles_z = (depth + BLOCK_Z - 1) // BLOCK_Z
+    tile = tl.program_id(0)
+    b = (tile // (tiles_z * tiles_y * tiles_x)).to(tl.int64)
+    tz = ((tile // (tiles_y * tiles_x)) % tiles_z).to(tl.int64)
+    ty = ((tile // tiles_x) % tiles_y).to(tl.int64)
+    tx = (tile % tiles_x).to(tl.int64)
+    weight = 1.0
+    if HAS_GATE:
+        gate = tl.load(gate_ptr + b * sg_b + tz * sg_z + ty * sg_y + tx * sg_x)
+        # Compared in the gate's dtype, as torch compares ``gate > tau``; written as not '>' rather
+        # than '<=' so that a NaN gate is inactive, as it is there.
+        if not (gate > tl.load(tau_ptr).to(gate_ptr.dtype.element_ty)):
+            return
+        if WEIGHTED:
+            weight = gate.to(tl.float32)
     h = tl.program_id(1).to(tl.int64)
-    b = tl.load(tiles_ptr + 4 * tile)
-    z0 = tl.load(tiles_ptr + 4 * tile + 1) * BLOCK_Z
-    y0 = tl.load(tiles_ptr + 4 * tile + 2) * BLOCK
-    x0 = tl.load(tiles_ptr + 4 * tile + 3) * BLOCK
+    z0 = tz * BLOCK_Z
+    y0 = ty * BLOCK
+    x0 = tx * BLOCK
 
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
@@ -147,13 +170,14 @@ def _refine_kernel(
         num += tl.dot(w, vh.to(tl.float32), input_precision=PRECISION)
         den += tl.reduce(w, 1, tl.standard._sum_combine)
 
-    # Padded queries (no valid key) have l = 0; they are masked out of the store.
+    # Padded queries (no valid key) have l = 0; they are masked out of the load and the store.
     r = acc / tl.where(l > 0, l, 1.0)[:, None] - num / (den[:, None] + eps)
     o_ptrs = (
         o_ptr + b * so_b + h * so_h + qz[:, None] * so_z + qy[:, None] * so_y + qx[:, None] * so_x
         + offs_d[None, :] * so_d
     )
-    tl.store(o_ptrs, r.to(o_ptr.dtype.element_ty), mask=q_mask)
+    prior = tl.load(o_ptrs, mask=q_mask, other=0.0).to(tl.float32)
+    tl.store(o_ptrs, (prior + weight * r).to(o_ptr.dtype.element_ty), mask=q_mask)
 
 
 def launch_config(
@@ -163,11 +187,15 @@ def launch_config(
     window: int,
     max_shared: int | None = None,
     spatial_dims: int = 2,
+    *,
+    has_gate: bool = True,
+    weighted: bool = True,
 ) -> LaunchConfig:
     """Constexprs, warps and stages of ``_refine_kernel`` for ``dtype`` inputs with ``head_dim``
     channels, tiles of ``block`` and a window of ``window`` per axis over ``spatial_dims`` (2 or
     3) axes, within ``max_shared`` bytes of shared memory per program (``None``: no limit, the
-    interpreter).
+    interpreter); ``has_gate`` and ``weighted`` as :func:`refine_add` takes them (a gate, and
+    ``M * R`` rather than ``R`` added).
 
     A program takes up to :data:`MAX_BLOCK_Q` of its tile's queries (a 3D tile of 8^3 is four
     programs of 128). Keys per step (``BLOCK_K``) are the whole halo up to :data:`MAX_BLOCK_K`,
@@ -177,8 +205,9 @@ def launch_config(
     allocates (``tests/test_triton_compile.py`` checks it): float32 copies of three
     ``BLOCK_K x BLOCK_D`` key-side tiles, two ``BLOCK_Q x BLOCK_D`` query-side ones and the
     ``BLOCK_Q x BLOCK_K`` scores pass through shared memory for the dots, and each extra stage
-    prefetches the four key-side loads (k, v, kh, vh) once more in the input dtype. Where even ``BLOCK_Q = BLOCK_K = 16`` and one stage do not fit, that is
-    returned (Triton then refuses the launch).
+    prefetches the four key-side loads (k, v, kh, vh) once more in the input dtype. Where even
+    ``BLOCK_Q = BLOCK_K = 16`` and one stage do not fit, that is returned (Triton then refuses
+    the launch).
     """
     if spatial_dims not in (2, 3):
         raise ValueError(f"spatial_dims must be 2 or 3, got {spatial_dims}")
@@ -190,6 +219,7 @@ def launch_config(
     constexprs = dict(
         BLOCK=block, BLOCK_Z=block if depth else 1, RADIUS=window // 2, RADIUS_Z=window // 2 if depth else 0,
         HALO=halo, HALO_Z=halo if depth else 1, BLOCK_D=block_d, PRECISION=dot_precision(dtype),
+        HAS_GATE=has_gate, WEIGHTED=has_gate and weighted,
     )
     while True:
         num_warps = 4 if block_q * block_d <= 64 * 64 else 8
@@ -211,12 +241,26 @@ def launch_config(
 
 
 def compile_specs(
-    dtype: torch.dtype, head_dim: int, block: int, window: int, max_shared: int | None, spatial_dims: int = 2
+    dtype: torch.dtype,
+    head_dim: int,
+    block: int,
+    window: int,
+    max_shared: int | None,
+    spatial_dims: int = 2,
+    *,
+    has_gate: bool = True,
+    weighted: bool = True,
 ) -> list[KernelSpec]:
-    """The kernel as :func:`refine_tiles` launches it on ``dtype`` inputs, with its argument
-    types, for compiling it ahead of a launch (``tests/test_triton_compile.py``)."""
-    sig = signature(_refine_kernel, dtype, tiles_ptr="*i64", scale_log2="fp32", eps="fp32")
-    return [KernelSpec(_refine_kernel, sig, launch_config(dtype, head_dim, block, window, max_shared, spatial_dims))]
+    """The kernel as :func:`refine_add` launches it on ``dtype`` inputs (by default as the HSMLA
+    layer's inference path does: a float32 gate and ``M * R`` added), with its argument types,
+    for compiling it ahead of a launch (``tests/test_triton_compile.py``). Without a gate both
+    of its pointers are dummies of the input dtype, as :func:`refine_add` passes them."""
+    pointers = dict(gate_ptr="*fp32", tau_ptr="*fp32") if has_gate else {}
+    sig = signature(_refine_kernel, dtype, scale_log2="fp32", eps="fp32", **pointers)
+    config = launch_config(
+        dtype, head_dim, block, window, max_shared, spatial_dims, has_gate=has_gate, weighted=weighted
+    )
+    return [KernelSpec(_refine_kernel, sig, config)]
 
 
 def _strides(t: torch.Tensor) -> tuple[int, ...]:
@@ -225,52 +269,77 @@ def _strides(t: torch.Tensor) -> tuple[int, ...]:
     return stride if t.dim() == 6 else (*stride[:2], 0, *stride[2:])
 
 
-def refine_tiles(
+def refine_add(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     qh: torch.Tensor,
     kh: torch.Tensor,
     vh: torch.Tensor,
-    tiles: torch.Tensor,
+    gate: torch.Tensor | None,
+    tau: torch.Tensor | float,
     block: int,
     window: int,
     eps: float,
     out: torch.Tensor,
+    *,
+    weighted: bool = True,
 ) -> torch.Tensor:
-    """The kernel launch alone: write ``R`` into ``out`` on the listed tiles of a 2D or 3D map.
+    """Add ``M * R`` (``R`` when not ``weighted``) into ``out`` in place on the tiles with
+    ``gate > tau``, in one launch whose grid depends on the shapes alone.
+
+    Nothing here reads a value of a tensor on the host: each program compares its tile's gate
+    value with ``tau`` on the device and returns when the tile is inactive, so the call never
+    waits for the device and can be captured in a CUDA graph whatever the gate selects.
 
     Args:
-        q, k, v, qh, kh, vh: ``(batch, heads, *spatial, head_dim)``, 2 or 3 spatial dims, any
-            strides, one dtype.
-        tiles: ``(n, 1 + spatial dims)`` integer ``(batch, *tile index)`` rows (``torch.nonzero``
-            of the gate's ``(batch, *tiles)`` mask), each tile at most once.
-        block: tile size per axis; window: odd window size per axis; eps: linear-term epsilon.
-        out: ``q``'s shape and dtype; elements of the listed tiles inside the map are
-            overwritten, every other element is left untouched.
+        q, k, v: raw projections, ``(batch, heads, *spatial, head_dim)``, 2 or 3 spatial dims,
+            any strides.
+        qh, kh, vh: multi-scale projections, same shape, dtype and device.
+        gate: ``(batch, *ceil(spatial / block))`` of any float dtype and strides, on ``q``'s
+            device; ``None`` refines every tile at weight 1.
+        tau: a tile is active when ``gate > tau`` (compared in the gate's dtype, as torch
+            compares them): a 0-d tensor on ``q``'s device, read there, or a number, made one
+            (a fill on the device, no copy from the host). Unused without a gate.
+        block: tile size per axis (edge tiles may be partial).
+        window: odd local window size per axis; keys outside the map are excluded.
+        eps: linear-term denominator epsilon.
+        out: ``q``'s shape, dtype and device, any strides (the layer's linear-attention output);
+            each element of an active tile becomes ``out + w * R``, summed in float32; every
+            other element is neither read nor written.
+        weighted: ``w`` is the tile's gate value ``M`` (the layer's inference path), else 1.
 
     Returns:
         ``out``.
     """
-    check_features("local_refine", (2, 3), q=q, k=k, v=v, qh=qh, kh=kh, vh=vh)
-    dims = q.dim() - 3
+    check_features("refine_add", (2, 3), q=q, k=k, v=v, qh=qh, kh=kh, vh=vh)
+    dims = check_refine((q, k, v, qh, kh, vh), gate, block, window, None)
     if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got {tuple(out.shape)} {out.dtype}.")
-    if tiles.dim() != 2 or tiles.shape[1] != 1 + dims or tiles.dtype.is_floating_point:
-        raise ValueError(f"tiles must be an (n, {1 + dims}) integer tensor, got {tuple(tiles.shape)} {tiles.dtype}.")
-    if tiles.shape[0] == 0:
-        return out
-    tiles = tiles.to(device=q.device, dtype=torch.int64)
-    if dims == 2:  # (batch, 0, tile_y, tile_x): the slice index of a 2D map
-        tiles = torch.cat([tiles[:, :1], torch.zeros_like(tiles[:, :1]), tiles[:, 1:]], dim=1)
-    heads, *spatial, d = q.shape[1:]
+    b, heads, *spatial, d = q.shape
+    has_gate = gate is not None
+    if not has_gate:
+        gate = tau = q  # dummy pointers: HAS_GATE is false, the kernel never reads them
+        gate_strides = (0, 0, 0, 0)
+    else:
+        if not gate.is_floating_point() or gate.device != q.device:
+            raise ValueError(f"gate must be a float tensor on {q.device}, got {gate.dtype} on {gate.device}.")
+        if not isinstance(tau, torch.Tensor):
+            tau = q.new_full((), float(tau), dtype=torch.float32)
+        elif tau.dim() != 0 or tau.device != q.device:
+            raise ValueError(f"tau must be a number or a 0-d tensor on {q.device}, got {tuple(tau.shape)} on {tau.device}.")
+        gate_strides = gate.stride() if dims == 3 else (gate.stride(0), 0, *gate.stride()[1:])
     depth, height, width = ([1] + spatial)[-3:]
-    config = launch_config(q.dtype, d, block, window, shared_memory_limit(q.device), dims)
+    config = launch_config(
+        q.dtype, d, block, window, shared_memory_limit(q.device), dims, has_gate=has_gate, weighted=weighted
+    )
+    tiles = b * math.prod(tile_grid(tuple(spatial), block))
     chunks = triton.cdiv(block**dims, config.constexprs["BLOCK_Q"])  # programs per tile and head
-    _refine_kernel[(tiles.shape[0], heads, chunks)](
-        q, k, v, qh, kh, vh, out, tiles.contiguous(),
-        heads, depth, height, width, d, math.log2(math.e) / math.sqrt(d), float(eps),
+    _refine_kernel[(tiles, heads, chunks)](
+        q, k, v, qh, kh, vh, out, gate, tau,
+        depth, height, width, d, math.log2(math.e) / math.sqrt(d), float(eps),
         *_strides(q), *_strides(k), *_strides(v), *_strides(qh), *_strides(kh), *_strides(vh), *_strides(out),
+        *gate_strides,
         **config.launch_kwargs,
     )
     return out
@@ -284,41 +353,35 @@ def local_refine(
     kh: torch.Tensor,
     vh: torch.Tensor,
     gate: torch.Tensor | None,
-    tau: float,
+    tau: torch.Tensor | float,
     block: int,
     window: int,
     eps: float = 1e-6,
     add_to: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Local residual ``R = O_loc - O_linloc`` on tiles with ``gate > tau``; the semantics of
-    :func:`reference`, ``add_to`` included.
+    :func:`reference`, ``add_to`` included, through :func:`refine_add` (no host sync).
 
     Args:
         q, k, v: raw projections, ``(batch, heads, *spatial, head_dim)``, 2 or 3 spatial dims.
         qh, kh, vh: multi-scale projections, same shape, dtype and device.
         gate: ``(batch, *ceil(spatial / block))``; ``None`` refines every tile.
-        tau: a tile is active when ``gate > tau``.
+        tau: a tile is active when ``gate > tau``; a 0-d tensor on the device or a number.
         block: tile size per axis (edge tiles may be partial).
         window: odd local window size per axis; keys outside the map are excluded.
         eps: linear-term denominator epsilon.
-        add_to: optional tensor of ``q``'s shape; with a ``gate``, ``gate * R`` is added to it
-            in place and it is returned.
+        add_to: optional tensor of ``q``'s shape and dtype, any strides; with a ``gate``,
+            ``gate * R`` is added to it in place (one launch) and it is returned.
 
     Returns:
         ``R`` of ``q``'s shape and dtype, laid out channel-first like the reference's result,
-        exactly zero outside the active tiles (softmax and linear terms accumulated in float32).
+        exactly zero outside the active tiles (softmax and linear terms accumulated in float32;
+        a zero fill and one launch); or ``add_to``.
     """
     check_features("local_refine", (2, 3), q=q, k=k, v=v, qh=qh, kh=kh, vh=vh)
     check_refine((q, k, v, qh, kh, vh), gate, block, window, add_to)
     if add_to is not None:
-        r = local_refine(q, k, v, qh, kh, vh, gate, tau, block, window, eps)
-        weight = tile_broadcast(gate, block, tuple(q.shape[2:-1])).unsqueeze(1).unsqueeze(-1)
-        return add_to.addcmul_(weight.to(r.dtype), r)
+        return refine_add(q, k, v, qh, kh, vh, gate, tau, block, window, eps, add_to, weighted=True)
     b, heads, *spatial, d = q.shape
-    if gate is None:
-        grid = (b, *(triton.cdiv(n, block) for n in spatial))
-        tiles = torch.cartesian_prod(*(torch.arange(n, device=q.device) for n in grid))
-    else:
-        tiles = torch.nonzero(gate > tau)
     out = torch.zeros((b, heads, d, *spatial), dtype=q.dtype, device=q.device).movedim(2, -1)
-    return refine_tiles(q, k, v, qh, kh, vh, tiles, block, window, eps, out)
+    return refine_add(q, k, v, qh, kh, vh, gate, tau, block, window, eps, out, weighted=False)

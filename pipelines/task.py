@@ -84,6 +84,7 @@ def predict_cases(
     if len(todo) < len(items):
         options.progress(f"{len(items) - len(todo)} of {len(items)} case(s) done before by this checkpoint with these options: skipped")
     data = PredictionDataModule(todo, transform, num_workers=options.num_workers, **loader)
+    module.use_cuda_graphs(options.cuda_graphs)
     written, finished, first = run_prediction(
         module, data, write, options.device, options.devices, options.strategy, options.num_nodes, options.precision, finish, flush
     )
@@ -181,6 +182,9 @@ class InferenceOptions:
         uncertainty_threshold: the uncertainty (normalised, in [0, 1]) above which a voxel counts
             in the review queue's uncertain volume.
         progress: called with one line per input.
+        cuda_graphs: on CUDA, replay the network from a CUDA graph captured per window or
+            patch-batch shape (:class:`~hsmla_med.inference.cuda_graph.GraphedCallable`); the
+            same kernels as an eager run, so not recorded as shaping the outputs.
 
     The options that change what is written (:meth:`provenance`) are recorded with the outputs;
     those that only place the work (devices, shards, workers) are not.
@@ -198,6 +202,7 @@ class InferenceOptions:
     precision: str = field(default="auto", metadata=_SHAPES_OUTPUTS)
     shard: Shard = Shard()
     num_workers: int = 0
+    cuda_graphs: bool = True
     save_probabilities: bool = field(default=False, metadata=_SHAPES_OUTPUTS)
     output_formats: tuple[str, ...] = ("nifti",)
     postprocessing: list[dict] | None = field(default=None, metadata=_SHAPES_OUTPUTS)

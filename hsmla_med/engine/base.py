@@ -8,6 +8,7 @@ import logging
 from abc import ABCMeta, abstractmethod
 
 import lightning as L
+from lightning.pytorch.trainer.states import TrainerFn
 import torch
 import torch.distributed as dist
 from monai.data import MetaTensor
@@ -16,6 +17,7 @@ from torch import nn
 from hsmla_med.config import build_network
 from hsmla_med.engine.calibration import CalibrationSample, with_temperature
 from hsmla_med.engine.schedule import WarmupCosine
+from hsmla_med.inference.cuda_graph import GraphedCallable, weights_version
 from hsmla_med.nn import GatedNetwork, calibrate_tau
 
 log = logging.getLogger("hsmla_med")
@@ -110,6 +112,10 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
     """
 
     monitor = "dice"
+    #: run the network as captured CUDA graphs outside training (``infer``, ``evaluate``,
+    #: ``wsi-heatmap``, ``wsi-features`` on CUDA; ``--no-cuda-graphs`` sets it False):
+    #: :meth:`graphed`
+    cuda_graphs: bool = True
 
     def __init__(self, config: dict, network: nn.Module | None = None, kind: str = "segmentation") -> None:
         super().__init__()
@@ -130,6 +136,26 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.network(x)
+
+    def use_cuda_graphs(self, on: bool) -> None:
+        """Set :attr:`cuda_graphs` here and on an ensemble's members (which run their own networks)."""
+        for module in (self, *getattr(self, "members", ())):
+            module.cuda_graphs = on
+
+    def graphed(self, fn=None) -> GraphedCallable:
+        """``fn`` (default: the network) as a :class:`~hsmla_med.inference.cuda_graph.GraphedCallable`,
+        kept per function: on CUDA, outside ``fit`` (whose weights change between validations
+        and whose validation the graphs would not pay off in), each window or patch-batch shape
+        is captured once and replayed; on the CPU, in training or with :attr:`cuda_graphs` off it
+        is ``fn`` itself. The graphs are captured again when a weight changes."""
+        fn = self.network if fn is None else fn
+        runners = self.__dict__.setdefault("_graph_runners", {})
+        runner = runners.get(fn)
+        if runner is None:
+            runner = runners[fn] = GraphedCallable(fn, version=lambda: weights_version(self.network))
+        fitting = self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING
+        runner.enabled = self.cuda_graphs and not fitting and not self.training
+        return runner
 
     @abstractmethod
     def task_loss(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:

@@ -120,18 +120,27 @@ class ClassificationModule(GatedModule):
         the CPU with the patches' places; with :attr:`predict_features` also their ``features``
         ``(B, D)`` float32 (:func:`penultimate`)."""
         if self.predict_features:
-            logits, features = penultimate(self.network, patch_images(batch))
+            logits, features = self.graphed(self._logits_and_features)(patch_images(batch))
         else:
-            logits, features = self.network(patch_images(batch)), None
+            logits, features = self.graphed()(patch_images(batch)), None
         prob = torch.softmax(logits.float(), dim=1)[:, 1]
         alpha = patch_alpha(self.network)
         place = {k: torch.as_tensor(batch[k]).reshape(-1).cpu() for k in ("slide_index", "row", "col")}
         extra = {} if features is None else {"features": features.float().cpu()}
         return {**place, "prob": prob.cpu(), "alpha": None if alpha is None else alpha.float().cpu(), **extra}
 
+    def _logits_and_features(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`penultimate` of the network, which checks that the features make the logits on
+        the first call only (a comparison read on the host, which a CUDA graph cannot hold; the
+        first call is the graph's eager warm-up)."""
+        checked = self.__dict__.get("_features_checked", False)
+        out = penultimate(self.network, images, check=not checked)
+        self.__dict__["_features_checked"] = True
+        return out
+
     def validation_records(self, batch: dict) -> np.ndarray:
         """``(B, 9)`` float64, a row per patch of the batch: :data:`COLUMNS`."""
-        logits = self.network(patch_images(batch)).float()
+        logits = self.graphed()(patch_images(batch)).float()
         if self.calibration_sample is not None:
             self.calibration_sample.add_logits(logits, plain(batch["label"]), item_keys(batch))
         columns = {"prob": torch.softmax(logits, dim=1)[:, 1]}
@@ -203,18 +212,21 @@ def final_linear(network: nn.Module, source: str = "the network") -> tuple[str, 
     return linears[-1]
 
 
-def penultimate(network: nn.Module, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def penultimate(network: nn.Module, images: torch.Tensor, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """A classifier's logits ``(B, classes)`` on ``images`` and its penultimate activations
     ``(B, D)``: the input of its final linear layer (:func:`final_linear`), taken by a forward
     hook (no network exposes it alike: HSMLA's head, MONAI's DenseNet and ResNet each end
     differently), as computed (under autocast, in its dtype).
+
+    ``check``: compare the logits with that layer's output (on the host; once per network is
+    enough, and a CUDA graph cannot hold it).
 
     Raises:
         ConfigError: when the logits are not that layer's output (a layer after it changes
             them, so its input is not the features they are made of).
     """
     if isinstance(network, TemperatureScaled):  # a calibrated network: its features are the wrapped one's
-        logits, features = penultimate(network.network, images)
+        logits, features = penultimate(network.network, images, check)
         return network.scale(logits), features
     name, layer = final_linear(network)
     seen: dict[str, torch.Tensor] = {}
@@ -224,7 +236,7 @@ def penultimate(network: nn.Module, images: torch.Tensor) -> tuple[torch.Tensor,
     finally:
         handle.remove()
     output = seen.get("output")
-    if output is None or output.numel() != logits.numel() or not torch.equal(output.reshape(logits.shape), logits):
+    if output is None or (check and (output.numel() != logits.numel() or not torch.equal(output.reshape(logits.shape), logits))):
         raise ConfigError(f"{type(network).__name__}: its logits are not the output of its last linear layer {name!r} (a layer "
                           "after it changes them), so that layer's input is not the patch features; use a classifier that ends in its linear layer")
     return logits, seen["features"].flatten(1)

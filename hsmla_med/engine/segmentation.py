@@ -124,7 +124,7 @@ class SegmentationModule(GatedModule):
         (:func:`~hsmla_med.inference.sliding.predict_volume`)."""
         inference = inference or self.config["inference"]
         return predict_volume(
-            self.network,
+            self.graphed(),
             image,
             inference["roi_size"],
             self.config["spatial_dims"],

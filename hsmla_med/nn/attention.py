@@ -126,7 +126,7 @@ class HSMLA(nn.Module):
         self.proj = conv(in_channels, in_channels, kernel_size=1)
         self.last_gate: torch.Tensor | None = None
         self._alpha = 0.0  # last_alpha without a gate
-        self._gate_tau = float(tau)  # the tau of the last gated forward
+        self._gate_tau: torch.Tensor | None = None  # the last gate's tau if calibrate changed it since
         self._derived_cache: dict[str, tuple] = {}  # see _derived
 
     # -- settings -----------------------------------------------------------------------------
@@ -155,10 +155,6 @@ class HSMLA(nn.Module):
         # A sum of 'same'-padded depthwise convolutions equals one convolution with the summed,
         # centre-aligned kernels: one pass over the map instead of len(scales).
         size = max(self.scales)
-        weight = sum(
-            F.pad(c.weight, [(size - c.kernel_size[0]) // 2] * (2 * self.spatial_dims)) for c in self.multiscale
-        )
-        bias = sum(c.bias for c in self.multiscale)
         # Along an axis of n tokens, a 'same' convolution reaches at most n - 1 tokens either
         # side: the kernel's outer taps only ever meet padding. Cropping them is exact and
         # matters at the deep stages of 3D patches (a 4 x 6 x 2 map under a 7^3 kernel: 105 of
@@ -166,10 +162,21 @@ class HSMLA(nn.Module):
         # (docs/benchmarks.md, "3D training step"). Not while tracing or exporting: the crop
         # depends on the map's size, which a traced graph would fix at the example's.
         tracing = HF.building_graph() or torch.jit.is_scripting()
-        taps = [size if tracing else min(size, 2 * n - 1) for n in qkv.shape[2:]]
-        weight = weight[(..., *(slice((size - t) // 2, (size + t) // 2) for t in taps))]
+        taps = tuple(size if tracing else min(size, 2 * n - 1) for n in qkv.shape[2:])
+        sources = tuple(t for c in self.multiscale for t in (c.weight, c.bias))
+        weight, bias = self._derived(f"multiscale{taps}", sources, lambda: self._merged_multiscale(taps))
         conv = (F.conv2d, F.conv3d)[self.spatial_dims - 2]
         return conv(qkv, weight, bias, padding=[t // 2 for t in taps], groups=qkv.shape[1])
+
+    def _merged_multiscale(self, taps: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The summed, centre-aligned kernels of the scales, cropped to ``taps`` per axis, and
+        the summed biases (kept by :meth:`_derived`: rebuilding them cost 9 launches a call)."""
+        size = max(self.scales)
+        weight = sum(
+            F.pad(c.weight, [(size - c.kernel_size[0]) // 2] * (2 * self.spatial_dims)) for c in self.multiscale
+        )
+        weight = weight[(..., *(slice((size - t) // 2, (size + t) // 2) for t in taps))]
+        return weight, sum(c.bias for c in self.multiscale)
 
     def _split_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(b, 3C, *S)`` -> three ``(b, heads, *S, d)`` views."""
@@ -194,8 +201,9 @@ class HSMLA(nn.Module):
                 return gate
         pooled = self._gate_pool(ms)  # (b, 3C, *tiles)
         rows = pooled.flatten(2).transpose(1, 2)  # (b, tiles, 3C): contiguous rows when channels-last
-        logits = torch.matmul(rows, self._derived("gate_matrix", self.gate_weight, self._gate_matrix))
-        return logits.add_(self.gate_bias).sigmoid_().mean(dim=-1).view(pooled.shape[0], *pooled.shape[2:])
+        # one matrix product with the bias (addmm): every head's logit at once
+        logits = F.linear(rows, self._derived("gate_matrix", self.gate_weight, lambda: self._gate_matrix().t()), self.gate_bias)
+        return logits.sigmoid_().mean(dim=-1).view(pooled.shape[0], *pooled.shape[2:])
 
     def _gate_matrix(self) -> torch.Tensor:
         """The per-head projections ``w_h`` as one block matrix ``(3C, heads)``: row ``(t, h, i)``
@@ -211,12 +219,19 @@ class HSMLA(nn.Module):
         with stride ``block`` whose kernel is the 3x3 kernel convolved with a ``block``-sized box
         (divided by its volume): it never materialises the full-resolution conv output, which
         costs as much as the Q/K/V projection on large maps. Maps with partial edge tiles average
-        over the tokens that exist, on the unfused path, as do symbolic sizes (an export with
-        dynamic spatial axes: one graph for whole and partial tiles).
+        over the tokens that exist, on the unfused path: one ``avg_pool`` with ``ceil_mode``,
+        whose edge windows divide by the tokens inside the map (two operations where
+        :func:`~hsmla_med.nn.functional.tile_average` takes seven), and
+        :func:`~hsmla_med.nn.functional.tile_average` itself while a graph is recorded for export
+        (symbolic sizes: one graph for whole and partial tiles; ``ceil_mode`` would fix the tile
+        count) or where a side is shorter than a tile (which ``avg_pool3d`` refuses).
         """
         conv = self.gate_conv
         if any(isinstance(n, torch.SymInt) or n % self.block for n in ms.shape[2:]):
-            return HF.tile_average(conv(ms), self.block)
+            if HF.building_graph() or torch.compiler.is_exporting() or any(n < self.block for n in ms.shape[2:]):
+                return HF.tile_average(conv(ms), self.block)
+            pool = (F.avg_pool2d, F.avg_pool3d)[self.spatial_dims - 2]
+            return pool(conv(ms), self.block, stride=self.block, ceil_mode=True)
         conv_nd = (F.conv2d, F.conv3d)[self.spatial_dims - 2]
         kernel = self._derived("gate_pool", conv.weight, self._gate_pool_kernel)
         return conv_nd(ms, kernel, conv.bias, stride=self.block, padding=1, groups=ms.shape[1])
@@ -232,15 +247,17 @@ class HSMLA(nn.Module):
             kernel = sum(kernel.narrow(axis, i, kernel.shape[axis] - b + 1) for i in range(b))
         return kernel / b**dims
 
-    def _derived(self, slot: str, weight: torch.Tensor, build) -> torch.Tensor:
-        """``build()``, a tensor derived from ``weight``; without gradients it is kept until the
-        weight changes (its version counter, storage or dtype: an optimizer step, loaded
-        weights, a cast). While a tracer records (:func:`building_graph`), it is built in the
-        graph: the fake tensors of ``torch.compile`` and ``torch.export`` have no storage to key
-        on, and ``torch.jit.trace`` would store a kept tensor as a constant."""
-        if HF.building_graph() or (torch.is_grad_enabled() and weight.requires_grad):
+    def _derived(self, slot: str, weights: torch.Tensor | tuple[torch.Tensor, ...], build):
+        """``build()``, derived from ``weights`` (a tensor or a tuple); without gradients it is
+        kept until a weight changes (its version counter, storage or dtype: an optimizer step,
+        loaded weights, a cast), so that it is built once, before a CUDA graph captures the
+        forward. While a tracer records (:func:`building_graph`), it is built in the graph: the
+        fake tensors of ``torch.compile`` and ``torch.export`` have no storage to key on, and
+        ``torch.jit.trace`` would store a kept tensor as a constant."""
+        weights = weights if isinstance(weights, tuple) else (weights,)
+        if HF.building_graph() or (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
             return build()
-        key = (weight._version, weight.data_ptr(), weight.dtype)
+        key = tuple((w._version, w.data_ptr(), w.dtype) for w in weights)
         kept = self._derived_cache.get(slot)
         if kept is None or kept[0] != key:
             kept = self._derived_cache[slot] = (key, build())
@@ -254,15 +271,6 @@ class HSMLA(nn.Module):
         grad = torch.is_grad_enabled() and any(m.requires_grad for m in maps)
         channels_last = all(m.stride(1) == 1 for m in maps)  # head_dim contiguous in the head views
         return select_backend(self.backend, self.training, ref.device, ref.dtype, features, grad=grad, channels_last=channels_last)
-
-    def _refine_everywhere(self, choice: BackendChoice, local_refine, q, k, v, qh, kh, vh) -> torch.Tensor:
-        """``R`` for every token: :func:`~hsmla_med.nn.functional.dense_refine` where the choice
-        says so (gradients on maps small enough for :func:`~hsmla_med.nn.functional.dense_fits`:
-        the same values, a fraction of the tile schedule's time forward and backward,
-        docs/benchmarks.md), else ``local_refine`` over every tile."""
-        if choice.dense:
-            return HF.dense_refine(q, k, v, qh, kh, vh, self.window, self.eps)
-        return local_refine(q, k, v, qh, kh, vh, None, 0.0, self.block, self.window, self.eps)
 
     def _check_input(self, x: torch.Tensor) -> None:
         if x.dim() != self.spatial_dims + 2:
@@ -286,12 +294,19 @@ class HSMLA(nn.Module):
         self._check_input(x)
         gate = self.gate(self._multiscale(self.qkv(x)))
         tau = torch.quantile(gate.float().flatten(), 1.0 - target_alpha).item()
+        if self.last_gate is not None and self._gate_tau is None:
+            self._gate_tau = self.tau.detach().clone()  # last_alpha of the earlier forward: its tau
         self.tau.fill_(tau)
         return tau
 
     # -- forward ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``(batch, in_channels, *spatial)`` -> same shape."""
+        """``(batch, in_channels, *spatial)`` -> same shape.
+
+        Nothing here reads a tensor's value on the host or sizes a tensor from one (no
+        ``nonzero``, ``item``, ``tolist``): on CUDA a forward is a fixed sequence of launches that
+        a CUDA graph replays for any input (docs/design.md §4).
+        """
         self._check_input(x)
         spatial = x.shape[2:]
         qkv = self.qkv(x)
@@ -299,42 +314,53 @@ class HSMLA(nn.Module):
         q, k, v = self._split_heads(qkv)
         qh, kh, vh = self._split_heads(ms)
         choice = self._select(qkv, ms)
-        linear_attention, local_refine = choice.ops()
         # The gate first, while the multi-scale map it pools is still in cache.
         gate = self.gate(ms) if self.routing == "gate" else None
-        out = linear_attention(qh, kh, vh, self.eps)
+        # The gate of this forward for gate_stats and the regularisers: a tensor the forward made
+        # (under a CUDA graph, the graph's own output, which each replay refills); compared with
+        # the tau buffer when asked for (calibrate keeps the tau it replaces for an older gate).
+        if not torch.compiler.is_exporting():  # export would leave its fake tensors here
+            self.last_gate, self._gate_tau = gate, None
+        self._alpha = 1.0 if self.routing == "all" else 0.0
 
-        self.last_gate, self._alpha = None, 0.0
-        if self.routing == "all":
-            out = out + self._refine_everywhere(choice, local_refine, q, k, v, qh, kh, vh)
-            self._alpha = 1.0
-        elif self.routing == "gate":
-            # A 0-d tensor, not float(self.tau): tracing, torch.export and torch.compile keep
-            # it in the graph (float() would be a constant or a graph break); a copy, so that
-            # last_alpha counts against this forward's tau after a later calibration.
-            tau = self.tau.detach().clone()
-            if not torch.compiler.is_exporting():  # export would leave its fake tensors here
-                self.last_gate, self._gate_tau = gate, tau
-            # Active tiles keep the gate weight they had in training (the paper adds R at
-            # weight 1): the budget keeps M near rho, so a network trained on M * R saw R at about
-            # 0.3, and full-weight R at inference cost 7 Dice points on BTCV (docs/benchmarks.md).
-            if self.training:
-                r = self._refine_everywhere(choice, local_refine, q, k, v, qh, kh, vh)
+        if self.training and self.routing != "off":
+            out = HF.linear_attention(qh, kh, vh, self.eps)
+            r = self._refine_everywhere(choice, q, k, v, qh, kh, vh)
+            if gate is None:
+                out = out + r
+            else:
+                # Active tiles keep the gate weight they had in training (the paper adds R at
+                # weight 1): the budget keeps M near rho, so a network trained on M * R saw R at
+                # about 0.3, and full-weight R at inference cost 7 Dice points on BTCV
+                # (docs/benchmarks.md); inference adds M * R on the tiles with M > tau.
                 weight = HF.tile_broadcast(gate, self.block, tuple(spatial)).unsqueeze(1).unsqueeze(-1)
                 out = torch.addcmul(out, weight.to(r.dtype), r)
-            else:
-                out = local_refine(q, k, v, qh, kh, vh, gate, tau, self.block, self.window, self.eps, add_to=out)
+        else:
+            # tau as the 0-d buffer, not float(self.tau): tracing, torch.export and torch.compile
+            # keep it in the graph, and on CUDA the kernel reads it where it lies
+            out = choice.attend()(q, k, v, qh, kh, vh, gate, self.tau, self.routing != "off", self.block, self.window, self.eps)
 
         out = out.movedim(-1, 2).reshape(x.shape[0], self.in_channels, *spatial)
         return self.proj(out.to(x.dtype))
 
+    def _refine_everywhere(self, choice: BackendChoice, q, k, v, qh, kh, vh) -> torch.Tensor:
+        """``R`` for every token in training: :func:`~hsmla_med.nn.functional.dense_refine` on
+        maps small enough for :func:`~hsmla_med.nn.functional.dense_fits` (the same values, a
+        fraction of the time forward and backward, docs/benchmarks.md), else
+        :func:`~hsmla_med.nn.functional.window_refine`, every tile's window attention in a few
+        batched operations: no loop over tiles and no host sync at any size."""
+        if choice.dense:
+            return HF.dense_refine(q, k, v, qh, kh, vh, self.window, self.eps)
+        return HF.window_refine(q, k, v, qh, kh, vh, self.block, self.window, self.eps)
+
     @property
     def last_alpha(self) -> float:
         """Fraction of tiles refined by the last forward (with a gate: tiles above the tau of
-        that forward). Counted when asked for rather than in every forward."""
+        that forward). Counted when asked for rather than in every forward (a host read)."""
         if self.last_gate is None:
             return self._alpha
-        return float((self.last_gate.detach() > self._gate_tau).float().mean())
+        tau = self.tau if self._gate_tau is None else self._gate_tau
+        return float((self.last_gate.detach() > tau).float().mean())
 
     def regularizers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(budget, smoothness) of the last forward's gate; zeros when no gate was computed."""

@@ -12,6 +12,7 @@ so the package is imported at the first choice rather than when :mod:`hsmla_med.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from typing import NamedTuple
@@ -89,10 +90,38 @@ class BackendChoice(NamedTuple):
             return HF.linear_attention, kernels.local_refine_op
         return kernels.linear_attention_op, kernels.local_refine_op
 
+    def attend(self):
+        """The inference computation ``O_lin + [M > tau] * M * R`` of this backend as one callable
+        ``attend(q, k, v, qh, kh, vh, gate, tau, refine, block, window, eps)`` (``refine``
+        False: ``O_lin`` alone, routing ``off``; ``gate`` None with ``refine``: ``R`` on every
+        tile at weight 1, routing ``all``).
+
+        ``triton`` runs the fused custom op ``torch.ops.hsmla.attention``
+        (:func:`hsmla_med.kernels.attention_op`): the linear attention's two kernels and one
+        refinement kernel that reads the gate and ``tau`` on the device, skips inactive tiles and
+        adds ``M * R`` into the linear output in place: three launches, no host sync, a launch
+        grid fixed by the shapes (what a CUDA graph needs). Under the interpreter the same
+        function runs without the op. The other backends compose their two ops
+        (:meth:`ops`)."""
+        if self.backend == "triton":
+            kernels = _kernel_api()
+            return kernels.attention if self.interpreter else kernels.attention_op
+        return functools.partial(_compose, *self.ops())
+
     def gate_op(self):
         """The registered block gate on the ``cpu`` backend (the C gate; it returns ``None`` for
         maps that are not whole tiles, which the PyTorch gate then takes), else ``None``."""
         return _kernel_api().block_gate_op if self.backend == "cpu" else None
+
+
+def _compose(linear_attention, local_refine, q, k, v, qh, kh, vh, gate, tau, refine: bool, block: int, window: int, eps: float):
+    """:meth:`BackendChoice.attend` from a backend's linear attention and refinement."""
+    out = linear_attention(qh, kh, vh, eps)
+    if not refine:
+        return out
+    if gate is None:
+        return out + local_refine(q, k, v, qh, kh, vh, None, 0.0, block, window, eps)
+    return local_refine(q, k, v, qh, kh, vh, gate, tau, block, window, eps, add_to=out)
 
 
 # What the kernels take depends on the machine (a built library, triton, CUDA) and not on tensor
