@@ -1,5 +1,6 @@
 """Whole HSMLA networks on CUDA in eval mode: ``backend="auto"`` (the Triton kernels) against the
-reference path, per variant, spatial rank, routing and dtype (issue 17, item 2).
+reference path, per variant, spatial rank, routing and dtype (issue 17, item 2), and the same
+network replayed from a CUDA graph against its eager forward (issue 50, item 3).
 
 For each case one randomly initialised network (tau calibrated to alpha 0.3 for ``gate``) runs
 the same input three times: ``auto`` and ``reference`` in the case's dtype, and ``reference`` in
@@ -7,16 +8,28 @@ float64 as the independent baseline. Reported: the relative error ``max|a - b| /
 against reference (same dtype) and of each against float64, and whether every layer refined the
 same tiles. Tolerances (issue 3): float32 <= 1e-4, half precision <= 1e-2, on auto vs float64
 relative to reference vs float64 (the kernels must be no worse than the reference path in the
-same dtype, with that floor). Exits 1 if a case fails, 0 without a GPU after saying so.
+same dtype, with that floor).
 
-    python scripts/gpu_check.py [--out gpu_check.csv]
+The graph check, first: HSMLA-B2 at 512² in float32 and float16, one
+:class:`~hsmla_med.inference.cuda_graph.GraphedCallable` captured on the first of three random
+inputs and replayed for all three, each against the eager forward (within the dtype's
+tolerance) and float64 (within the bound above); the three inputs must activate different tiles
+(else the replays would not show that the graph follows the gate), and the eager forward must
+hold no host sync (:func:`hsmla_med.bench.census.census`, and CUDA's sync debug mode around an
+eager forward and a replay). Rows go to ``<out>_graph.csv`` beside ``--out``; both files are
+rewritten after every row, so that a run cut off keeps what it checked. Exits 1 if a case
+fails, 0 without a GPU after saying so.
+
+    python scripts/gpu_check.py [--out gpu_check.csv] [--graph-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -33,6 +46,8 @@ CASES = [  # variant, spatial shape, routing
     ("b2", (200, 232), "gate"),  # partial edge tiles at every stride
     ("b0", (64, 64, 64), "gate"),
 ]
+GRAPH_SIDE = 512  # the graph check: HSMLA-B2 at GRAPH_SIDE², batch 1
+GRAPH_INPUTS = 3  # random inputs replayed from the graph captured on the first
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -77,28 +92,117 @@ def check(variant: str, shape: tuple[int, ...], routing: str, dtype: torch.dtype
     }
 
 
+def _active(net: torch.nn.Module) -> list[torch.Tensor]:
+    """Per HSMLA layer, the tiles the last forward refined (copies: a replay overwrites the gate)."""
+    return [(s["gate"] > s["tau"]).clone() for s in net.gate_stats().values()]
+
+
+def _sync_warnings(fn) -> int:
+    """Host syncs CUDA's sync debug mode reports while ``fn()`` runs."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(w.message) for w in seen)
+
+
+def graph_check(dtype: torch.dtype) -> list[dict]:
+    """HSMLA-B2 at ``GRAPH_SIDE``² in ``dtype``: one CUDA graph replayed for ``GRAPH_INPUTS`` inputs
+    whose active tiles differ, against the eager forward and float64; a row per input.
+
+    The replays run first, each read right after it: a layer's ``last_gate`` is the graph's own
+    buffer only until an eager forward of the same network assigns a new one."""
+    from hsmla_med.bench.census import census
+    from hsmla_med.inference.cuda_graph import GraphedCallable, weights_version
+
+    torch.manual_seed(0)
+    net = build_network(model_config("b2"), 2, 1, 14).cuda().eval()
+    net.set_routing("gate")
+    shape = (1, 1, GRAPH_SIDE, GRAPH_SIDE)
+    calibrate_tau(net, torch.randn(shape, device="cuda"), 0.3)
+    net64, reference = copy.deepcopy(net).double(), copy.deepcopy(net).to(dtype)
+    net64.set_backend("reference")
+    reference.set_backend("reference")
+    net.to(dtype)
+    runner = GraphedCallable(net, version=lambda: weights_version(net))
+    inputs = [torch.randn(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(100 + i)).to(dtype)
+              for i in range(GRAPH_INPUTS)]
+    with torch.no_grad():
+        replayed = [(runner(x), _active(net)) for x in inputs]  # captured on the first input
+        eager = [(net(x), _active(net)) for x in inputs]
+        _, seen = census(net, inputs[0])
+        syncs = _sync_warnings(lambda: (net(inputs[0]), runner(inputs[0])))
+        rows = []
+        for i, (x, (y_graph, graph_tiles), (y_eager, eager_tiles)) in enumerate(zip(inputs, replayed, eager)):
+            y64, y_ref = net64(x.double()), reference(x)
+            err_ref, err_graph = relative(y_ref, y64), relative(y_graph, y64)
+            alphas = [float(t.float().mean()) for t in graph_tiles]
+            rows.append({
+                "variant": "b2", "shape": f"{GRAPH_SIDE}x{GRAPH_SIDE}", "dtype": str(dtype).removeprefix("torch."), "input": i,
+                "mean_alpha": sum(alphas) / len(alphas), "alphas": " ".join(f"{a:.3f}" for a in alphas),
+                # the premise: each input refines other tiles than every other input (eagerly)
+                "tiles_differ": all(not all(torch.equal(a, b) for a, b in zip(eager_tiles, other[1]))
+                                    for j, other in enumerate(eager) if j != i),
+                "same_tiles": all(torch.equal(a, b) for a, b in zip(eager_tiles, graph_tiles)),
+                "graph_vs_eager": relative(y_graph, y_eager), "reference_vs_float64": err_ref, "graph_vs_float64": err_graph,
+                "bound": max(TOLERANCE[dtype], 2 * err_ref), "census_syncs": len(seen.syncs), "sync_warnings": syncs,
+                "captured": runner.captured,
+            })
+            row = rows[-1]
+            row["ok"] = bool(
+                torch.isfinite(y_graph).all() and row["graph_vs_eager"] <= TOLERANCE[dtype] and err_graph <= row["bound"]
+                and row["tiles_differ"] and row["census_syncs"] == 0 and syncs == 0 and runner.captured == 1 and not runner.failed
+            )
+    return rows
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    """``rows`` as a CSV at ``path`` (replaced whole: a run cut off leaves the rows so far)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(path)
+
+
+def show(row: dict) -> None:
+    print(", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("bench_out/gpu_check.csv"))
+    p.add_argument("--graph-only", action="store_true", help="only the graph check")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing to check")
         return 0
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    rows = []
-    for variant, shape, routing in CASES:
-        for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            row = check(variant, shape, routing, dtype)
-            rows.append(row)
-            print(", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    graph_rows, rows = [], []
+    for dtype in (torch.float16, torch.float32):
+        for row in graph_check(dtype):
+            graph_rows.append(row)
+            show(row)
+            write_rows(args.out.with_name(args.out.stem + "_graph.csv"), graph_rows)
+    graph_failed = [r for r in graph_rows if not r["ok"]]
+    print(f"graph check: {len(graph_rows) - len(graph_failed)}/{len(graph_rows)} replays equal eager, in bounds, tiles differing, no host sync")
+    if not args.graph_only:
+        for variant, shape, routing in CASES:
+            for dtype in (torch.float32, torch.float16, torch.bfloat16):
+                row = check(variant, shape, routing, dtype)
+                rows.append(row)
+                show(row)
+                write_rows(args.out, rows)
     failed = [r for r in rows if not r["ok"]]
-    print(f"{len(rows) - len(failed)}/{len(rows)} cases within tolerance")
-    return 1 if failed else 0
+    if rows:
+        print(f"{len(rows) - len(failed)}/{len(rows)} cases within tolerance")
+    return 1 if failed or graph_failed else 0
 
 
 if __name__ == "__main__":

@@ -88,35 +88,163 @@ def test_bench_models_script_is_the_benchmark():
     assert done.returncode == 0 and "--only" in done.stdout and "SegFormer" in done.stdout
 
 
-def test_gpu_benchmark_tables_on_the_cpu(monkeypatch, tmp_path):
-    """``bench --only gpu`` end to end with toy networks (``--device cpu``): every table is written,
-    its reference row has ratio 1 and the ratios are the latency/throughput quotients."""
-    import csv
+class _Toy(torch.nn.Module):
+    """A stand-in network (2D or 3D convolutions) for the GPU benchmark's tables on the CPU."""
 
+    def __init__(self, width: int, dims: int = 2):
+        super().__init__()
+        conv = torch.nn.Conv2d if dims == 2 else torch.nn.Conv3d
+        self.body = torch.nn.Sequential(conv(1, width, 3, padding=1), conv(width, 14, 1))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _toy_gpu_networks(monkeypatch):
+    """Toy networks under every name of the GPU benchmark's 2D and 3D tables."""
     from hsmla_med.bench import gpu as benchmark_gpu
 
-    def toy(width):
-        return lambda: torch.nn.Sequential(torch.nn.Conv2d(1, width, 3, padding=1), torch.nn.Conv2d(width, 14, 1))
+    names_2d = dict.fromkeys(benchmark_gpu.FLOOR + benchmark_gpu.INFERENCE + benchmark_gpu.TRAINING)
+    monkeypatch.setattr(benchmark_gpu, "_models_2d", lambda size: {n: (lambda w=4 + 2 * i: _Toy(w)) for i, n in enumerate(names_2d)})
+    monkeypatch.setattr(benchmark_gpu, "_models_3d", lambda side: {n: (lambda w=2 + 2 * i: _Toy(w, 3)) for i, n in enumerate(benchmark_gpu.CUBE)})
+    return benchmark_gpu
 
-    def toy3d(width):
-        return lambda: torch.nn.Sequential(torch.nn.Conv3d(1, width, 3, padding=1), torch.nn.Conv3d(width, 14, 1))
 
-    names = ("HSMLA-B0", "HSMLA-B1", "HSMLA-B2", "SegFormer-B0", "SegFormer-B2", "SwinUNETR-2D", "MONAI UNet")
-    monkeypatch.setattr(benchmark, "build_models", lambda sample: {n: toy(4 + 4 * i) for i, n in enumerate(names)})
-    monkeypatch.setattr(benchmark_gpu, "_models_3d", lambda side: {"HSMLA-B0 3D": toy3d(2), "SwinUNETR": toy3d(8)})
+def _gpu_csv(folder, table):
+    import csv
+
+    return list(csv.DictReader((folder / f"gpu_{table}.csv").open()))
+
+
+def test_gpu_benchmark_tables_on_the_cpu(monkeypatch, tmp_path):
+    """``bench --only gpu`` end to end with toy networks (``--device cpu``): every table is written
+    with its columns, the modes that need CUDA are rows that say so, each reference row has ratio
+    1 and the ratios are quotients of the same mode's times."""
+    benchmark_gpu = _toy_gpu_networks(monkeypatch)
     argv = ["--only", "gpu", "--device", "cpu", "--size", "16", "--size-3d", "8", "--train-batch", "2",
             "--warmup", "1", "--reps", "2", "--out", str(tmp_path)]
     assert bench_main.main(argv) == 0
-    read = lambda name: list(csv.DictReader((tmp_path / name).open()))  # noqa: E731
-    inference, cube, training = read("gpu_inference.csv"), read("gpu_3d.csv"), read("gpu_training.csv")
-    assert [r["model"] for r in inference] == list(names) and [r["model"] for r in training] == list(names)
-    b2 = next(r for r in inference if r["model"] == "SegFormer-B2")
-    assert float(b2["speedup_vs_segformer_b2"]) == 1.0
-    for r in inference:
-        assert float(r["speedup_vs_segformer_b2"]) == pytest.approx(float(b2["latency_ms"]) / float(r["latency_ms"]), rel=0.02, abs=0.01)
-    assert next(float(r["speedup_vs_swinunetr"]) for r in cube if r["model"] == "SwinUNETR") == 1.0
-    for r in training:
+    machine = ["device", "torch", "triton", "commit"]
+    forward = ["model", "mode", "batch", "params_m", "ms", "replay_ms", "images_per_s", "peak_mib"]
+    columns = {
+        "floor": forward + ["vs_segformer_b2", "replay_vs_segformer_b2", "status"],
+        "inference": forward + ["vs_segformer_b2", "replay_vs_segformer_b2", "status"],
+        "3d": forward + ["vs_segresnet", "vs_swinunetr", "replay_vs_segresnet", "replay_vs_swinunetr", "status"],
+        "training": ["model", "mode", "batch", "params_m", "step_ms", "images_per_s", "peak_mib", "vs_segformer_b2", "vs_swinunetr_2d", "status"],
+        "kernels": ["model", "mode", "batch", "gpu_kernels", "gpu_memcpy_memset", "census_kernels", "census_aten", "census_triton",
+                    "host_syncs", "sync_ops", "status"],
+    }
+    tables = {name: _gpu_csv(tmp_path, name) for name in columns}
+    for name, rows in tables.items():
+        assert list(rows[0]) == columns[name] + machine, name
+        assert {r["device"] for r in rows} == {"CPU (smoke run, not a benchmark)"}
+        for r in rows:
+            assert r["status"] == ("skipped: needs CUDA (--device cpu is a smoke run)" if r["mode"] != "eager" else
+                                   ("census only: the profiler's kernel count needs CUDA" if name == "kernels" else "ok")), (name, r)
+    inference = tables["inference"]
+    assert [(r["model"], r["mode"], r["batch"]) for r in inference] == [
+        (n, m, b) for m in benchmark_gpu.MODES for b in ("1", "16") for n in benchmark_gpu.INFERENCE]
+    assert [r["model"] for r in tables["floor"] if r["mode"] == "eager"] == list(benchmark_gpu.FLOOR)
+    for batch in ("1", "16"):
+        eager = [r for r in inference if r["mode"] == "eager" and r["batch"] == batch]
+        reference = next(float(r["ms"]) for r in eager if r["model"] == "SegFormer-B2")
+        for r in eager:
+            assert float(r["vs_segformer_b2"]) == pytest.approx(reference / float(r["ms"]), rel=0.01, abs=0.002)
+            assert float(r["images_per_s"]) == pytest.approx(int(batch) / float(r["ms"]) * 1e3, rel=0.02, abs=0.1)
+            assert r["replay_ms"] == r["replay_vs_segformer_b2"] == ""
+    cube = [r for r in tables["3d"] if r["mode"] == "eager"]
+    assert next(float(r["vs_swinunetr"]) for r in cube if r["model"] == "SwinUNETR") == 1.0
+    assert next(float(r["vs_segresnet"]) for r in cube if r["model"] == "SegResNet") == 1.0
+    training = tables["training"]
+    assert {r["mode"] for r in training} == {"eager", "compiled"}  # no graph mode in training
+    for r in (r for r in training if r["mode"] == "eager"):
         assert float(r["images_per_s"]) == pytest.approx(2 / float(r["step_ms"]) * 1e3, rel=0.02, abs=0.1)
+    assert next(float(r["vs_swinunetr_2d"]) for r in training if r["model"] == "SwinUNETR-2D" and r["mode"] == "eager") == 1.0
+    kernels = [r for r in tables["kernels"] if r["mode"] == "eager"]
+    assert [r["model"] for r in kernels] == list(benchmark_gpu.KERNELS)
+    for r in kernels:  # two convolutions with their biases; no host sync
+        assert int(r["census_kernels"]) == int(r["census_aten"]) >= 2 and r["census_triton"] == r["host_syncs"] == "0"
+        assert r["gpu_kernels"] == ""
+
+
+def test_gpu_benchmark_reports_a_failed_compile_or_capture_as_a_row(monkeypatch, tmp_path):
+    """The graph and compiled modes' machinery on the CPU (CPU tensors count as CUDA ones, the
+    capture is faked): a network whose capture fails, and one whose compile fails, are rows whose
+    status names the step and the error, and the other networks' rows and ratios are unaffected;
+    ``--networks`` and ``--modes`` pick rows in their table's order and the order given."""
+    from hsmla_med.inference import cuda_graph
+
+    benchmark_gpu = _toy_gpu_networks(monkeypatch)
+    toys = benchmark_gpu._models_2d(16)
+
+    class Uncapturable(_Toy):
+        pass
+
+    def fake_capture(fn, inputs, pool):
+        if isinstance(getattr(fn, "model", fn), Uncapturable):
+            raise RuntimeError("operation not permitted when stream is capturing")
+        outputs = fn(*inputs)
+        return cuda_graph._Entry(lambda: outputs.copy_(fn(*inputs)), list(inputs), outputs)
+
+    class FakeCompiled:
+        def __init__(self, model):
+            self.model = model
+
+        def __call__(self, x):
+            if isinstance(self.model, _Toy) and self.model.body[0].out_channels == 99:
+                raise RuntimeError("inductor exploded")
+            return self.model(x)
+
+    monkeypatch.setattr(benchmark_gpu, "_models_2d", lambda size: {**toys, "SwinUNETR-2D": lambda: Uncapturable(6), "MONAI UNet": lambda: _Toy(99)})
+    monkeypatch.setattr(benchmark_gpu, "_mode_problem", lambda mode, device: None)
+    monkeypatch.setattr(benchmark_gpu, "_compile", lambda model, mode: FakeCompiled(model))
+    monkeypatch.setattr(cuda_graph, "_capture", fake_capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(cuda_graph.GraphedCallable, "graphed", lambda self, inputs: self.enabled and not self.failed and not torch.is_grad_enabled())
+    argv = ["--only", "gpu", "--device", "cpu", "--tables", "inference,training", "--modes", "graph,compiled", "--batches", "1,2",
+            "--networks", "MONAI UNet,SegFormer-B2,SwinUNETR-2D,HSMLA-B2", "--size", "16", "--train-batch", "2", "--warmup", "1",
+            "--reps", "2", "--out", str(tmp_path)]
+    assert bench_main.main(argv) == 0
+    rows = _gpu_csv(tmp_path, "inference")
+    order = ["HSMLA-B2", "SegFormer-B2", "SwinUNETR-2D", "MONAI UNet"]  # the table's order, not --networks'
+    assert [(r["model"], r["mode"], r["batch"]) for r in rows] == [(n, m, b) for m in ("graph", "compiled") for b in ("1", "2") for n in order]
+    status = {(r["model"], r["mode"], r["batch"]): r["status"] for r in rows}
+    for mode in ("graph", "compiled"):
+        for batch in ("1", "2"):
+            failed = status[("SwinUNETR-2D", mode, batch)]
+            assert failed.startswith("failed: capture: CUDA graph capture of ") and failed.endswith(
+                " failed (RuntimeError: operation not permitted when stream is capturing); running it eagerly"), failed
+            assert status[("HSMLA-B2", mode, batch)] == status[("SegFormer-B2", mode, batch)] == "ok"
+    assert status[("MONAI UNet", "graph", "1")] == "ok"
+    assert status[("MONAI UNet", "compiled", "1")] == "failed: compile: RuntimeError: inductor exploded"
+    for r in rows:
+        assert (r["ms"] == "") == r["status"].startswith("failed")
+    segformer = {(r["mode"], r["batch"]): float(r["ms"]) for r in rows if r["model"] == "SegFormer-B2"}
+    for r in (r for r in rows if r["status"] == "ok"):
+        assert float(r["vs_segformer_b2"]) == pytest.approx(segformer[(r["mode"], r["batch"])] / float(r["ms"]), rel=0.01, abs=0.002)
+    training = _gpu_csv(tmp_path, "training")
+    assert [(r["model"], r["mode"]) for r in training] == [(n, "compiled") for n in ["HSMLA-B2", "SegFormer-B2", "SwinUNETR-2D", "MONAI UNet"]]
+    assert next(r["status"] for r in training if r["model"] == "MONAI UNet") == "failed: compile: RuntimeError: inductor exploded"
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--modes", "eager,fast"], "argument --modes: 'eager,fast': give a comma-separated subset of eager,graph,compiled"),
+    (["--tables", "floor,4d"], "argument --tables: 'floor,4d': give a comma-separated subset of floor,inference,kernels,3d,training"),
+    (["--batches", "1,0"], "argument --batches: must be positive, got 0"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_gpu_benchmark_bad_options(capsys, tmp_path, argv, expected):
+    with pytest.raises(SystemExit) as raised:
+        bench_main.main(["--only", "gpu", "--device", "cpu", "--out", str(tmp_path), *argv])
+    err = capsys.readouterr().err
+    assert raised.value.code == 2 and err.count("\n") == 1 and expected in err, err
+
+
+def test_gpu_benchmark_unknown_network(tmp_path):
+    from hsmla_med.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--networks: unknown network\(s\) \['SegFormer-B9'\] for --only gpu; known: HSMLA-B2 \(refinement off\)"):
+        bench_main.main(["--only", "gpu", "--device", "cpu", "--networks", "HSMLA-B2,SegFormer-B9", "--out", str(tmp_path)])
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("argv, expected", [

@@ -15,12 +15,13 @@ import torch
 
 from hsmla_med.inference import cuda_graph
 from hsmla_med.inference.cuda_graph import GraphedCallable, weights_version
-from hsmla_med.nn import HSMLASegNet
+from hsmla_med.nn import HSMLA, HSMLASegNet, gate_snapshot
 
 
 class FakeCapture:
-    """Stands in for ``_capture``: static copies of the inputs, outputs computed once at capture
-    and refilled in place by each replay."""
+    """Stands in for ``_capture`` as a graph behaves: static copies of the inputs, outputs (and
+    the gates the capture leaves on the HSMLA layers) computed once at capture, refilled in place
+    by each replay, which runs no Python, so the layers' attributes are left as they were."""
 
     def __init__(self, fail: bool = False) -> None:
         self.captures, self.replays, self.fail = [], 0, fail
@@ -30,15 +31,27 @@ class FakeCapture:
             raise RuntimeError("operation not permitted when stream is capturing")
         static = [x.clone() for x in inputs]
         outputs = fn(*static)
+        layers = [m for m in _modules(fn) if isinstance(m, HSMLA)]
+        gates = [layer.last_gate for layer in layers]  # the graph's own gate memory
         self.captures.append(tuple(tuple(x.shape) for x in inputs))
 
         def replay():
             self.replays += 1
+            before = [layer.last_gate for layer in layers]
             fresh = fn(*static)
             for out, new in zip(outputs if isinstance(outputs, tuple) else (outputs,), fresh if isinstance(fresh, tuple) else (fresh,)):
                 out.copy_(new)
+            for layer, gate, old in zip(layers, gates, before):
+                if gate is not None:
+                    gate.copy_(layer.last_gate)
+                layer.last_gate = old  # a replay sets no attribute
 
         return cuda_graph._Entry(replay, static, outputs)
+
+
+def _modules(fn):
+    module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "module", None)
+    return list(module.modules()) if module is not None else []
 
 
 @pytest.fixture
@@ -83,20 +96,39 @@ def test_outputs_are_copies_that_a_later_replay_leaves_alone(fake_cuda):
     torch.testing.assert_close(first, kept, rtol=0, atol=0)
 
 
-def test_tuple_outputs_and_last_gate_follow_the_replay(fake_cuda):
+def test_tuple_outputs(fake_cuda):
     net = _net()
-    runner = GraphedCallable(lambda x: (net(x), x.sum()))
-    layer = next(iter(net.hsmla_layers().values()))
+
+    def logits_and_sum(x):
+        return net(x), x.sum()
+
+    runner = GraphedCallable(logits_and_sum)
     with torch.no_grad():
         for seed in range(3):
             torch.manual_seed(seed)
             x = torch.randn(1, 1, 64, 64)
             out, total = runner(x)
-            gate = layer.last_gate.clone()
-            net(x)  # eager: the gate of the same input
-            torch.testing.assert_close(gate, layer.last_gate, rtol=0, atol=0)
+            torch.testing.assert_close(out, net(x), rtol=0, atol=0)
             torch.testing.assert_close(total, x.sum())
     assert len(fake_cuda.captures) == 1
+
+
+def test_last_gate_describes_the_last_call_whichever_shape_it_had(fake_cuda):
+    """A replay refills the gate its capture left on each layer; the runner puts that tensor back
+    on the layer (a replay runs no Python), also after another shape's capture or an eager call."""
+    net = _net()
+    runner = GraphedCallable(net, state=lambda: gate_snapshot(net))
+    layer = next(iter(net.hsmla_layers().values()))
+    with torch.no_grad():
+        for seed, batch in enumerate([2, 1, 2, 1, 2]):
+            torch.manual_seed(seed)
+            x = torch.randn(batch, 1, 64, 64)
+            runner(x)
+            gate = layer.last_gate.clone()
+            assert gate.shape[0] == batch
+            net(x)  # eager: the gate of the same input
+            torch.testing.assert_close(gate, layer.last_gate, rtol=0, atol=0)
+    assert len(fake_cuda.captures) == 2
 
 
 def test_a_weight_change_captures_again(fake_cuda):

@@ -13,8 +13,10 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
+CUDA = torch.cuda.is_available()
+if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
+DEVICE = torch.device("cuda" if CUDA else "cpu")  # on a GPU the same tests run natively, through the op
 
 pytest.importorskip("triton")
 
@@ -29,12 +31,12 @@ def _layer(spatial_dims, channels=32, head_dim=16, block=4, seed=0):
     torch.manual_seed(seed)
     layer = HSMLA(spatial_dims, channels, head_dim=head_dim, block=block, window=5, backend="triton").eval()
     torch.nn.init.normal_(layer.gate_weight, std=2.0)
-    return layer
+    return layer.to(DEVICE)
 
 
 def _map(spatial, channels=32, seed=1):
     torch.manual_seed(seed)
-    x = torch.randn(1, channels, *spatial)
+    x = torch.randn(1, channels, *spatial, device=DEVICE)
     return x.contiguous(memory_format=torch.channels_last if len(spatial) == 2 else torch.channels_last_3d)
 
 
@@ -85,9 +87,9 @@ def test_routing_off_and_all_sync_never(routing):
 @pytest.mark.parametrize("spatial_dims,variant", [(2, "b2"), (3, "b0")])
 def test_network_inference_syncs_never(spatial_dims, variant):
     torch.manual_seed(0)
-    net = HSMLASegNet(spatial_dims, 1, 3, variant=variant).eval()
+    net = HSMLASegNet(spatial_dims, 1, 3, variant=variant).eval().to(DEVICE)
     net.set_backend("triton")
-    x = torch.randn(1, 1, *((64, 64) if spatial_dims == 2 else (32, 32, 32)))
+    x = torch.randn(1, 1, *((64, 64) if spatial_dims == 2 else (32, 32, 32)), device=DEVICE)
     with torch.no_grad():
         net.calibrate_tau(x, 0.3)
         net(x)
@@ -104,7 +106,7 @@ def test_training_step_syncs_never(spatial):
     """Forward and backward in training: the soft refinement on every token, by batched window
     attention on large maps and masked N x N scores on small ones."""
     torch.manual_seed(0)
-    layer = HSMLA(2, 32, head_dim=16).train()
+    layer = HSMLA(2, 32, head_dim=16).train().to(DEVICE)
     x = _map(spatial).requires_grad_(True)
 
     def step():

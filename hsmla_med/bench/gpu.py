@@ -1,47 +1,134 @@
 """GPU benchmark (``hsmla-med bench --only gpu``): HSMLA networks against their peers on one CUDA
-device, side by side in one run (issue 17).
+device, every network measured the same way, in one run, side by side as ratios (issues 17, 50).
 
-- Inference, batch 1, float16, ``--size`` squared (1 -> 14 classes): the networks of
-  :func:`hsmla_med.bench.models.build_models` (HSMLA-B0/B1/B2 with tau calibrated to alpha 0.3,
-  B2 with the refinement off and with alpha 1, SegFormer-B0/B2, SwinUNETR-2D, MONAI UNet):
-  median latency, peak memory, ratio to SegFormer-B2.
-- 3D, batch 1, float16, ``--size-3d`` cubed: HSMLA-B0 (3D) against MONAI's SwinUNETR and SegResNet.
-- Training, bf16 autocast, AdamW, batch ``--train-batch`` at ``--size``: images per second and
-  peak memory of one optimizer step per iteration, for the 2D networks.
+A batch-1 forward of these networks on a GPU is bound by the host launching kernels, not by the
+arithmetic (docs/benchmarks.md: SegFormer-B2 took 21.9 ms on one H100 start and 33.5 ms on the
+next). So each network runs in up to three modes, and each ratio compares networks in the same
+mode:
 
-Times are CUDA-event medians after warm-up, inputs rotated among several copies so that no
-call finds its input in the L2 cache. ``--device cpu`` runs the same code with wall-clock
-timers (the smoke test does, at toy sizes); its figures are not the CPU benchmark's
-(``hsmla-med bench --only models``). The Triton kernel table is ``scripts/bench_kernels.py``.
-Writes ``gpu_inference.csv``, ``gpu_3d.csv`` and ``gpu_training.csv`` into ``--out``.
+- ``eager``: the module called as it is;
+- ``graph``: the eager module replayed from a CUDA graph captured per input shape by
+  :class:`~hsmla_med.inference.cuda_graph.GraphedCallable`, the runner ``infer`` and
+  ``wsi-heatmap`` use;
+- ``compiled``: ``torch.compile(model, dynamic=False)`` (``--compile-mode``, default Inductor's
+  default mode: ``max-autotune`` tunes for minutes, too long for a GPU window) inside the same
+  runner (compiled+graph). Not ``mode="reduce-overhead"``: its CUDA graphs skip themselves
+  silently where they cannot capture, and the same runner for both graph modes makes a
+  failed capture a row that says so.
+
+A mode a network cannot run in (a compile or capture error, an out-of-memory) is a row whose
+``status`` holds the error, not a crash; on the CPU (``--device cpu``, a smoke run of the same
+code at toy sizes) the graph and compiled modes are reported as skipped.
+
+Times: ``ms`` is the median of per-call CUDA-event times after ``--warmup`` calls, inputs
+rotated among several copies (a graph mode's call: copying the input in, the replay, the output
+copied out, as the runner costs a user); ``replay_ms`` (graph modes) is
+``triton.testing.do_bench_cudagraph``'s median of the forward replayed from its own graph, the
+issue's figure (blank where triton lacks it). ``peak_mib``: the peak allocated from the
+network's build to its last timed call (weights, capture, working memory).
+
+Tables, each ``--tables`` name writing ``gpu_NAME.csv`` into ``--out`` (rewritten after every
+row, so that a run cut off keeps what it measured) and printed as markdown:
+
+- ``floor``: graph replay of HSMLA-B2 with the refinement off, on the ``dense`` backend (static
+  shapes in PyTorch alone) and SegFormer-B2, ``--size``², float16, batch 1: what a captured
+  forward costs before any new kernel (issue 50, item 6);
+- ``inference``: ``--size``², float16, batches ``--batches`` (images/s at 16): HSMLA-B0/B1/B2
+  (tau calibrated to alpha 0.3), SegFormer-B0/B2, SwinUNETR-2D, MONAI UNet; ratios to
+  SegFormer-B2;
+- ``kernels``: GPU kernels per forward counted by ``torch.profiler`` (kernels; memcpy and memset
+  apart) of HSMLA-B2 and SegFormer-B2, eager and compiled, beside the census of the eager
+  forward (:func:`hsmla_med.bench.census.census`: kernel-launching ATen operations, Triton
+  launches and host syncs);
+- ``3d``: ``--size-3d``³, float16, batch 1: HSMLA-B0 3D against SegResNet and SwinUNETR;
+- ``training``: one AdamW step of cross-entropy per call, bf16 autocast, batch ``--train-batch``
+  at ``--size``², eager and compiled (no graph mode): images/s, ratios to SegFormer-B2 and
+  SwinUNETR-2D.
+
+Every row carries the device, torch, triton and the git commit. ``--tables`` and ``--modes`` run
+in the order given and ``--networks`` (shared with the learning table) keeps the named networks
+of each table, in the table's order (most important first), so that a short GPU window measures
+what matters first and a later one the rest (``scripts/gpu_session.sh``). The Triton kernels
+alone: ``scripts/bench_kernels.py``.
 """
 
 from __future__ import annotations
 
+import argparse
+import gc
+import logging
 import statistics
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from hsmla_med.bench.common import device, non_negative_int, positive_int
 from hsmla_med.config import build_network, model_config
+from hsmla_med.errors import ConfigError
+from hsmla_med.inference.cuda_graph import GraphedCallable
 from hsmla_med.nn import calibrate_tau
 
-__all__ = ["add_arguments", "run", "bench_inference", "bench_3d", "bench_training"]
+__all__ = ["add_arguments", "device_problem", "run", "MODES", "TABLES"]
 
 OUT_CHANNELS = 14
 COPIES = 4  # input copies rotated through the timed calls
+REPLAY_BUDGET_MS = 100  # do_bench_cudagraph's rep: forwards unrolled into its graph to fill about this
+PROFILED_FORWARDS = 3  # the kernel count is their mean
+MODES = ("eager", "graph", "compiled")
+TABLES = ("floor", "inference", "kernels", "3d", "training")
+MACHINE = ("device", "torch", "triton", "commit")  # columns of every row, printed once
+
+# the networks of each table, most important first (a run cut off has measured them)
+FLOOR = ("HSMLA-B2 (refinement off)", "HSMLA-B2 (dense backend)", "SegFormer-B2")
+INFERENCE = ("HSMLA-B2", "SegFormer-B2", "HSMLA-B0", "HSMLA-B1", "SegFormer-B0", "SwinUNETR-2D", "MONAI UNet")
+KERNELS = ("HSMLA-B2", "SegFormer-B2")
+CUBE = ("HSMLA-B0 3D", "SegResNet", "SwinUNETR")
+TRAINING = ("HSMLA-B2", "SegFormer-B2", "SwinUNETR-2D", "HSMLA-B0", "HSMLA-B1", "SegFormer-B0", "MONAI UNet")
+KNOWN = tuple(dict.fromkeys(FLOOR + INFERENCE + CUBE + TRAINING))
+
+log = logging.getLogger("hsmla_med")
+
+
+def _choices(known: tuple[str, ...]) -> Callable[[str], list[str]]:
+    """argparse type: a comma-separated subset of ``known``, in the order given."""
+
+    def parse(text: str) -> list[str]:
+        items = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+        unknown = [t for t in items if t not in known]
+        if not items or unknown:
+            raise argparse.ArgumentTypeError(f"{text!r}: give a comma-separated subset of {','.join(known)}")
+        return items
+
+    return parse
+
+
+def _batches(text: str) -> list[int]:
+    """argparse type: comma-separated positive batch sizes."""
+    return [positive_int(t) for t in text.split(",")]
 
 
 def add_arguments(parser) -> None:
-    g = parser.add_argument_group("GPU benchmark (--only gpu)")
+    g = parser.add_argument_group(
+        "GPU benchmark (--only gpu)",
+        f"--networks (shared with the learning table) picks a comma-separated subset of: {', '.join(KNOWN)}; "
+        "each table measures those of its networks that are named, in its own order",
+    )
     g.add_argument("--device", type=device, default="cuda", help="cuda (default) | cuda:N | cpu (a smoke run of the same code)")
+    g.add_argument("--tables", type=_choices(TABLES), default=list(TABLES), help=f"comma-separated, run in the order given (default {','.join(TABLES)})")
+    g.add_argument("--modes", type=_choices(MODES), default=list(MODES),
+                   help="comma-separated, run in the order given (default eager,graph,compiled): eager, graph (CUDA graph replay of the eager "
+                        "module), compiled (torch.compile inside the same CUDA graph runner; eager and compiled only in training)")
+    g.add_argument("--compile-mode", choices=["default", "max-autotune-no-cudagraphs"], default="default",
+                   help="torch.compile mode of the compiled rows (default: default; max-autotune tunes for minutes)")
+    g.add_argument("--batches", type=_batches, default=[1, 16], help="batch sizes of the inference table (default 1,16)")
     g.add_argument("--size-3d", type=positive_int, default=96, help="cube side of the 3D table (default 96)")
     g.add_argument("--train-batch", type=positive_int, default=8, help="images per training step (default 8)")
-    g.add_argument("--warmup", type=non_negative_int, default=5, help="untimed calls per model (default 5)")
-    g.add_argument("--reps", type=positive_int, default=30, help="timed calls per model (default 30)")
+    g.add_argument("--warmup", type=non_negative_int, default=5, help="untimed calls per row (default 5)")
+    g.add_argument("--reps", type=positive_int, default=30, help="timed calls per row (default 30)")
 
 
 def device_problem(name: str) -> str | None:
@@ -52,6 +139,39 @@ def device_problem(name: str) -> str | None:
     return None
 
 
+# -- the networks ---------------------------------------------------------------------------------
+def _models_2d(size: int) -> dict[str, Callable[[], torch.nn.Module]]:
+    """The 2D networks by name (:func:`hsmla_med.bench.models.build_models`, taus calibrated on a
+    random ``size``² image) and HSMLA-B2 on the ``dense`` backend."""
+    from hsmla_med.bench import models
+
+    makers = models.build_models(torch.randn(1, 1, size, size))
+
+    def dense() -> torch.nn.Module:
+        net = makers["HSMLA-B2"]()
+        net.set_backend("dense")
+        return net
+
+    return {**makers, "HSMLA-B2 (dense backend)": dense}
+
+
+def _models_3d(side: int) -> dict[str, Callable[[], torch.nn.Module]]:
+    from monai.networks.nets import SegResNet, SwinUNETR
+
+    def hsmla():
+        net = build_network(model_config("b0"), 3, 1, OUT_CHANNELS).eval()
+        net.set_routing("gate")
+        calibrate_tau(net, torch.randn(1, 1, side, side, side), 0.3)
+        return net
+
+    return {
+        "HSMLA-B0 3D": hsmla,
+        "SwinUNETR": lambda: SwinUNETR(in_channels=1, out_channels=OUT_CHANNELS, feature_size=48, spatial_dims=3),
+        "SegResNet": lambda: SegResNet(spatial_dims=3, in_channels=1, out_channels=OUT_CHANNELS, init_filters=16),
+    }
+
+
+# -- measuring ------------------------------------------------------------------------------------
 def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
     """Milliseconds of one call: CUDA events on a GPU, the wall clock elsewhere."""
     if device.type == "cuda":
@@ -71,131 +191,371 @@ def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
     return wall_ms
 
 
-def _measure(fn: Callable[[torch.Tensor], object], inputs: list[torch.Tensor], warmup: int, reps: int, device: torch.device) -> tuple[float, float]:
-    """Median milliseconds of ``fn(inputs[i % len(inputs)])`` and peak memory in MiB (CUDA only)."""
+def _median_ms(fn: Callable[[torch.Tensor], object], inputs: list[torch.Tensor], warmup: int, reps: int, device: torch.device) -> float:
+    """Median milliseconds of ``fn(inputs[i % len(inputs)])`` after ``warmup`` calls."""
     timer = _timer(device)
     for i in range(warmup):
         fn(inputs[i % len(inputs)])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    times = [timer(lambda i=i: fn(inputs[i % len(inputs)])) for i in range(reps)]
-    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
-    return statistics.median(times), peak
+    return statistics.median(timer(lambda i=i: fn(inputs[i % len(inputs)])) for i in range(reps))
+
+
+def _replay_ms(fn: Callable[[torch.Tensor], object], x: torch.Tensor) -> float | str:
+    """``fn(x)`` replayed from a CUDA graph by ``triton.testing.do_bench_cudagraph`` (median ms),
+    or ``""`` where this triton has none."""
+    try:
+        from triton.testing import do_bench_cudagraph
+    except ImportError:
+        return ""
+    return round(do_bench_cudagraph(lambda: fn(x), rep=REPLAY_BUDGET_MS, return_mode="median"), 4)
 
 
 def _inputs(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
     return [torch.randn(shape, device=device, dtype=dtype) for _ in range(COPIES)]
 
 
-def _release(device: torch.device) -> None:
+def _reset_memory(device: torch.device) -> int:
+    """Start a peak-memory window; the bytes allocated now."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def _peak_mib(device: torch.device, base: int) -> float | str:
+    return round((torch.cuda.max_memory_allocated(device) - base) / 2**20, 1) if device.type == "cuda" else ""
+
+
+def _release(device: torch.device, compiled: bool = False) -> None:
+    """Free what a row left behind (and Dynamo's compiled code, whose guards hold the model)."""
+    if compiled:
+        torch._dynamo.reset()
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
-def _inference_rows(makers: dict, inputs: list[torch.Tensor], dtype: torch.dtype, warmup: int, reps: int, device: torch.device) -> list[dict]:
-    """Per network (built one at a time, freed before the next): parameters, latency, peak memory."""
-    rows = []
-    for name, make in makers.items():
-        model = make().eval().to(device, dtype)
-        with torch.inference_mode():
-            ms, peak = _measure(model, inputs, warmup, reps, device)
-        rows.append({"model": name, "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
-                     "latency_ms": round(ms, 3), "peak_mib": round(peak, 1)})
-        del model
-        _release(device)
-    return rows
+def _error(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"[:240]
 
 
-def bench_inference(size: int, device: torch.device, warmup: int, reps: int) -> list[dict]:
-    """The 2D inference table; half precision on CUDA, float32 elsewhere."""
-    from hsmla_med.bench.models import build_models
+def _params_m(model: torch.nn.Module) -> float:
+    return round(sum(p.numel() for p in model.parameters()) / 1e6, 2)
 
-    dtype = torch.float16 if device.type == "cuda" else torch.float32
-    sample = torch.randn(1, 1, size, size)
-    inputs = _inputs((1, 1, size, size), device, dtype)
-    rows = _inference_rows(build_models(sample), inputs, dtype, warmup, reps, device)
-    reference = next(r["latency_ms"] for r in rows if r["model"] == "SegFormer-B2")
+
+def _mode_problem(mode: str, device: torch.device) -> str | None:
+    """Why ``mode`` does not run on ``device``, or ``None``."""
+    if mode != "eager" and device.type != "cuda":
+        return "skipped: needs CUDA (--device cpu is a smoke run)"
+    return None
+
+
+def _compile(model: torch.nn.Module, compile_mode: str):
+    """``model`` under ``torch.compile``: static shapes (a new batch size compiles again rather than
+    a slower dynamic kernel), Inductor's ``compile_mode``."""
+    return torch.compile(model, mode=None if compile_mode == "default" else compile_mode, dynamic=False)
+
+
+class _StepFailed(Exception):
+    """A step of preparing a row failed: its message names the step (``compile: ...``)."""
+
+
+@contextmanager
+def _warnings_logged() -> Iterator[list[str]]:
+    """The warnings logged on the ``hsmla_med`` logger meanwhile (a failed capture's reason)."""
+    seen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    handler = Collect(logging.WARNING)
+    log.addHandler(handler)
+    try:
+        yield seen
+    finally:
+        log.removeHandler(handler)
+
+
+def _prepared(model: torch.nn.Module, mode: str, x: torch.Tensor, compile_mode: str) -> tuple[Callable, Callable]:
+    """``(timed, plain)`` for ``mode``: the callable a user's call runs, and the forward under it
+    (what ``do_bench_cudagraph`` captures), compiled and captured for ``x``'s shape now. Raises
+    :class:`_StepFailed` naming the step (compile, capture) that failed."""
+    if mode == "eager":
+        return model, model
+    plain = _compile(model, compile_mode) if mode == "compiled" else model
+    if mode == "compiled":
+        try:
+            plain(x)  # compiles here, not inside the runner's warm-up (which would read as a capture failure)
+        except Exception as err:  # noqa: BLE001 - any compile failure is the row's result
+            raise _StepFailed(f"compile: {_error(err)}") from err
+    runner = GraphedCallable(plain)
+    with _warnings_logged() as seen:
+        runner(x)
+    if runner.failed:
+        raise _StepFailed(f"capture: {seen[-1] if seen else 'see the log'}")
+    return runner, plain
+
+
+def _forward_row(name: str, make: Callable[[], torch.nn.Module], mode: str, batch: int, shape: tuple[int, ...],
+                 dtype: torch.dtype, args, device: torch.device) -> dict:
+    """One network in one mode at one batch size: built, prepared, timed and freed."""
+    row = {"model": name, "mode": mode, "batch": batch, "params_m": "", "ms": "", "replay_ms": "", "images_per_s": "", "peak_mib": ""}
+    problem = _mode_problem(mode, device)
+    if problem:
+        return {**row, "status": problem}
+    base = _reset_memory(device)
+    inputs = _inputs((batch, *shape), device, dtype)
+    status = "ok"
+    model = timed = plain = None
+    try:
+        with torch.no_grad():
+            model = make().eval().to(device, dtype)
+            row["params_m"] = _params_m(model)
+            timed, plain = _prepared(model, mode, inputs[0], args.compile_mode)
+            ms = _median_ms(timed, inputs, args.warmup, args.reps, device)
+            row.update(ms=round(ms, 4), images_per_s=round(batch / ms * 1e3, 1), peak_mib=_peak_mib(device, base))
+            if mode != "eager" and device.type == "cuda":
+                try:
+                    row["replay_ms"] = _replay_ms(plain, inputs[0])
+                except Exception as err:  # noqa: BLE001 - the per-call time stands; say why the replay has none
+                    status = f"ok; replay failed: {_error(err)}"
+    except _StepFailed as err:
+        status = f"failed: {err}"
+    except Exception as err:  # noqa: BLE001 - a network that cannot run in this mode is a row saying why
+        status = f"failed: {_error(err)}"
+    finally:
+        del model, timed, plain, inputs
+        _release(device, compiled=mode == "compiled")
+    return {**row, "status": status}
+
+
+def _ratios(rows: list[dict], key: str, references: dict[str, str]) -> None:
+    """``column = reference's key / row's key`` per mode and batch (a speed-up: above 1, faster
+    than the reference); blank where either is missing."""
     for r in rows:
-        r["speedup_vs_segformer_b2"] = round(reference / r["latency_ms"], 2)
-    return rows
+        for column, reference in references.items():
+            base = next((o[key] for o in rows if o["model"] == reference and o["mode"] == r["mode"]
+                         and o["batch"] == r["batch"] and o[key] != ""), "")
+            r[column] = round(base / r[key], 3) if base != "" and r[key] not in ("", 0) else ""
 
 
-def _models_3d(side: int) -> dict[str, Callable[[], torch.nn.Module]]:
-    from monai.networks.nets import SegResNet, SwinUNETR
+class _Table:
+    """A table's rows, its CSV rewritten after every row (a run cut off keeps what it measured)."""
 
-    def hsmla():
-        net = build_network(model_config("b0"), 3, 1, OUT_CHANNELS).eval()
-        net.set_routing("gate")
-        calibrate_tau(net, torch.randn(1, 1, side, side, side), 0.3)
-        return net
+    def __init__(self, path: Path, machine: dict, ratios: list[tuple[str, dict[str, str]]]) -> None:
+        self.path, self.machine, self.ratios, self.rows = path, machine, ratios, []
 
-    return {
-        "HSMLA-B0 3D": hsmla,
-        "SwinUNETR": lambda: SwinUNETR(in_channels=1, out_channels=OUT_CHANNELS, feature_size=48, spatial_dims=3),
-        "SegResNet": lambda: SegResNet(spatial_dims=3, in_channels=1, out_channels=OUT_CHANNELS, init_filters=16),
-    }
+    def add(self, row: dict) -> None:
+        from hsmla_med.bench.common import write_csv
+
+        status = row.pop("status")
+        for key, references in self.ratios:
+            row.update(dict.fromkeys(references, ""))
+        self.rows.append({**row, "status": status, **self.machine})
+        for key, references in self.ratios:
+            _ratios(self.rows, key, references)
+        write_csv(self.path, self.rows)
+        shown = {k: v for k, v in row.items() if v != ""}
+        print(f"  {', '.join(f'{k}={v}' for k, v in shown.items())}, {status}", flush=True)
+
+    def markdown(self) -> str:
+        from hsmla_med.bench.common import markdown
+
+        return markdown([{k: v for k, v in r.items() if k not in MACHINE} for r in self.rows])
 
 
-def bench_3d(side: int, device: torch.device, warmup: int, reps: int) -> list[dict]:
-    """The 3D inference table at ``side`` cubed."""
+def _forward_table(table: _Table, makers: dict, names: list[str], modes: list[str], batches: list[int],
+                   shape: tuple[int, ...], args, device: torch.device) -> None:
+    """Rows mode by mode, then batch by batch, then network by network: the first mode's ratios
+    are complete before the next mode starts."""
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    inputs = _inputs((1, 1, side, side, side), device, dtype)
-    rows = _inference_rows(_models_3d(side), inputs, dtype, warmup, reps, device)
-    reference = next(r["latency_ms"] for r in rows if r["model"] == "SwinUNETR")
-    for r in rows:
-        r["speedup_vs_swinunetr"] = round(reference / r["latency_ms"], 2)
-    return rows
+    for mode in modes:
+        for batch in batches:
+            for name in names:
+                table.add(_forward_row(name, makers[name], mode, batch, shape, dtype, args, device))
 
 
-def bench_training(size: int, batch: int, device: torch.device, warmup: int, reps: int) -> list[dict]:
-    """Training throughput: one AdamW step of cross-entropy per call, bf16 autocast on CUDA."""
-    from hsmla_med.bench.models import build_models
+# -- the kernel census ----------------------------------------------------------------------------
+def _gpu_kernels(fn: Callable, x: torch.Tensor) -> tuple[float, float]:
+    """GPU kernels per call of ``fn(x)`` as ``torch.profiler`` records them, and memcpy/memset
+    operations per call apart (a mean over :data:`PROFILED_FORWARDS` calls)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
 
-    names = ("HSMLA-B0", "HSMLA-B1", "HSMLA-B2", "SegFormer-B0", "SegFormer-B2", "SwinUNETR-2D", "MONAI UNet")
-    makers = build_models(torch.randn(1, 1, size, size))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILED_FORWARDS):
+            fn(x)
+        torch.cuda.synchronize()
+    # (a range of record_function projected onto the GPU's timeline is no kernel)
+    names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+    copies = sum(n.startswith(("Memcpy", "Memset")) for n in names)
+    return (len(names) - copies) / PROFILED_FORWARDS, copies / PROFILED_FORWARDS
+
+
+def _kernel_row(name: str, make: Callable[[], torch.nn.Module], mode: str, size: int, args, device: torch.device) -> dict:
+    """GPU kernels per forward (profiler) of one network in one mode; for eager also its census."""
+    from hsmla_med.bench.census import census
+
+    row = {"model": name, "mode": mode, "batch": 1, "gpu_kernels": "", "gpu_memcpy_memset": "", "census_kernels": "",
+           "census_aten": "", "census_triton": "", "host_syncs": "", "sync_ops": ""}
+    problem = _mode_problem(mode, device)
+    if problem:
+        return {**row, "status": problem}
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    x = torch.randn(1, 1, size, size, device=device, dtype=dtype)
+    status = "ok" if device.type == "cuda" else "census only: the profiler's kernel count needs CUDA"
+    model = fn = None
+    try:
+        with torch.no_grad():
+            model = make().eval().to(device, dtype)
+            fn = _compile(model, args.compile_mode) if mode == "compiled" else model
+            for _ in range(max(2, args.warmup)):  # caches, Triton's and Inductor's compiles, cuDNN's plans
+                fn(x)
+            if mode == "eager":
+                _, seen = census(model, x)
+                row.update(census_kernels=seen.kernels, census_aten=sum(seen.ops.values()), census_triton=sum(seen.launches.values()),
+                           host_syncs=len(seen.syncs), sync_ops=" ".join(sorted(set(seen.syncs))))
+            if device.type == "cuda":
+                kernels, copies = _gpu_kernels(fn, x)
+                row.update(gpu_kernels=round(kernels, 1), gpu_memcpy_memset=round(copies, 1))
+    except Exception as err:  # noqa: BLE001 - the row says why
+        status = f"failed: {_error(err)}"
+    finally:
+        del model, fn
+        _release(device, compiled=mode == "compiled")
+    return {**row, "status": status}
+
+
+# -- training -------------------------------------------------------------------------------------
+def _training_row(name: str, make: Callable[[], torch.nn.Module], mode: str, size: int, batch: int, args, device: torch.device) -> dict:
+    """One AdamW step of cross-entropy per call, bf16 autocast on CUDA; ``compiled``: the model
+    under ``torch.compile`` (forward and backward), the optimizer eager."""
+    row = {"model": name, "mode": mode, "batch": batch, "params_m": "", "step_ms": "", "images_per_s": "", "peak_mib": ""}
+    problem = _mode_problem(mode, device)
+    if problem:
+        return {**row, "status": problem}
+    base = _reset_memory(device)
     images = _inputs((batch, 1, size, size), device, torch.float32)
     target = torch.randint(0, OUT_CHANNELS, (batch, size, size), device=device)
-    rows = []
-    for name in names:
-        model = makers[name]().train().to(device)
+    status = "ok"
+    model = fn = optimizer = None
+    try:
+        model = make().train().to(device)
+        row["params_m"] = _params_m(model)
+        fn = _compile(model, args.compile_mode) if mode == "compiled" else model
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
         def step(x):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                loss = torch.nn.functional.cross_entropy(model(x).float(), target)
+                loss = torch.nn.functional.cross_entropy(fn(x).float(), target)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
 
-        ms, peak = _measure(step, images, warmup, reps, device)
-        rows.append({"model": name, "batch": batch, "step_ms": round(ms, 2), "images_per_s": round(batch / ms * 1e3, 1),
-                     "peak_mib": round(peak, 1)})
-        del model, optimizer
-        _release(device)
-    reference = next(r["images_per_s"] for r in rows if r["model"] == "SwinUNETR-2D")
-    for r in rows:
-        r["vs_swinunetr_2d"] = round(r["images_per_s"] / reference, 2)
-    return rows
+        if mode == "compiled":
+            try:
+                step(images[0])
+            except Exception as err:  # noqa: BLE001 - the row says why
+                raise _StepFailed(f"compile: {_error(err)}") from err
+        ms = _median_ms(step, images, args.warmup, args.reps, device)
+        row.update(step_ms=round(ms, 3), images_per_s=round(batch / ms * 1e3, 1), peak_mib=_peak_mib(device, base))
+    except _StepFailed as err:
+        status = f"failed: {err}"
+    except Exception as err:  # noqa: BLE001 - the row says why
+        status = f"failed: {_error(err)}"
+    finally:
+        del model, fn, optimizer, images
+        _release(device, compiled=mode == "compiled")
+    return {**row, "status": status}
+
+
+# -- the run --------------------------------------------------------------------------------------
+def _commit() -> str:
+    """The checkout's commit (``+dirty`` with uncommitted changes to tracked files), or ``unknown``."""
+    repo = Path(__file__).resolve().parent.parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return (head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")) if head.returncode == 0 else "unknown"
+
+
+def _machine(device: torch.device) -> dict:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke run, not a benchmark)"
+    return {"device": name, "torch": torch.__version__, "triton": triton_version, "commit": _commit()}
+
+
+def _selected(networks: str | None, order: tuple[str, ...]) -> list[str]:
+    """``order`` filtered by ``--networks`` (all of it without)."""
+    if not networks:
+        return list(order)
+    named = {n.strip() for n in networks.split(",")}
+    return [n for n in order if n in named]
 
 
 def run(args) -> int:
-    """``hsmla-med bench --only gpu``: the three tables, CSVs into ``args.out``."""
-    from hsmla_med.bench.common import markdown, write_csv
-
+    """``hsmla-med bench --only gpu``: the ``--tables``, CSVs into ``args.out``."""
+    if args.networks:
+        unknown = sorted({n.strip() for n in args.networks.split(",")} - set(KNOWN))
+        if unknown:
+            raise ConfigError(f"--networks: unknown network(s) {unknown} for --only gpu; known: {', '.join(KNOWN)}")
     device = torch.device(args.device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke run, not a benchmark)"
-    print(f"GPU benchmark on {name}, torch {torch.__version__}, {args.warmup} warm-up + {args.reps} timed calls, {COPIES} inputs rotated")
+    machine = _machine(device)
+    print(f"GPU benchmark on {machine['device']}, torch {machine['torch']}, triton {machine['triton']}, commit {machine['commit']}; "
+          f"modes {','.join(args.modes)} (compiled: torch.compile mode {args.compile_mode}); {args.warmup} warm-up + {args.reps} "
+          f"timed calls, {COPIES} inputs rotated", flush=True)
+    out = Path(args.out)
+    side = args.size
+    forward_modes = args.modes
+    lazy_2d: dict[str, Callable] = {}
+
+    def makers_2d() -> dict:
+        if not lazy_2d:
+            lazy_2d.update(_models_2d(side))
+        return lazy_2d
+
+    speedup_b2 = [("ms", {"vs_segformer_b2": "SegFormer-B2"}), ("replay_ms", {"replay_vs_segformer_b2": "SegFormer-B2"})]
     tables = {
-        "gpu_inference.csv": (f"inference, batch 1, {args.size}x{args.size}", lambda: bench_inference(args.size, device, args.warmup, args.reps)),
-        "gpu_3d.csv": (f"3D inference, batch 1, {args.size_3d}^3", lambda: bench_3d(args.size_3d, device, args.warmup, args.reps)),
-        "gpu_training.csv": (f"training, batch {args.train_batch}, {args.size}x{args.size}, bf16 autocast",
-                              lambda: bench_training(args.size, args.train_batch, device, args.warmup, args.reps)),
+        "floor": (f"the floor: graph replay before any new kernel, {side}x{side}, batch 1", FLOOR, speedup_b2,
+                  lambda t, names: _forward_table(t, makers_2d(), names, forward_modes, [1], (1, side, side), args, device)),
+        "inference": (f"inference, {side}x{side}, batches {','.join(map(str, args.batches))}", INFERENCE, speedup_b2,
+                      lambda t, names: _forward_table(t, makers_2d(), names, forward_modes, args.batches, (1, side, side), args, device)),
+        "kernels": (f"GPU kernels per forward, {side}x{side}, batch 1", KERNELS, [],
+                    lambda t, names: [t.add(_kernel_row(n, makers_2d()[n], m, side, args, device))
+                                      for m in forward_modes if m != "graph" for n in names]),
+        "3d": (f"3D inference, batch 1, {args.size_3d}^3", CUBE,
+               [("ms", {"vs_segresnet": "SegResNet", "vs_swinunetr": "SwinUNETR"}),
+                ("replay_ms", {"replay_vs_segresnet": "SegResNet", "replay_vs_swinunetr": "SwinUNETR"})],
+               lambda t, names: _forward_table(t, _models_3d(args.size_3d), names, forward_modes, [1],
+                                               (1, args.size_3d, args.size_3d, args.size_3d), args, device)),
+        "training": (f"training, batch {args.train_batch}, {side}x{side}, bf16 autocast, AdamW", TRAINING,
+                     [("step_ms", {"vs_segformer_b2": "SegFormer-B2", "vs_swinunetr_2d": "SwinUNETR-2D"})],
+                     lambda t, names: [t.add(_training_row(n, makers_2d()[n], m, side, args.train_batch, args, device))
+                                       for m in forward_modes if m != "graph" for n in names]),
     }
-    for file, (title, table) in tables.items():
+    written = []
+    for key in args.tables:
+        title, order, ratios, fill = tables[key]
+        names = _selected(args.networks, order)
+        if not names:
+            print(f"{title}: none of --networks is in this table, skipped", flush=True)
+            continue
         print(f"{title}:", flush=True)
-        rows = table()
-        write_csv(Path(args.out) / file, rows)
-        print("\n" + markdown(rows) + "\n", flush=True)
-    print(f"wrote {', '.join(tables)} into {args.out}")
+        table = _Table(out / f"gpu_{key}.csv", machine, ratios)
+        fill(table, names)
+        if table.rows:
+            print("\n" + table.markdown() + "\n", flush=True)
+            written.append(table.path.name)
+    print(f"wrote {', '.join(written) or 'nothing'} into {out}")
     return 0

@@ -18,7 +18,7 @@ from hsmla_med.config import build_network
 from hsmla_med.engine.calibration import CalibrationSample, with_temperature
 from hsmla_med.engine.schedule import WarmupCosine
 from hsmla_med.inference.cuda_graph import GraphedCallable, weights_version
-from hsmla_med.nn import GatedNetwork, calibrate_tau
+from hsmla_med.nn import GatedNetwork, calibrate_tau, gate_snapshot
 
 log = logging.getLogger("hsmla_med")
 
@@ -152,7 +152,7 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
         runners = self.__dict__.setdefault("_graph_runners", {})
         runner = runners.get(fn)
         if runner is None:
-            runner = runners[fn] = GraphedCallable(fn, version=lambda: weights_version(self.network))
+            runner = runners[fn] = GraphedCallable(fn, version=lambda: weights_version(self.network), state=lambda: gate_snapshot(self.network))
         fitting = self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING
         runner.enabled = self.cuda_graphs and not fitting and not self.training
         return runner

@@ -52,10 +52,12 @@ def _autocast_state(device: torch.device) -> tuple:
 
 
 class _Entry:
-    """One captured shape: the graph, its static inputs and outputs."""
+    """One captured shape: the graph, its static inputs and outputs, and what restores the
+    module state its capture left (``restore``)."""
 
     def __init__(self, replay: Callable[[], None], inputs: list[torch.Tensor], outputs: Any) -> None:
         self.replay, self.inputs, self.outputs = replay, inputs, outputs
+        self.restore: Callable[[], None] | None = None
 
 
 def _capture(fn: Callable, inputs: tuple[torch.Tensor, ...], pool) -> _Entry:
@@ -86,8 +88,10 @@ class GraphedCallable:
     enabled; the inputs are copied into the graph's static inputs, the graph is replayed and its
     outputs (a tensor or a tuple/list/dict of them) are returned as fresh copies, so that a later
     replay does not overwrite what a caller holds. State that ``fn`` leaves on modules during the
-    capture (an HSMLA layer's ``last_gate``) is the graph's own memory, refilled by every replay:
-    it describes the last call, as in an eager forward.
+    capture (an HSMLA layer's ``last_gate``) is the graph's own memory, refilled by every replay;
+    a replay runs no Python, so ``state`` (called right after each capture) returns a function
+    that puts that state back, and every replay calls it: after a call the modules describe that
+    call, whichever shape was replayed or ran eagerly before.
 
     When ``version`` (e.g. ``lambda: weights_version(net)``) returns something new, every graph is
     dropped and captured again. A capture that fails (an operation that a graph cannot hold) is
@@ -97,10 +101,13 @@ class GraphedCallable:
         fn: the function to run (a network in eval mode, or a function of one).
         version: what the graphs depend on besides the inputs; ``None``: nothing.
         enabled: ``False`` always runs ``fn`` (``--no-cuda-graphs``).
+        state: called after a capture, returns the function that restores the module state
+            the captured call left (e.g. :func:`hsmla_med.nn.gate_snapshot` of the network).
     """
 
-    def __init__(self, fn: Callable, version: Callable[[], Any] | None = None, enabled: bool = True) -> None:
-        self.fn, self.version, self.enabled = fn, version, enabled
+    def __init__(self, fn: Callable, version: Callable[[], Any] | None = None, enabled: bool = True,
+                 state: Callable[[], Callable[[], None]] | None = None) -> None:
+        self.fn, self.version, self.enabled, self.state = fn, version, enabled, state
         self.failed = False  # a capture failed: eager from then on
         self._graphs: dict[tuple, _Entry] = {}
         self._version = None
@@ -133,7 +140,9 @@ class GraphedCallable:
             try:
                 if self._pool is None:
                     self._pool = torch.cuda.graph_pool_handle()
-                entry = self._graphs[key] = _capture(self.fn, inputs, self._pool)
+                entry = _capture(self.fn, inputs, self._pool)
+                entry.restore = self.state() if self.state is not None else None
+                self._graphs[key] = entry
             except Exception as error:  # noqa: BLE001 - any capture failure: run eagerly, say why once
                 log.warning("CUDA graph capture of %s failed (%s: %s); running it eagerly", _name(self.fn), type(error).__name__, error)
                 self.failed = True
@@ -143,6 +152,8 @@ class GraphedCallable:
         for static, x in zip(entry.inputs, inputs):
             static.copy_(x)
         entry.replay()
+        if entry.restore is not None:
+            entry.restore()
         return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.outputs)
 
     @property

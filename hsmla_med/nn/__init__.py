@@ -4,7 +4,7 @@ from hsmla_med.nn import functional
 from hsmla_med.nn.attention import BACKENDS, HSMLA, ROUTING_MODES, calibrate_tau
 from hsmla_med.nn.dispatch import BackendChoice, select_backend
 from hsmla_med.nn.blocks import ChannelLayerNorm, ConvNormAct, DSConv, HSMLABlock, MBConv
-from hsmla_med.nn.hsmla_net import VARIANTS, GatedNetwork, HSMLABackbone, HSMLAClassifier, HSMLASegNet, Variant
+from hsmla_med.nn.hsmla_net import VARIANTS, GatedNetwork, HSMLABackbone, HSMLAClassifier, HSMLASegNet, Variant, gate_snapshot
 
 __all__ = [
     "functional",
@@ -25,4 +25,5 @@ __all__ = [
     "HSMLABackbone",
     "HSMLASegNet",
     "HSMLAClassifier",
+    "gate_snapshot",
 ]

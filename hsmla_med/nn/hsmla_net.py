@@ -15,7 +15,7 @@ from hsmla_med.nn.attention import HSMLA, calibrate_tau
 from hsmla_med.nn.blocks import ConvNormAct, DSConv, HSMLABlock, MBConv
 from hsmla_med.nn.conv import conv_type
 
-__all__ = ["VARIANTS", "DECODERS", "FULL_RES", "Variant", "HSMLABackbone", "UNetDecoder", "HSMLASegNet", "HSMLAClassifier"]
+__all__ = ["VARIANTS", "DECODERS", "FULL_RES", "Variant", "HSMLABackbone", "UNetDecoder", "HSMLASegNet", "HSMLAClassifier", "gate_snapshot"]
 
 STRIDES = (2, 4, 8, 16, 32)  # of the backbone's stages (the stem is the first)
 
@@ -61,6 +61,20 @@ def _check_dims_channels(spatial_dims: int, **channels: int) -> None:
     for name, value in channels.items():
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+def gate_snapshot(module: nn.Module):
+    """A function that sets the gate state of every HSMLA layer in ``module`` (``last_gate`` and
+    what ``last_alpha`` reads) back to what it is now: a CUDA graph's replay refills the gate
+    tensors its capture left on the layers but runs no Python to put them there
+    (:class:`~hsmla_med.inference.cuda_graph.GraphedCallable`'s ``state``)."""
+    kept = [(layer, layer.last_gate, layer._gate_tau, layer._alpha) for layer in module.modules() if isinstance(layer, HSMLA)]
+
+    def restore() -> None:
+        for layer, gate, tau, alpha in kept:
+            layer.last_gate, layer._gate_tau, layer._alpha = gate, tau, alpha
+
+    return restore
 
 
 class GatedNetwork(nn.Module):
