@@ -590,23 +590,20 @@ def _build_window_tables(spatial: tuple[int, ...], block: int, window: int, devi
         shape[axis], shape[dims + axis], shape[2 * dims + axis] = x.shape
         return x.view(shape)
 
-    q_index = k_index = visible = inverse = None
+    q_index = k_index = inverse = 0
+    visible = True
     for axis, n in enumerate(spatial):
         start = torch.arange(grid[axis], device=device).view(-1, 1, 1) * block
         p = torch.arange(block, device=device).view(1, -1, 1)
         u = torch.arange(halo, device=device).view(1, 1, -1)
         stride = math.prod(spatial[axis + 1 :])
         key = start + u - reach  # (grid, 1, halo) map coordinate of halo key u
-        seen = (key >= 0) & (key < n) & (u >= p) & (u < p + window)  # (grid, block, halo)
-        terms = (place((start + p).clamp(max=n - 1) * stride, axis), place(key.clamp(0, n - 1) * stride, axis),
-                 place(seen, axis))
+        q_index = q_index + place((start + p).clamp(max=n - 1) * stride, axis)
+        k_index = k_index + place(key.clamp(0, n - 1) * stride, axis)
+        visible = visible & place((key >= 0) & (key < n) & (u >= p) & (u < p + window), axis)
         token = torch.arange(n, device=device)
-        row = (token // block * tile_rows[axis] + token % block * block ** (dims - 1 - axis)).view(
-            [n if a == axis else 1 for a in range(dims)])
-        if axis == 0:
-            q_index, k_index, visible, inverse = *terms, row
-        else:
-            q_index, k_index, visible, inverse = q_index + terms[0], k_index + terms[1], visible & terms[2], inverse + row
+        row = token // block * tile_rows[axis] + token % block * block ** (dims - 1 - axis)
+        inverse = inverse + row.view([n if a == axis else 1 for a in range(dims)])
     visible = visible.reshape(math.prod(grid), block**dims, halo**dims)
     bias = torch.where(visible, 0.0, _HIDDEN)
     return q_index.reshape(-1), k_index.reshape(-1), bias, visible.float(), inverse.reshape(-1)
