@@ -24,7 +24,7 @@
 #   bench_kernels  scripts/bench_kernels.py: linear attention against copy bandwidth, refine_add
 #                  at alpha 0.3 against alpha 1, graph replay (~45 s; 60)
 #   wsi            wsi-heatmap patches/s against the forward alone on the GPU, where
-#                  `hsmla-med bench --only wsi` has a CUDA run (60)
+#                  `hsmla-med bench --only wsi` has a CUDA run (~45 s; 90)
 #   tests          tests/test_kernels.py, test_graph_ready.py, test_cuda_graph.py natively (~70 s; 100)
 #   inference_all  every 2D network (B0/B1/B2, SegFormer-B0/B2, SwinUNETR-2D, UNet), graph and
 #                  eager, into bench_out/gpu/all (~60 s; 120)
@@ -117,7 +117,7 @@ step bench_kernels 60 "$py" scripts/bench_kernels.py --alphas 0.3 1.0 --out "$re
 if [ "$cuda" = 1 ] && ! $py -c "import inspect, sys; from hsmla_med.bench.wsi import bench_wsi; sys.exit('device' not in inspect.signature(bench_wsi).parameters)" 2>/dev/null; then
   skip wsi "hsmla-med bench --only wsi has no CUDA run yet (hsmla_med.bench.wsi.bench_wsi takes no device): nothing measured"
 else
-  step wsi 60 "${hm[@]}" bench --only wsi --device cuda --out "$res/wsi"
+  step wsi 90 "${hm[@]}" bench --only wsi --device cuda --out "$res/wsi"
 fi
 # 9. the kernel tests natively (one process per 2 cores where pytest-xdist is there: Triton's compiles dominate)
 parallel=$($py -c "import xdist, os; print('-n', max(1, os.cpu_count() // 2))" 2>/dev/null)

@@ -1,5 +1,7 @@
 """The benchmark's arithmetic (its figures are recorded in docs/benchmarks.md, never asserted)."""
 
+import sys
+
 import pytest
 import torch
 
@@ -327,3 +329,117 @@ def test_dense_wsi_bench_slide_has_a_tissue_patch_per_tile(tmp_path):
     grid = camelyon16.slide_patches({"slide": str(slide), "annotation": None, "label": 0}, _data_config(tmp_path / "cache", 256))
     corners = {(int(x), int(y)) for x, y in grid["coords"]}
     assert corners == {(256 * (4 + c), 256 * (4 + r)) for r in range(tiles) for c in range(tiles)}
+
+
+def _fake_wsi_runs(monkeypatch, tmp_path):
+    """The heatmap benchmark with its slides and child processes faked (no generation, no
+    process): every child's command line is recorded and reports 100 patches in a time per mode."""
+    from hsmla_med.bench import wsi
+    from hsmla_med.data.synthetic import wsi as synthetic
+    from hsmla_med.pipelines import camelyon16
+
+    def generate(root, num_normal, num_tumor, num_test, size, seed):
+        (root / "training" / "tumor").mkdir(parents=True)
+        (root / "training" / "tumor" / "tumor_001.tif").write_bytes(b"")
+        return root
+
+    def dense(path, *args, **kwargs):
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"")
+        return path
+
+    commands = []
+    seconds = {"forward": 1.0, "loop-0-tifffile": 1.5, "loop-1-openslide": 2.0}
+
+    def run(cmd):  # each mode's time, 0.5 s more the first time (a row is the best of the rounds)
+        first = cmd not in commands
+        commands.append(cmd)
+        return {"patches": 100, "seconds": seconds.get(cmd[-2], 1.25) + 0.5 * first, "peak_mib": 2.0}
+
+    monkeypatch.setattr(synthetic, "generate_camelyon16", generate)
+    monkeypatch.setattr(camelyon16, "slide_patches", lambda case, config: None)
+    monkeypatch.setattr(wsi, "dense_slide", dense)
+    monkeypatch.setattr(wsi, "_run", run)
+    return wsi, commands
+
+
+def test_wsi_bench_hands_its_device_to_every_child(monkeypatch, tmp_path):
+    """``device`` is the last argument of every heatmap process: ``device="cpu"`` given gives the
+    rows of the default (which, with no ``--only wsi --device`` on the command line, is the CPU);
+    on CUDA (faked here) the default is HSMLA-B0 on the dense slide, one round, the forward and
+    the loop with 8 and 4 tifffile workers."""
+    wsi, commands = _fake_wsi_runs(monkeypatch, tmp_path)
+    monkeypatch.setattr(sys, "argv", ["pytest", "--device", "cuda"])  # another program's --device: not the table's
+    small = {"sizes": ((2048, 1536),), "modes": ("forward", "loop-0-tifffile", "loop-1-openslide")}
+    default = wsi.bench_wsi(**small)
+    assert {c[-1] for c in commands} == {"cpu"} and len(commands) == 2 * (3 * 3 + 3)  # 2 rounds, 3 models + B0 dense, 3 modes
+    commands.clear()
+    assert wsi.bench_wsi(**small, device="cpu") == default
+    assert {c[-1] for c in commands} == {"cpu"}
+    assert [r["mode"] for r in default[:3]] == list(small["modes"])
+    assert [(r["seconds"], r["patches_per_s"], r["vs_forward"]) for r in default[:3]] == [(1.0, 100.0, 1.0), (1.5, pytest.approx(100 / 1.5), pytest.approx(1 / 1.5)), (2.0, 50.0, 0.5)]
+    assert wsi.default_modes("cpu")[:3] == ("forward", "loop-0-openslide", "loop-0-tifffile")
+    commands.clear()
+    from hsmla_med.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"mode 'loop-x-tifffile': use forward or loop-W-R"):
+        wsi.bench_wsi(modes=("forward", "loop-x-tifffile"), device="cpu")
+    assert commands == []
+
+    from contextlib import nullcontext
+
+    commands.clear()
+    monkeypatch.setattr(wsi, "device_problem", lambda device: None)
+    monkeypatch.setattr(wsi, "_precision", lambda device: ("bf16-mixed", nullcontext))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a faked GPU")
+    rows = wsi.bench_wsi(device="cuda:1")
+    modes = ("forward", "loop-8-tifffile", "loop-4-tifffile") + (("loop-8-cucim",) if "loop-8-cucim" in wsi.default_modes("cuda") else ())
+    assert [(c[3:5], c[-2], c[-1]) for c in commands] == [(["HSMLA-B0", commands[0][4]], m, "cuda:1") for m in modes]
+    assert commands[0][4].endswith("dense.tif")
+    assert [(r["model"], r["slide"], r["mode"]) for r in rows] == [("HSMLA-B0", "22528x22528 dense", m) for m in modes]
+
+
+def test_wsi_bench_child_runs_each_mode_on_its_device(tmp_path, monkeypatch):
+    """The child's command line (model, slide, cache, patch, batch, mode, device) on the CPU, in
+    this process: the forward passes alone and the real heatmap loop count the slide's patches."""
+    import contextlib
+    import io
+    import json
+
+    from hsmla_med.bench import wsi
+    from hsmla_med.data.patch_readers import READER_ENV
+    from hsmla_med.data.synthetic.wsi import generate_camelyon16
+
+    monkeypatch.setenv(READER_ENV, "auto")  # (the loop mode sets it)
+    root = generate_camelyon16(tmp_path / "s", num_normal=0, num_tumor=1, num_test=0, size=(2048, 1536), seed=1)
+    slide = str(next((root / "training" / "tumor").glob("*.tif")))
+    results = {}
+    for mode in ("forward", "loop-0-tifffile"):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            wsi._child_main(["HSMLA-B0", slide, str(tmp_path / "cache"), "256", "4", mode, "cpu"])
+        results[mode] = json.loads(out.getvalue().strip().splitlines()[-1])
+    assert results["forward"]["patches"] == results["loop-0-tifffile"]["patches"] > 0
+    assert all(r["seconds"] > 0 for r in results.values())
+
+
+def test_wsi_bench_without_cuda_is_one_line_and_no_rows(capsys, monkeypatch, tmp_path):
+    """``hsmla-med bench --only wsi --device cuda`` on a machine without that device: one line on
+    stderr, exit status 2 (as ``--only gpu``), no process started, no wsi.csv; called with
+    ``device="cuda"`` the function raises ConfigError."""
+    from hsmla_med.bench import wsi
+    from hsmla_med.errors import ConfigError
+
+    def measured(cmd):
+        raise AssertionError("measured although there is no CUDA device")
+
+    monkeypatch.setattr(wsi, "_run", measured)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(SystemExit) as raised:
+        bench_main.main(["--only", "wsi", "--device", "cuda", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert raised.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("hsmla-med bench: error: --only wsi --device cuda: no such CUDA device on this machine (0 found); nothing measured")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ConfigError, match=r"wsi benchmark on cuda:1: no such CUDA device"):
+        wsi.bench_wsi(device="cuda:1")

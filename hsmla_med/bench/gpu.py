@@ -117,7 +117,8 @@ def add_arguments(parser) -> None:
         f"--networks (shared with the learning table) picks a comma-separated subset of: {', '.join(KNOWN)}; "
         "each table measures those of its networks that are named, in its own order",
     )
-    g.add_argument("--device", type=device, default="cuda", help="cuda (default) | cuda:N | cpu (a smoke run of the same code)")
+    g.add_argument("--device", type=device, help="--only gpu: cuda (default) | cuda:N | cpu (a smoke run of the same code); "
+                   "--only wsi: where the heatmaps run (default cpu)")
     g.add_argument("--tables", type=_choices(TABLES), default=list(TABLES), help=f"comma-separated, run in the order given (default {','.join(TABLES)})")
     g.add_argument("--modes", type=_choices(MODES), default=list(MODES),
                    help="comma-separated, run in the order given (default eager,graph,compiled): eager, graph (CUDA graph replay of the eager "
@@ -510,7 +511,7 @@ def run(args) -> int:
         unknown = sorted({n.strip() for n in args.networks.split(",")} - set(KNOWN))
         if unknown:
             raise ConfigError(f"--networks: unknown network(s) {unknown} for --only gpu; known: {', '.join(KNOWN)}")
-    device = torch.device(args.device)
+    device = torch.device(args.device or "cuda")
     machine = _machine(device)
     print(f"GPU benchmark on {machine['device']}, torch {machine['torch']}, triton {machine['triton']}, commit {machine['commit']}; "
           f"modes {','.join(args.modes)} (compiled: torch.compile mode {args.compile_mode}); {args.warmup} warm-up + {args.reps} "

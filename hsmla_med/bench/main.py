@@ -41,7 +41,7 @@ from hsmla_med.runtime import tune_cpu_allocator
 def _wsi(args) -> list[dict]:
     from hsmla_med.bench.wsi import bench_wsi
 
-    return bench_wsi()
+    return bench_wsi(device=args.device or "cpu")  # the heatmaps run on the CPU unless --device names one
 
 
 def _volume(args) -> dict[str, list[dict]]:
@@ -116,9 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.layer_channels % args.head_dim:
         parser.error(f"--layer-channels {args.layer_channels} is not a multiple of --head-dim {args.head_dim}")
     if args.only == "gpu":
+        args.device = args.device or "cuda"
+    if args.only in ("gpu", "wsi") and args.device:
         problem = gpu.device_problem(args.device)
         if problem:
-            parser.error(f"--only gpu --device {args.device}: {problem}")
+            parser.error(f"--only {args.only} --device {args.device}: {problem}")
     torch.set_num_threads(args.threads)
     try:
         tuned = tune_cpu_allocator()
