@@ -23,8 +23,8 @@
 #                  (~100 s; 120)
 #   bench_kernels  scripts/bench_kernels.py: linear attention against copy bandwidth, refine_add
 #                  at alpha 0.3 against alpha 1, graph replay (~45 s; 60)
-#   wsi            wsi-heatmap patches/s against the forward alone on the GPU, where
-#                  `hsmla-med bench --only wsi` has a CUDA run (~45 s; 90)
+#   wsi            wsi-heatmap patches/s against the forward alone on the GPU (HSMLA-B0, the
+#                  dense slide of 6400 tissue patches, 8 and 4 reader workers) (~45 s; 90)
 #   tests          tests/test_kernels.py, test_graph_ready.py, test_cuda_graph.py natively (~70 s; 100)
 #   inference_all  every 2D network (B0/B1/B2, SegFormer-B0/B2, SwinUNETR-2D, UNet), graph and
 #                  eager, into bench_out/gpu/all (~60 s; 120)
@@ -113,12 +113,8 @@ step 3d 90 "${gpu[@]}" --tables 3d --modes graph,eager,compiled --out "$res"
 step training 120 "${gpu[@]}" --tables training --networks HSMLA-B2,SegFormer-B2,SwinUNETR-2D --modes eager,compiled --out "$res"
 # 7. the Triton kernels alone
 step bench_kernels 60 "$py" scripts/bench_kernels.py --alphas 0.3 1.0 --out "$res/kernels_2d.csv"
-# 8. wsi-heatmap on the GPU against the forward alone, once the benchmark has a CUDA run
-if [ "$cuda" = 1 ] && ! $py -c "import inspect, sys; from hsmla_med.bench.wsi import bench_wsi; sys.exit('device' not in inspect.signature(bench_wsi).parameters)" 2>/dev/null; then
-  skip wsi "hsmla-med bench --only wsi has no CUDA run yet (hsmla_med.bench.wsi.bench_wsi takes no device): nothing measured"
-else
-  step wsi 90 "${hm[@]}" bench --only wsi --device cuda --out "$res/wsi"
-fi
+# 8. wsi-heatmap on the GPU against the forward alone
+step wsi 90 "${hm[@]}" bench --only wsi --device cuda --out "$res/wsi"
 # 9. the kernel tests natively (one process per 2 cores where pytest-xdist is there: Triton's compiles dominate)
 parallel=$($py -c "import xdist, os; print('-n', max(1, os.cpu_count() // 2))" 2>/dev/null)
 step tests 100 "$py" -m pytest -q -p no:cacheprovider $parallel tests/test_kernels.py tests/test_graph_ready.py tests/test_cuda_graph.py
