@@ -11,8 +11,9 @@ mode:
   :class:`~hsmla_med.inference.cuda_graph.GraphedCallable`, the runner ``infer`` and
   ``wsi-heatmap`` use;
 - ``compiled``: ``torch.compile(model, dynamic=False)`` (``--compile-mode``, default Inductor's
-  default mode: ``max-autotune`` tunes for minutes, too long for a GPU window) inside the same
-  runner (compiled+graph). Not ``mode="reduce-overhead"``: its CUDA graphs skip themselves
+  default mode: ``max-autotune`` tunes for minutes, too long for a GPU window), for inference
+  with Inductor's ``freezing`` (what is derived from the weights alone, the folded BatchNorm
+  included, computed once), inside the same runner (compiled+graph). Not ``mode="reduce-overhead"``: its CUDA graphs skip themselves
   silently where they cannot capture, and the same runner for both graph modes makes a
   failed capture a row that says so.
 
@@ -61,7 +62,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -281,6 +282,15 @@ def _warnings_logged() -> Iterator[list[str]]:
         log.removeHandler(handler)
 
 
+def _frozen():
+    """Inductor's ``freezing`` for an inference compile: the weights become constants, so what is
+    derived from them alone (folded BatchNorm, the merged multi-scale and gate-pooling kernels,
+    the gate matrix) is computed once at compile time instead of in every call of the graph."""
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(freezing=True)
+
+
 def _prepared(model: torch.nn.Module, mode: str, x: torch.Tensor, compile_mode: str) -> tuple[Callable, Callable]:
     """``(timed, plain)`` for ``mode``: the callable a user's call runs, and the forward under it
     (what ``do_bench_cudagraph`` captures), compiled and captured for ``x``'s shape now. Raises
@@ -290,7 +300,8 @@ def _prepared(model: torch.nn.Module, mode: str, x: torch.Tensor, compile_mode: 
     plain = _compile(model, compile_mode) if mode == "compiled" else model
     if mode == "compiled":
         try:
-            plain(x)  # compiles here, not inside the runner's warm-up (which would read as a capture failure)
+            with _frozen():
+                plain(x)  # compiles here, not inside the runner's warm-up (which would read as a capture failure)
         except Exception as err:  # noqa: BLE001 - any compile failure is the row's result
             raise _StepFailed(f"compile: {_error(err)}") from err
     runner = GraphedCallable(plain)
@@ -414,8 +425,9 @@ def _kernel_row(name: str, make: Callable[[], torch.nn.Module], mode: str, size:
         with torch.no_grad():
             model = make().eval().to(device, dtype)
             fn = _compile(model, args.compile_mode) if mode == "compiled" else model
-            for _ in range(max(2, args.warmup)):  # caches, Triton's and Inductor's compiles, cuDNN's plans
-                fn(x)
+            with _frozen() if mode == "compiled" else nullcontext():
+                for _ in range(max(2, args.warmup)):  # caches, Triton's and Inductor's compiles, cuDNN's plans
+                    fn(x)
             if mode == "eager":
                 _, seen = census(model, x)
                 row.update(census_kernels=seen.kernels, census_aten=sum(seen.ops.values()), census_triton=sum(seen.launches.values()),
