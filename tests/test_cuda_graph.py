@@ -212,3 +212,17 @@ def test_cli_option_reaches_the_options():
         assert _options(on).cuda_graphs and not _options(off).cuda_graphs
     evaluate = build_parser().parse_args(["evaluate", "--checkpoint", "c.ckpt", "--no-cuda-graphs"])
     assert evaluate.cuda_graphs is False
+
+
+def test_inference_mode_and_no_grad_calls_get_their_own_graphs(fake_cuda):
+    """Lightning predicts under ``torch.inference_mode``; a graph captured there has inference
+    tensors as static inputs, which a copy outside inference mode may not write."""
+    net = _net()
+    runner = GraphedCallable(net, version=lambda: weights_version(net))
+    x = torch.randn(1, 1, 32, 32)
+    with torch.inference_mode():
+        inside = runner(x)
+    with torch.no_grad():
+        outside = runner(x)
+    torch.testing.assert_close(inside, outside, rtol=0, atol=0)
+    assert len(fake_cuda.captures) == 2

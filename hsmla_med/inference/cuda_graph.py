@@ -42,7 +42,16 @@ def weights_version(module: torch.nn.Module) -> tuple:
     and version counter. A graph reads the weights where they lie, but tensors derived from them
     (a folded BatchNorm) are copies made before the capture; an optimizer step or loaded weights
     change this, and the graphs are captured again."""
-    return tuple((t.data_ptr(), t._version) for t in (*module.parameters(), *module.buffers()))
+    return tuple((t.data_ptr(), _version(t)) for t in (*module.parameters(), *module.buffers()))
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter; ``None`` for an inference tensor (made under
+    ``torch.inference_mode``), which has none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def _autocast_state(device: torch.device) -> tuple:
@@ -134,6 +143,7 @@ class GraphedCallable:
         key = (
             tuple((tuple(x.shape), x.stride(), x.dtype, x.device) for x in inputs),
             _autocast_state(inputs[0].device),
+            torch.is_inference_mode_enabled(),  # static inputs made in inference mode take copies only there
         )
         entry = self._graphs.get(key)
         if entry is None:
