@@ -16,8 +16,7 @@ from typing import Optional
 
 import torch
 
-from hsmla_med.nn.functional import linear_attention as _linear_reference
-from hsmla_med.nn.functional import local_refine as _refine_reference
+from hsmla_med.nn import functional as HF
 
 from . import linear as _linear
 from . import refine as _refine
@@ -31,12 +30,7 @@ def reference(
 ) -> torch.Tensor:
     """``O_lin`` (``refine`` False), ``O_lin + R`` (``gate`` None) or ``O_lin + [M > tau] * M * R``
     from :mod:`hsmla_med.nn.functional`; the semantics :func:`attention` is tested against."""
-    out = _linear_reference(qh, kh, vh, eps)
-    if not refine:
-        return out
-    if gate is None:
-        return out + _refine_reference(q, k, v, qh, kh, vh, None, 0.0, block, window, eps)
-    return _refine_reference(q, k, v, qh, kh, vh, gate, tau, block, window, eps, add_to=out)
+    return HF.attend(HF.linear_attention, HF.local_refine, q, k, v, qh, kh, vh, gate, tau, refine, block, window, eps)
 
 
 def attention(

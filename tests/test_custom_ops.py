@@ -195,6 +195,33 @@ def test_local_refine_op_float_tau_and_c_kernel(monkeypatch):
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
 
 
+# -- the attention core: linear attention and gated refinement in one op ------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])  # C kernel; reference
+@pytest.mark.parametrize("routing", ["gate", "off", "all"])
+@pytest.mark.parametrize("case", REFINE_CASES, ids=list(REFINE_CASES))
+def test_attention_op(case, routing, dtype, device):
+    """``hsmla::attention`` = float64 ``O_lin`` (+ ``R`` on every tile, or + ``[M > tau] * M * R``)."""
+    shape, block, window = REFINE_CASES[case]
+    maps = _features(shape, 6, dtype, device)
+    tiles = [-(-n // block) for n in shape[2:-1]]
+    gate = torch.rand(shape[0], *tiles, dtype=dtype, device=device) if routing == "gate" else None
+    tau = torch.tensor(0.5, dtype=dtype, device=device)
+    out = _check_op(ops.OPS["attention"], (*maps, gate, tau, routing != "off", block, window, 1e-6))
+    linear = _linear_reference(*maps[3:], 1e-6)
+    if routing == "off":
+        expected = linear
+    elif routing == "all":
+        expected = linear + _refine_reference(maps, None, tau, block, window, 1e-6, None)
+    else:
+        expected = _refine_reference(maps, gate, tau, block, window, 1e-6, linear)
+        assert 0 < int((gate > tau).sum()) < gate.numel()
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
+    assert torch.equal(kernels.attention_op(*maps, gate, tau, routing != "off", block, window, 1e-6), out)
+
+
 # -- networks: one graph --------------------------------------------------------------------------
 
 

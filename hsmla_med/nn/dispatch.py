@@ -106,22 +106,12 @@ class BackendChoice(NamedTuple):
         if self.backend == "triton":
             kernels = _kernel_api()
             return kernels.attention if self.interpreter else kernels.attention_op
-        return functools.partial(_compose, *self.ops())
+        return functools.partial(HF.attend, *self.ops())
 
     def gate_op(self):
         """The registered block gate on the ``cpu`` backend (the C gate; it returns ``None`` for
         maps that are not whole tiles, which the PyTorch gate then takes), else ``None``."""
         return _kernel_api().block_gate_op if self.backend == "cpu" else None
-
-
-def _compose(linear_attention, local_refine, q, k, v, qh, kh, vh, gate, tau, refine: bool, block: int, window: int, eps: float):
-    """:meth:`BackendChoice.attend` from a backend's linear attention and refinement."""
-    out = linear_attention(qh, kh, vh, eps)
-    if not refine:
-        return out
-    if gate is None:
-        return out + local_refine(q, k, v, qh, kh, vh, None, 0.0, block, window, eps)
-    return local_refine(q, k, v, qh, kh, vh, gate, tau, block, window, eps, add_to=out)
 
 
 # What the kernels take depends on the machine (a built library, triton, CUDA) and not on tensor

@@ -25,6 +25,7 @@ __all__ = [
     "local_attention",
     "local_linear_attention",
     "local_refine",
+    "attend",
     "dense_refine",
     "dense_local_refine",
     "dense_fits",
@@ -428,6 +429,21 @@ def local_refine(
     if _channel_first(add_to).is_contiguous():  # the layer's linear output: written tile by tile
         return _tiled((q, k, v), (qh, kh, vh), window, block, index, eps, weight, add_to)
     return add_to.add_(_tiled((q, k, v), (qh, kh, vh), window, block, index, eps, weight))
+
+
+def attend(linear, refine_fn, q, k, v, qh, kh, vh, gate, tau, refine: bool, block: int, window: int, eps: float = DEFAULT_EPS):
+    """The layer's inference output from a linear attention and a refinement of the signatures
+    of :func:`linear_attention` and :func:`local_refine`: ``O_lin`` (``refine`` False, routing
+    ``off``), ``O_lin + R`` (``gate`` None, routing ``all``) or ``O_lin + [M > tau] * M * R``
+    (routing ``gate``). With this module's two it is the reference of the fused kernels
+    (``hsmla_med.kernels.attention``); :meth:`~hsmla_med.nn.dispatch.BackendChoice.attend` composes
+    each backend's pair with it."""
+    out = linear(qh, kh, vh, eps)
+    if not refine:
+        return out
+    if gate is None:
+        return out + refine_fn(q, k, v, qh, kh, vh, None, 0.0, block, window, eps)
+    return refine_fn(q, k, v, qh, kh, vh, gate, tau, block, window, eps, add_to=out)
 
 
 def building_graph() -> bool:
