@@ -114,10 +114,11 @@ def graph_check(dtype: torch.dtype) -> list[dict]:
     """HSMLA-B2 at ``GRAPH_SIDE``² in ``dtype``: one CUDA graph replayed for ``GRAPH_INPUTS`` inputs
     whose active tiles differ, against the eager forward and float64; a row per input.
 
-    The replays run first, each read right after it: a layer's ``last_gate`` is the graph's own
-    buffer only until an eager forward of the same network assigns a new one."""
+    The replays run first, each read right after it (the runner puts the graph's gate buffers
+    back on the layers after each replay, as in ``infer``)."""
     from hsmla_med.bench.census import census
     from hsmla_med.inference.cuda_graph import GraphedCallable, weights_version
+    from hsmla_med.nn import gate_snapshot
 
     torch.manual_seed(0)
     net = build_network(model_config("b2"), 2, 1, 14).cuda().eval()
@@ -128,7 +129,7 @@ def graph_check(dtype: torch.dtype) -> list[dict]:
     net64.set_backend("reference")
     reference.set_backend("reference")
     net.to(dtype)
-    runner = GraphedCallable(net, version=lambda: weights_version(net))
+    runner = GraphedCallable(net, version=lambda: weights_version(net), state=lambda: gate_snapshot(net))  # as GatedModule.graphed
     inputs = [torch.randn(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(100 + i)).to(dtype)
               for i in range(GRAPH_INPUTS)]
     with torch.no_grad():
