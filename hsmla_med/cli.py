@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from hsmla_med.config import load_yaml, task_config
@@ -248,12 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config(args) -> dict:
-    from hsmla_med.config import merge_config, validate_config
+    from hsmla_med.config import merge_user_config, validate_config
     from hsmla_med.engine.run import check_trainer_config
 
     config = task_config(args.task)
     if getattr(args, "config", None):
-        config = validate_config(merge_config(config, load_yaml(args.config), source=args.config), args.config)
+        config = merge_user_config(config, args.config, f"--task {args.task_alias or args.task}")
     if getattr(args, "data_dir", None):
         config["data"]["data_dir"] = args.data_dir
     for key in ("model", "mode", "seed", "output", "fold"):
@@ -364,15 +367,21 @@ def _device(name: str) -> str:
 
 
 _CREATED: list[Path] = []  # output folders this command created (removed again if it fails and they stayed empty)
+#: folder levels below an output folder where commands write (cross-validate's deepest:
+#: fold_K/validation/.provenance/lesions), swept of killed runs' temporaries
+_OUTPUT_DEPTH = 4
 
 
 def _writable_folder(path: str | Path, option: str) -> Path:
-    """``path`` as a folder that exists and can be written, checked before any work is done.
-    The outermost folder this creates is remembered: a command that then fails leaves no empty
-    folders behind (:func:`_remove_empty_created`)."""
+    """``path`` as a folder that exists and can be written, checked before any work is done,
+    and rid of the temporaries that killed runs left in it (``kill -9`` ends a write before its
+    rename: :func:`~hsmla_med.io.remove_stale_temporaries`, only those of processes that no
+    longer run). The outermost folder this creates is remembered: a command that then fails
+    leaves no empty folders behind (:func:`_remove_empty_created`)."""
     import os
 
     from hsmla_med.errors import InputError
+    from hsmla_med.io import remove_stale_temporaries
 
     path = Path(path)
     if path.exists() and not path.is_dir():
@@ -386,6 +395,10 @@ def _writable_folder(path: str | Path, option: str) -> Path:
         raise InputError(f"{option} {path}: cannot create the folder ({err.strerror})") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise InputError(f"{option} {path}: folder is not writable")
+    removed = remove_stale_temporaries(path, below=_OUTPUT_DEPTH)
+    if removed:
+        log.info("%s: removed %d temporary file(s) that killed runs left (%s)", path, len(removed),
+                 ", ".join(str(p.relative_to(path)) for p in removed[:3]) + (", ..." if len(removed) > 3 else ""))
     return path
 
 
@@ -659,7 +672,7 @@ def _calibrate(args) -> dict | None:
 def _demo(args) -> int:
     from importlib import resources
 
-    from hsmla_med.config import merge_config, validate_config
+    from hsmla_med.config import merge_config, merge_user_config, validate_config
     from hsmla_med.pipelines.task import InferenceOptions
 
     tasks = list(TASKS) if args.task == "all" else [args.task]
@@ -669,7 +682,7 @@ def _demo(args) -> int:
         overlay = resources.files("hsmla_med.configs") / f"{name}_demo.yaml"
         config = merge_config(task_config(name), load_yaml(overlay), f"{name}_demo.yaml")
         if args.config:
-            config = merge_config(config, load_yaml(args.config), args.config)
+            config = merge_user_config(config, args.config, f"the {name} demo")
         output = Path(args.output) / name
         config["output"] = str(output)
         if args.max_steps is not None:
@@ -721,6 +734,40 @@ def _warnings_shown(debug: bool):
     return show
 
 
+@contextmanager
+def _interruptible() -> Iterator[list[int]]:
+    """SIGINT and SIGTERM as ``KeyboardInterrupt`` in the main thread, for the duration of a
+    command; yields the list that records the first signal's number.
+
+    SIGTERM's default would end the process where it stands, with no ``finally`` run: temporaries
+    left, no message. As a ``KeyboardInterrupt`` both unwind through the code's clean-up, and the
+    libraries shut down as they do for Ctrl-C (DataLoader workers, which inherit the handler, end
+    quietly). Lightning's loops catch it, tear down and end with ``sys.exit(1)``
+    (``_call_and_handle_interrupt``), so :func:`main` recognises an interruption by the recorded
+    signal, not by the exception that reaches it. A second signal during the clean-up is ignored,
+    as Lightning ignores a second Ctrl-C. Outside the main thread (a notebook's worker thread)
+    nothing is installed: Python allows handlers in the main thread only."""
+    import threading
+
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def interrupt(signum, frame):
+        if not received:
+            received.append(signum)
+            raise KeyboardInterrupt
+
+    previous = {signum: signal.signal(signum, interrupt) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for signum, handler in previous.items():  # also undoes Lightning's SIG_IGN for SIGINT
+            if handler is not None:  # (None: a handler not set from Python, which cannot be set back)
+                signal.signal(signum, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -738,6 +785,8 @@ def main(argv: list[str] | None = None) -> int:
     # Lightning's tips (loggers to install, GPU/TPU availability, num_workers advice) and a
     # deprecation inside Lightning itself are noise to our users; real warnings stay visible.
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
+    # its "Received SIGTERM" in every loop: the command's own line says it was interrupted
+    logging.getLogger("lightning.pytorch.trainer.connectors.signal_connector").setLevel(logging.WARNING)
     # (the run folder holds config.yaml before Lightning's checkpoint callback looks at it)
     for message in (".*does not have many workers.*", ".*treespec, LeafSpec.*", ".*smaller than the logging interval.*",
                     "Checkpoint directory .* exists and is not empty"):
@@ -762,13 +811,20 @@ def main(argv: list[str] | None = None) -> int:
     }
     shown, warnings.showwarning = warnings.showwarning, _warnings_shown(args.debug)
     try:
-        tune_cpu_allocator()  # a bad HSMLA_MED_MALLOC_TOP_PAD is an input error like any other
-        _resolve_task(args)
-        result = commands[args.command]()
-    except KeyboardInterrupt:
-        _remove_empty_created()
-        print("hsmla-med: interrupted", file=sys.stderr)
-        return 130
+        with _interruptible() as received:
+            try:
+                tune_cpu_allocator()  # a bad HSMLA_MED_MALLOC_TOP_PAD is an input error like any other
+                _resolve_task(args)
+                result = commands[args.command]()
+            except BaseException as err:
+                # after a signal, whatever ends the command is the interruption: Lightning's
+                # sys.exit(1), or an error of a library that saw its work cut short
+                if not received and not isinstance(err, KeyboardInterrupt):
+                    raise
+                _remove_empty_created()
+                if "lightning" not in sys.modules or _first_process():  # one line for all the processes of a run (Ctrl-C reaches each)
+                    print("hsmla-med: interrupted", file=sys.stderr)
+                return 128 + (received[0] if received else signal.SIGINT)  # the shell's status of a process the signal ended
     except Exception as err:
         _remove_empty_created()
         problem = find_input_error(err)

@@ -13,7 +13,7 @@ from hsmla_med.errors import ConfigError
 # torch, MONAI and the networks are imported where a network is built, not here: the command
 # line reads its configs through this module and answers --help without loading them.
 
-__all__ = ["ConfigError", "load_yaml", "model_config", "build_network", "task_config", "merge_config", "validate_config"]
+__all__ = ["ConfigError", "load_yaml", "model_config", "build_network", "task_config", "merge_config", "merge_user_config", "validate_config"]
 
 
 def load_yaml(path: str | Path) -> dict:
@@ -161,6 +161,36 @@ def merge_config(base: dict, override: dict, source: str = "override", _prefix: 
         else:
             merged[key] = value
     return merged
+
+
+def merge_user_config(config: dict, path: str | Path, asked: str) -> dict:
+    """``config``, a task's packaged config, with the user's YAML ``path`` (``--config``) merged
+    over it and checked (:func:`validate_config`). ``asked``: how the command chose the task
+    (``--task segmentation``), named where the file disagrees.
+
+    Refused in one line naming the file, where merging would go on silently: a ``task:`` of
+    another pipeline (its settings are another task's; the run would fail later on a section
+    this task lacks), and a normalisation's values without its ``kind`` (the default kind,
+    ``auto``, plans its own from the data and would replace them)."""
+    from hsmla_med.pipelines import ALIASES, TASKS
+
+    user = load_yaml(path)
+    if "task" in user:
+        given = user["task"]
+        if given not in (*TASKS, *ALIASES):
+            raise ConfigError(f"{path}: task: {given!r} is no task; available: {', '.join([*TASKS, *ALIASES])} (or leave task: out)")
+        if ALIASES.get(given, given) != config["task"]:
+            raise ConfigError(f"{path}: task: {given} differs from {asked}; the file's settings are for the {given} pipeline: "
+                              f"pass --task {given}, or remove task: from the file")
+        user = {**user, "task": config["task"]}  # a generic name (segmentation) is this pipeline
+    config = validate_config(merge_config(config, user, source=str(path)), str(path))
+    intensity = (user.get("data") or {}).get("intensity")
+    if isinstance(intensity, dict) and intensity and "kind" not in intensity and config["data"]["intensity"]["kind"] == "auto":
+        keys = set(intensity)
+        kind = "percentile" if keys & {"lower", "upper"} else "ct_zscore" if keys & {"mean", "std"} else "ct_window"
+        raise ConfigError(f"{path}: data.intensity sets {', '.join(intensity)} but no kind, and kind auto plans the normalisation from the "
+                          f"data, which would replace them; add kind: {kind} to use yours, or remove them")
+    return config
 
 
 # -- validation ------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ import nibabel as nib
 import numpy as np
 
 # (private helpers of the dataset JSON reader, reused so both read `labels` and file names alike)
-from hsmla_med.data.datalist import VOLUME_FILE, VOLUME_FORMATS, case_name, label_spec, read_header, read_json
+from hsmla_med.data.datalist import VOLUME_FILE, VOLUME_FORMATS, case_name, check_nifti, label_spec, read_header, read_json
 from hsmla_med.errors import DataError, InputError
 from hsmla_med.io import is_temporary
 from hsmla_med.io.itk import is_itk_file, read_itk
@@ -144,7 +144,11 @@ def read_labels(path: Path) -> np.ndarray:
         data = read_itk(path)[0]
     else:
         try:
-            data = np.asanyarray(nib.load(str(path)).dataobj)
+            img = nib.load(str(path))
+            check_nifti(img, path, inflate=True)  # a cut-off, damaged or short file, before its voxels are allocated
+            data = np.asanyarray(img.dataobj)
+        except DataError:
+            raise
         except Exception as err:  # nibabel raises several types for truncated or foreign files
             raise DataError(f"{path}: cannot read as NIfTI ({err})") from None
     data = data.reshape(data.shape[:3])

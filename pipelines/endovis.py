@@ -13,6 +13,7 @@ Dice and IoU at each frame's original size) are the engine's.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Iterable
@@ -24,7 +25,8 @@ from monai.transforms import Compose, RandFlipd, RandScaleIntensityd, RandShiftI
 from PIL import Image
 
 from hsmla_med.data.datalist import Datalist
-from hsmla_med.data.endovis import PROBLEMS, VIDEO_FOLDER, LoadFramed, crop_box, find_frames, find_videos, load_frame, merge_labels, read_label
+from hsmla_med.data.endovis import (EMPTY_TRUTH, PROBLEMS, VIDEO_FOLDER, LoadFramed, crop_box, empty_truth_videos, find_frames, find_videos,
+                                    load_frame, merge_labels, read_label)
 from hsmla_med.data.intensity import intensity_augmentations
 from hsmla_med.data.splits import fold_cases
 from hsmla_med.data.synthetic.endovis import generate_endovis
@@ -38,6 +40,8 @@ from hsmla_med.metrics.summary import bootstrap_means
 from hsmla_med.pipelines.task import InferenceOptions, Task, predict_cases, synthetic_root
 
 VIDEO_PREFIX = "instrument_dataset_"  # the video folders, instrument_dataset_K: the case IDs of the splits
+
+log = logging.getLogger("hsmla_med")
 
 __all__ = ["TASK", "datalist", "transforms", "datamodule", "module_config", "held_out", "infer", "inference_box", "score_predictions", "crossval_score"]
 
@@ -54,7 +58,13 @@ def datalist(config: dict) -> Datalist:
     ``cache_dir``, logged as synthetic). Training and validation are labelled videos: those in
     whole videos of fold ``config["fold"]`` in ``splits_final.json`` (:func:`~hsmla_med.data.splits.fold_cases`;
     ``data.validation_videos`` make fold 0) are validation; the frames of unlabelled videos
-    (the challenge's test set) are ``test``."""
+    (the challenge's test set) are ``test``.
+
+    A labelled video without an instrument in any ground-truth frame
+    (:func:`~hsmla_med.data.endovis.empty_truth_videos`) is warned about by name; in
+    validation its frames are not scored (the reason is :func:`score_predictions`'s), and a
+    fold whose every validation video is such is refused. In training its frames stay, as all
+    background, since they may be true negatives; the warning says so."""
     data = config["data"]
     problem = _problem(config)
     root, synthetic = data["data_dir"], False
@@ -75,11 +85,21 @@ def datalist(config: dict) -> Datalist:
     ids = [f"{VIDEO_PREFIX}{k}" for k in labelled]  # the video folders: their frames stay together
     record = fold_cases(config, Path(root), labelled, ids, synthetic, fixed=fixed)[2]
     held = {int(i[len(VIDEO_PREFIX):]) for i in record["val"]}
+    empty = empty_truth_videos(videos, problem)
+    for k, folder in empty.items():
+        role = ("not scored in validation (each frame would count Dice 1 for predicting nothing)" if k in held
+                else "its frames train as all background")
+        log.warning("%s: %s for the %s task: %s; if its labels are missing, add them or move the video out of %s",
+                    folder, EMPTY_TRUTH, problem, role, root)
+    scored = held - set(empty)
+    if held and not scored:
+        raise DataError(f"{root}: validation video(s) {', '.join(f'{VIDEO_PREFIX}{k}' for k in sorted(held))}: {EMPTY_TRUTH}, "
+                        f"nothing to validate on; name others in data.validation_videos or add their labels")
     pick = lambda keep: [c for v in videos for c in v["frames"] if keep(v)]  # noqa: E731
     return Datalist(
         PROBLEMS[problem],
         pick(lambda v: v["labelled"] and v["video"] not in held),
-        pick(lambda v: v["video"] in held),
+        pick(lambda v: v["video"] in scored),
         pick(lambda v: not v["labelled"]),
         Path(root),
         synthetic,
@@ -298,7 +318,9 @@ def score_predictions(predictions: Path, labels: Path, output: Path, options: di
     masks), or, for the whole folder, TernausNet's grey values (:data:`TERNAUSNET_FACTORS`). A
     mask of another size than its frame's labels, a mask of no labelled frame, or other values
     are a :class:`~hsmla_med.errors.DataError` naming the file. Frames without a mask are not
-    scored.
+    scored, nor are the frames of a video without an instrument in any ground-truth frame
+    (:func:`~hsmla_med.data.endovis.empty_truth_videos`), which is warned about by name and
+    listed in ``excluded_videos``; if no other frame has a mask, there is nothing to score.
 
     ``summary.json``: ``metric_per_case`` (per frame: the files, ``video``, per class Dice, IoU,
     TP, FP, FN, TN, n_pred, n_ref as nnU-Net counts them, NaN written as null where the class
@@ -307,20 +329,40 @@ def score_predictions(predictions: Path, labels: Path, output: Path, options: di
     that count it) and ``foreground_mean`` (mean of the class means); ``reference_rule`` (the
     mean over all frames of ``frame_score``: the number to compare with TernausNet's
     ``evaluate.py`` and the papers quoting it, and the ``dice``/``iou`` of validation);
-    ``ci95`` (seeded percentile bootstrap of the frames, :func:`~hsmla_med.metrics.summary.bootstrap_means`).
+    ``ci95`` (seeded percentile bootstrap of the frames, :func:`~hsmla_med.metrics.summary.bootstrap_means`);
+    ``excluded_videos`` (the videos left out for their empty ground truth, above).
     """
     problem = options.get("problem") or "binary"
     if problem not in PROBLEMS:
         raise InputError(f"--problem must be one of {', '.join(PROBLEMS)}, got {problem!r}")
     names = PROBLEMS[problem]
-    frames = {(v["video"], Path(c["image"]).name): c for v in find_videos(labels) if v["labelled"] for c in v["frames"]}
+    videos = [v for v in find_videos(labels) if v["labelled"]]
+    frames = {(v["video"], Path(c["image"]).name): c for v in videos for c in v["frames"]}
     masks = _prediction_masks(predictions)
+    # A frame whose truth is empty keeps the reference rule: 1 if nothing is predicted, else 0,
+    # counted in the mean over frames. The challenge scored IoU per frame and averaged it over
+    # the frames (Allan et al., 2019), and evaluate.py of TernausNet (the winning team's public
+    # code, the reference followed here) returns 1 for a frame whose truth and prediction are
+    # both empty: an instrument may leave the view for a while. A labelled video with no
+    # instrument in any frame is another matter: its labels are missing or were lost (the
+    # challenge labelled videos of instruments at work), and by that rule each of its frames
+    # would add 1.0 for predicting nothing and 0 for finding the instruments it shows. Neither
+    # rule speaks of such a video, so it is left out of the means and named in a warning and in
+    # the summary.
+    empty = empty_truth_videos([v for v in videos if v["video"] in {k for k, _ in masks}], problem)
+    for folder in empty.values():
+        log.warning("%s: %s for the %s task: its frames are left out of the Dice/IoU means", folder, EMPTY_TRUTH, problem)
+    if all(k in empty for k, _ in masks):
+        raise DataError(f"--predictions {predictions}: nothing to score: its masks are all of {', '.join(f'{VIDEO_PREFIX}{k}' for k in sorted(empty))}, "
+                        f"where {EMPTY_TRUTH} in --labels {labels}")
     scaled = _ternausnet_scale([m for _, m in masks], problem)
     rows = []
     for video, mask_path in masks:
         case = frames.get((video, mask_path.name))
         if case is None:
             raise DataError(f"{mask_path}: no labelled frame instrument_dataset_{video}/left_frames/{mask_path.name} in --labels {labels}")
+        if video in empty:
+            continue
         truth = merge_labels(case["labels"], problem, frame=case["image"])
         mask = _mask_classes(read_label(mask_path), problem, scaled, mask_path)
         if mask.shape != truth.shape:
@@ -329,7 +371,7 @@ def score_predictions(predictions: Path, labels: Path, output: Path, options: di
         metrics, frame_score = _score_frame(mask, truth, len(names))
         rows.append({"reference_file": case["image"], "prediction_file": str(mask_path), "video": video, "label_files": case["labels"],
                      "metrics": metrics, "frame_score": frame_score})
-    summary = _frames_summary(rows, problem)
+    summary = {**_frames_summary(rows, problem), "excluded_videos": [f"{VIDEO_PREFIX}{k}" for k in sorted(empty)]}
     output.mkdir(parents=True, exist_ok=True)
     write_json(output / "summary.json", summary)
     return summary

@@ -81,8 +81,10 @@ def _places(name: str) -> str:
     return ", ".join(f"{folder}/{name}".removeprefix("./") for folder in CSV_FOLDERS)
 
 
-def read_findings(root: Path, scans: dict[str, Path]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """The nodules and the excluded findings of the scans under ``root``. Without
+def read_findings(root: Path, scans: dict[str, Path | None]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The nodules and the excluded findings of the scans under ``root`` (``{seriesuid: scan
+    file}``; ``None``: a series scored without its scan); a nodule outside its scan is skipped,
+    with a warning for the scan (:func:`~hsmla_med.data.luna16.read_annotations`). Without
     ``annotations_excluded.csv`` every finding outside ``annotations.csv`` counts as a false
     positive, so its absence is a warning naming where it was looked for."""
     notes = _csv(root, "annotations.csv")
@@ -95,7 +97,7 @@ def read_findings(root: Path, scans: dict[str, Path]) -> tuple[dict[str, np.ndar
             "false positives and CPM will be lower than the official evaluation's", root, _places("annotations_excluded.csv"),
         )
     excluded = read_annotations(excluded_csv, scans, excluded=True) if excluded_csv else {}
-    return read_annotations(notes, scans), excluded
+    return read_annotations(notes, scans, scans={uid: path for uid, path in scans.items() if path is not None}), excluded
 
 
 def hu_window(data: dict) -> tuple[float, float]:
@@ -114,7 +116,8 @@ def datalist(config: dict) -> Datalist:
     default (generated once into ``cache_dir``, logged as synthetic). Fold K holds out the K-th
     ``subsetK`` folder present (``subsetK`` itself with all ten: the official folds); scans
     outside subset folders are dealt over the folds, seeded (``splits_final.json``,
-    :func:`~hsmla_med.data.splits.fold_cases`)."""
+    :func:`~hsmla_med.data.splits.fold_cases`). A folder of one subset, and no scan outside it
+    (many users start with ``subset0``), is split by scan, as scans outside subsets are."""
     data = config["data"]
     hu_window(data)  # before any scan is read or generated
     root, synthetic = data["data_dir"], False
@@ -135,8 +138,11 @@ def datalist(config: dict) -> Datalist:
         raise DataError(f"{root}: need at least two scans to hold one out for validation, found {len(cases)}")
     groups = [_subset(path, root) for path in scans.values()]
     subsets = sorted({g for g in groups if g is not None}, key=lambda g: int(g[len("subset"):]))
+    if set(groups) == set(subsets[:1]):  # one subset holds every scan: as one unit, it could not be held out
+        log.info("one subset: folds by scan within %s", subsets[0])
+        subsets = []
     fixed = {g: k for k, g in enumerate(subsets)}
-    groups = [g if g is not None else uid for g, uid in zip(groups, scans)]
+    groups = [g if g in fixed else uid for g, uid in zip(groups, scans)]
     training, validation, record = fold_cases(config, root, cases, list(scans), synthetic, groups=groups, fixed=fixed)
     return Datalist(LABELS, training, validation, [], root, synthetic, record)
 
@@ -296,7 +302,8 @@ def crossval_score(folds: list[tuple[Datalist, Path]], output: Path, config: dic
         Path(tmp).write_text("\n".join([",".join(SUBMISSION_COLUMNS), *rows]) + "\n")
     with atomic_path(output / "seriesuids.csv") as tmp:
         Path(tmp).write_text("".join(f"{uid}\n" for uid in uids))
-    return score_predictions(output / SUBMISSION, folds[0][0].source, output, {"seriesuids": output / "seriesuids.csv"})
+    # the nodules outside their scan were skipped in every fold's training and validation: here too
+    return score_predictions(output / SUBMISSION, folds[0][0].source, output, {"seriesuids": output / "seriesuids.csv", "skip_outside": True})
 
 
 def score_predictions(predictions: Path, labels: Path, output: Path, options: dict) -> dict:
@@ -309,13 +316,16 @@ def score_predictions(predictions: Path, labels: Path, output: Path, options: di
     folder (its annotations.csv, and annotations_excluded.csv and seriesuids.csv unless given).
     The scans are those of ``seriesuids.csv``; without it, those of the annotations, with a
     warning: the script divides the false positives by all the scans listed there, normal
-    scans included. Writes ``output/summary.json`` (and ``froc.png``) and returns the summary.
-    ``options["seed"]`` (default 0) seeds the bootstrap.
+    scans included. A nodule outside its scan, which no submission can hit, is refused naming
+    the CSV's line, where the scans are known (:func:`_label_scans`; ``options["skip_outside"]``:
+    skipped with a warning, as training skips it). Writes ``output/summary.json`` (and
+    ``froc.png``) and returns the summary. ``options["seed"]`` (default 0) seeds the bootstrap.
     """
     submission = Path(predictions) / SUBMISSION if Path(predictions).is_dir() else Path(predictions)
     notes, excluded_csv, uids_csv = _label_files(Path(labels), options)
     candidates = read_submission(submission)  # every file is read before any warning
-    nodules = read_annotations(notes, rendered=False)
+    nodules = read_annotations(notes, rendered=False, scans=_label_scans(Path(labels), notes, options),
+                               refuse_outside=not options.get("skip_outside"))
     excluded = read_annotations(excluded_csv, excluded=True) if excluded_csv else {}
     uids, source = (read_seriesuids(uids_csv), str(uids_csv)) if uids_csv else (list(nodules), f"the series of {notes}")
     if excluded_csv is None:
@@ -363,6 +373,18 @@ def _label_files(labels: Path, options: dict) -> tuple[Path, Path | None, Path |
         raise DataError(f"--labels {labels}: annotations.csv not found ({_places('annotations.csv')})")
     found = {name: given[name] or _csv(labels, name) for name in given}
     return notes, found["annotations_excluded.csv"], found["seriesuids.csv"]
+
+
+def _label_scans(labels: Path, notes: Path, options: dict) -> dict[str, Path] | None:
+    """The scans whose geometry the annotations are checked against: those of ``--data-dir``,
+    else those of the LUNA16 folder that ``--labels`` is, or holds ``annotations.csv`` where the
+    distribution does (``CSVFILES/``, ``evaluationScript/annotations/``); ``None`` where there
+    are none (a CSV alone is scored as it is)."""
+    if options.get("data_dir"):
+        return find_scans(options["data_dir"])
+    places = [Path(folder).parts for folder in CSV_FOLDERS[1:]]
+    root = labels if labels.is_dir() else next((notes.parents[len(p)] for p in places if notes.parent.parts[-len(p):] == p), None)
+    return find_scans(root) if root is not None and any(root.rglob("*.mhd")) else None
 
 
 def _plot_froc(matches: list, band: dict, path: Path) -> None:

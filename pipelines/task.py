@@ -23,6 +23,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from hsmla_med.data.datalist import Datalist
 from hsmla_med.engine.base import GatedModule
+from hsmla_med.engine.distributed import check_launcher
 from hsmla_med.engine.prediction import PredictionDataModule, Shard, claim_outputs, model_record, output_folder, run_prediction
 from hsmla_med.errors import DataError, InputError
 from hsmla_med.inference.uncertainty import DEFAULT_THRESHOLD
@@ -226,6 +227,7 @@ class InferenceOptions:
             raise InputError(f"--devices must be a positive number of processes, got {self.devices}")
         if self.num_nodes < 1:
             raise InputError(f"--num-nodes must be positive, got {self.num_nodes}")
+        check_launcher(self.num_nodes)
         if self.num_workers < 0:
             raise InputError(f"--num-workers must be >= 0, got {self.num_workers}")
         if not self.output_formats or set(self.output_formats) - set(OUTPUT_FORMATS):

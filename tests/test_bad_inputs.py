@@ -303,7 +303,8 @@ def test_checkpoint_with_foreign_objects_is_refused_without_torch_advice(capsys,
 
     torch.save({"hyper_parameters": collections.OrderedDict(a=print), "state_dict": {}}, tmp_path / "evil.ckpt")
     line = _error(capsys, ["infer", "--task", "btcv", "--checkpoint", str(tmp_path / "evil.ckpt"), "--input", str(tmp_path), "--output", str(tmp_path / "o")])
-    assert "evil.ckpt: holds Python objects" in line and "weights_only" not in line
+    assert "evil.ckpt: holds objects that weights_only loading refuses (" in line and "print" in line and "could run code" in line
+    assert "weights_only=False" not in line
 
 
 def test_infer_ignores_temporaries_of_killed_runs(tmp_path):
@@ -441,3 +442,133 @@ def test_a_prediction_that_failed_before_its_first_output_blocks_no_later_run(ca
 
     assert main(argv + ["--tta"]) == 0
     assert (out / "a.nii.gz").is_file()
+
+
+@pytest.mark.parametrize("config_task, task", [("luna16", "btcv"), ("btcv", "camelyon16"), ("endovis", "segmentation")])
+def test_config_of_another_task_is_one_line_naming_both(capsys, tmp_path, config_task, task):
+    """A --config whose task: differs from --task ended in a KeyError of a section the other task
+    lacks ('hu_window'); it is one line naming both."""
+    user = _yaml(tmp_path, f"task: {config_task}\n")
+    line = _error(capsys, ["train", "--task", task, "--config", user, "--output", str(tmp_path / "run")])
+    assert f"{user}: task: {config_task}" in line and f"--task {task}" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_config_naming_the_task_by_its_generic_name_is_the_same_task(tmp_path):
+    from hsmla_med.cli import _config, build_parser
+
+    user = _yaml(tmp_path, "task: segmentation\n")
+    args = build_parser().parse_args(["train", "--task", "btcv", "--config", user])
+    args.task_alias = None
+    assert _config(args)["task"] == "btcv"
+
+
+@pytest.mark.parametrize("intensity, kind", [
+    ("{a_min: -100, a_max: 240}", "kind: ct_window"),
+    ("{lower: 1, upper: 99}", "kind: percentile"),
+    ("{a_min: -100, a_max: 240, mean: 50, std: 40}", "kind: ct_zscore"),
+])
+def test_a_window_without_kind_is_not_silently_replaced_by_the_plan(capsys, tmp_path, dataset, intensity, kind):
+    """data.intensity with a_min/a_max but no kind kept kind auto, and the plan replaced the
+    user's window with its own without a word: now one line saying so and how to keep it."""
+    config = yaml.safe_load(tiny_yaml(tmp_path / "tiny.yaml").read_text())
+    del config["data"]["intensity"]
+    user = tmp_path / "user.yaml"
+    user.write_text(yaml.safe_dump({**config, "data": {**config["data"], "intensity": yaml.safe_load(intensity)}}))
+    line = _error(capsys, ["train", "--task", "btcv", "--data-dir", str(dataset), "--config", str(user), "--output", str(tmp_path / "run")])
+    assert f"{user}: data.intensity" in line and "no kind" in line and kind in line
+    assert not (tmp_path / "run" / "last.ckpt").exists()
+
+
+def test_num_nodes_without_a_launcher_is_refused_at_once(capsys, tmp_path, dataset, btcv_ckpt, monkeypatch):
+    """--num-nodes 2 without torchrun, SLURM or MASTER_ADDR waited for the other node until the
+    start-up deadline (300 s): refused before any work instead."""
+    import lightning as L
+
+    for name in list(__import__("os").environ):
+        if name.startswith(("SLURM_", "TORCHELASTIC_", "LSB_", "OMPI_", "PMI_")) or name in ("MASTER_ADDR", "NODE_RANK", "RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK"):
+            monkeypatch.delenv(name)
+
+    def reached(*args, **kwargs):
+        raise AssertionError("the run started and would wait for the other node")
+
+    for loop in ("fit", "validate", "predict"):
+        monkeypatch.setattr(L.Trainer, loop, reached)
+    line = _error(capsys, ["train", "--task", "btcv", "--data-dir", str(dataset), "--config", str(tiny_yaml(tmp_path / "t.yaml")),
+                           "--num-nodes", "2", "--accelerator", "cpu", "--output", str(tmp_path / "run")])
+    assert "--num-nodes 2 needs a launcher (torchrun, SLURM) on every node" in line
+    case = write_nifti(tmp_path / "in" / "a.nii.gz", np.zeros((16, 16, 4), np.float32), np.eye(4))
+    line = _error(capsys, ["infer", "--task", "btcv", "--checkpoint", str(btcv_ckpt), "--input", str(case), "--num-nodes", "2",
+                           "--strategy", "ddp", "--output", str(tmp_path / "o")])
+    assert "--num-nodes 2 needs a launcher (torchrun, SLURM) on every node" in line
+
+
+def _bad_checkpoints(folder, btcv_ckpt) -> dict:
+    """Files given where a checkpoint of train is needed, and what the refusal must say."""
+    import os
+    import pickle
+    import zipfile
+
+    class Hostile:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    folder.mkdir(exist_ok=True)
+    (folder / "empty.ckpt").write_bytes(b"")
+    (folder / "text.ckpt").write_text("a text file\n")
+    torch.save({"hyper_parameters": Hostile(), "state_dict": {}}, folder / "hostile.ckpt")
+    (folder / "hostile.pkl").write_bytes(pickle.dumps({"hyper_parameters": Hostile()}))
+    whole = btcv_ckpt.read_bytes()
+    (folder / "truncated.ckpt").write_bytes(whole[: len(whole) // 2])
+    torch.save(torch.load(btcv_ckpt, weights_only=True)["state_dict"], folder / "model.pt")
+    with zipfile.ZipFile(folder / "model.ts", "w") as archive:  # a TorchScript archive's layout
+        archive.writestr("model/code/__torch__.py", "")
+        archive.writestr("model/data.pkl", b"")
+    (folder / "bundle" / "models").mkdir(parents=True, exist_ok=True)
+    (folder / "bundle" / "models" / "model.ts").write_bytes((folder / "model.ts").read_bytes())
+    return {
+        "empty.ckpt": "empty (0 bytes)",
+        "text.ckpt": "neither a zip archive nor a pickle",
+        "hostile.ckpt": "holds objects that weights_only loading refuses (posix.system): not loaded, as it could run code",
+        "hostile.pkl": "holds objects that weights_only loading refuses (posix.system): not loaded, as it could run code",
+        "truncated.ckpt": "truncated",
+        "model.pt": "a state dict without the hyper-parameters",
+        "model.ts": "a TorchScript network of hsmla-med export, not a checkpoint; give the .ckpt file that train wrote",
+        "bundle": "a MONAI bundle of hsmla-med export, not a checkpoint; give the .ckpt file that train wrote",
+        "/dev/zero": "not a regular file",
+    }
+
+
+@pytest.mark.parametrize("command", ["export", "evaluate", "calibrate", "infer"])
+def test_checkpoint_refusals_are_ours_never_pytorchs_advice(capsys, tmp_path, dataset, btcv_ckpt, command):
+    """A 0-byte file said "EOFError:", a TorchScript file or a hostile pickle quoted PyTorch's advice
+    to set weights_only=False, /dev/zero and a bundle folder were "not found": each is now named
+    for what it is, with what to give instead."""
+    cases = _bad_checkpoints(tmp_path / "bad", btcv_ckpt)
+    if command in ("infer", "evaluate"):  # they run exported networks themselves
+        cases = {name: expected for name, expected in cases.items() if name not in ("model.ts", "bundle")}
+    for name, expected in cases.items():
+        path = name if name.startswith("/") else str(tmp_path / "bad" / name)
+        argv = {
+            "export": ["export", "--checkpoint", path, "--format", "onnx", "--output", str(tmp_path / "o")],
+            "evaluate": ["evaluate", "--task", "btcv", "--checkpoint", path, "--data-dir", str(dataset), "--output", str(tmp_path / "o")],
+            "calibrate": ["calibrate", "--checkpoint", path, "--data-dir", str(dataset), "--output", str(tmp_path / "o")],
+            "infer": ["infer", "--task", "btcv", "--checkpoint", path, "--input", str(tmp_path), "--output", str(tmp_path / "o")],
+        }[command]
+        line = _error(capsys, argv)
+        assert f"{path}: " in line and expected in line, (name, line)
+        assert "weights_only=False" not in line and "torch.save" not in line and "mmap" not in line and "EOFError" not in line, line
+
+
+@pytest.mark.parametrize("name", ["hostile.ckpt", "model.ts", "/dev/zero"])
+def test_resume_from_a_foreign_last_checkpoint_says_what_it_is(capsys, tmp_path, dataset, btcv_ckpt, name):
+    import os
+
+    cases = _bad_checkpoints(tmp_path / "bad", btcv_ckpt)
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink(name if name.startswith("/") else tmp_path / "bad" / name, run / "last.ckpt")
+    line = _error(capsys, ["train", "--task", "btcv", "--data-dir", str(dataset), "--config", str(tiny_yaml(tmp_path / "t.yaml")),
+                           "--output", str(run), "--resume"])
+    assert f"{run / 'last.ckpt'}: " in line and cases[name].split(";")[0] in line, line
+    assert "truncated or damaged" not in line and "weights_only=False" not in line

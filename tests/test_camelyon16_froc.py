@@ -30,8 +30,13 @@ LEVEL, L0 = 5, 0.243  # the official EVALUATION_MASK_LEVEL and L0_RESOLUTION
 PIXEL_UM = L0 * 2**LEVEL
 
 
-# --- a transcription of the official Evaluation_FROC.py (Bejnordi, 2016), float64 throughout; the
-# mask is given as the array the script reads from the ground-truth TIFF's level (255 = tumour) ---
+# --- a transcription of the official Evaluation_FROC.py (Bejnordi, 2016); the mask is given as the
+# array the script reads from the ground-truth TIFF's level (255 = tumour). Its number types are
+# kept: confidences are Python floats (readCSVContent's float()), a slide's true positives a
+# float32 array (compute_FP_TP_Probs's TP_probs), and comparisons follow the NumPy it ran on
+# (np.object, so NumPy < 1.24): a float32 scalar against a Python float compares in float64, a
+# float32 array against a Python float in float32 (value-based casting). NumPy 2 compares both in
+# float32, so those two places are written out. ---
 
 def official_evaluation_mask(pixelarray, resolution, level):
     distance = nd.distance_transform_edt(255 - pixelarray)
@@ -49,18 +54,20 @@ def official_itc_list(evaluation_mask, resolution, level):
 
 
 def official_fp_tp(ycorr, xcorr, probs, is_tumor, evaluation_mask, itc, level):
+    probs = [float(p) for p in probs]  # readCSVContent: Probs.append(float(elems[0]))
     max_label = np.amax(evaluation_mask)
-    fp_probs, tp_probs = [], np.zeros((max_label,), dtype=np.float64)
+    fp_probs, tp_probs = [], np.zeros((max_label,), dtype=np.float32)
     if is_tumor:
         for i in range(0, len(xcorr)):
             hitted = evaluation_mask[int(ycorr[i] / pow(2, level)), int(xcorr[i] / pow(2, level))]
             if hitted == 0:
                 fp_probs.append(probs[i])
             elif hitted not in itc:
-                if probs[i] > tp_probs[hitted - 1]:
+                if probs[i] > float(tp_probs[hitted - 1]):  # float64, as NumPy < 1.24 compares these scalars
                     tp_probs[hitted - 1] = probs[i]
     else:
-        fp_probs = list(probs)
+        for i in range(0, len(xcorr)):
+            fp_probs.append(probs[i])
     return fp_probs, tp_probs, max_label - len(itc)
 
 
@@ -69,10 +76,12 @@ def official_froc(slides):
     unlisted_fps = [p for s in slides for p in s[0]]
     unlisted_tps = [p for s in slides for p in s[1]]
     total_fps, total_tps = [], []
-    all_probs = sorted(set(unlisted_fps + unlisted_tps))
+    # sorted(set(...)) of Python floats and float32 scalars: compared (and told apart) in float64
+    all_probs = sorted(set(unlisted_fps + [float(p) for p in unlisted_tps]))
     for thresh in all_probs[1:]:
         total_fps.append((np.asarray(unlisted_fps) >= thresh).sum())
-        total_tps.append((np.asarray(unlisted_tps) >= thresh).sum())
+        # np.asarray(unlisted_TPs) is float32: a Python-float threshold is cast to float32 there
+        total_tps.append((np.asarray(unlisted_tps, dtype=np.float32) >= np.float32(thresh)).sum())
     total_fps.append(0)
     total_tps.append(0)
     total_fps = np.asarray(total_fps) / float(len(slides))
@@ -153,7 +162,7 @@ def test_hand_computed_froc_itc_counts_neither_way_and_the_growth_counts():
     labels, lesions = evaluation_mask(hand_mask(), PIXEL_UM)
     hits = labels[(TUMOUR_HITS[:, 2] // 32).astype(int), (TUMOUR_HITS[:, 1] // 32).astype(int)]
     fp, tp = slide_fp_tp(TUMOUR_HITS[:, 0], hits, lesions, int(labels.max()))
-    assert fp.tolist() == [0.6] and sorted(tp.tolist()) == [0.0, 0.7, 0.9]
+    assert fp.tolist() == [0.6] and tp.dtype == np.float32 and sorted(tp.tolist()) == [0.0, np.float32(0.7), np.float32(0.9)]
     normal = slide_fp_tp(NORMAL_HITS[:, 0], [0], 0, 0)
     result = lesion_froc([(fp, tp, lesions), (*normal, 0), (np.zeros(0), np.zeros(0), 0)])
     assert result["froc"] == pytest.approx(5.5 / 6, abs=1e-12) and result["lesions"] == 2 and result["slides"] == 3
@@ -229,6 +238,48 @@ def test_evaluate_predictions_scores_a_submission_by_the_official_rules(tmp_path
     assert rows["tumour_1"]["itc"] == 1 and rows["tumour_1"]["detected"] == 2 and rows["tumour_1"]["false_positives"] == 1
     assert rows["normal_2"]["detections"] == 0 and not rows["normal_1"]["tumour"]
     assert "FROC 0.9167" in capsys.readouterr().out
+
+
+# A true and a false positive sharing a confidence, written with many digits as a submission may
+# write them. The official script keeps true positives in float32: 0.1 rounds up there, so the true
+# positive ranks above the false positive of 0.1; 0.7 rounds down, yet a float32 array compares a
+# threshold in float32, so it stays tied with the false positive of 0.7 and, no longer below it,
+# with one of 0.70000001 (the same float32).
+A_HIT, B_HIT, OFF = at(30, 30), at(75, 50), at(60, 90)
+SHARED = {
+    "tumour_1": [("0.1000000000000000055511151231257827", A_HIT), ("0.10000000000", OFF), ("0.9", B_HIT)],
+    "tumour_2": [("0.69999999999999995559107901", A_HIT), ("0.7000000100000000", OFF)],
+    "tumour_3": [("0.700000000000", A_HIT), ("0.7", OFF), ("0.3", B_HIT)],
+    "normal_1": [("0.2", OFF)],
+}
+
+
+def test_a_confidence_shared_by_a_true_and_a_false_positive_ranks_as_officially(tmp_path):
+    """By hand (4 slides, 6 lesions): thresholds 0.1, f32(0.1), 0.2, f32(0.3), f32(0.7), 0.7,
+    0.70000001, f32(0.9) give (FP/slide, sensitivity) (1, 5/6), (3/4, 5/6), (3/4, 4/6), (1/2, 4/6),
+    (1/2, 3/6), (1/2, 3/6), (1/4, 3/6), (0, 1/6): FROC (3/6 + 4/6 + 4 x 5/6) / 6 = 0.75. In float64
+    the 0.1s tie and 0.70000001 ranks above the 0.7s: 1/6 at 0.25 FP/slide, FROC 25/36."""
+    subs, notes = tmp_path / "submission", tmp_path / "xml"
+    subs.mkdir(), notes.mkdir()
+    masks, detections, ours = [], [], []
+    for name, rows in SHARED.items():
+        if name.startswith("tumour"):
+            _write_xml(notes / f"{name}.xml", hand_polygons())
+        (subs / f"{name}.csv").write_text("".join(f"{p},{x},{y}\n" for p, (x, y) in rows))
+        found = camelyon16.read_lesion_csv(subs / f"{name}.csv")
+        mask = hand_mask() if name.startswith("tumour") else None
+        labels, lesions = evaluation_mask(mask, PIXEL_UM) if mask is not None else (np.zeros((100, 100), np.int64), 0)
+        hits = labels[(found[:, 2] // 32).astype(int), (found[:, 1] // 32).astype(int)]
+        ours.append((*slide_fp_tp(found[:, 0], hits, lesions, int(labels.max())), lesions))
+        masks.append(mask)
+        detections.append(found)
+    froc, sensitivities = official_score(masks, detections)
+    assert froc == pytest.approx(0.75, abs=1e-12)
+    result = lesion_froc(ours)
+    assert result["froc"] == pytest.approx(froc, abs=1e-12)
+    assert list(result["sensitivity"].values()) == pytest.approx(sensitivities.tolist(), abs=1e-12)
+    assert main(["evaluate", "--task", "camelyon16", "--predictions", str(subs), "--labels", str(notes)]) == 0
+    assert json.loads((subs / "summary.json").read_text())["froc"] == pytest.approx(froc, abs=1e-12)
 
 
 def test_a_non_numeric_row_is_one_line_naming_the_file(tmp_path, capsys):

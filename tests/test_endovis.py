@@ -327,10 +327,12 @@ def test_label_folders_without_the_labels_suffix_are_instruments(tmp_path):
 
 
 def _small_videos(root, frame=np.full((12, 16, 3), 90, np.uint8)):
+    label = np.zeros(frame.shape[:2], np.uint8)
+    label[4:8, 5:10] = 10  # a shaft: a video without any instrument label is not scored
     for k in (1, 2):
         for j in range(2):
             _png(root / f"instrument_dataset_{k}" / "left_frames" / f"frame{j:03d}.png", frame)
-            _png(root / f"instrument_dataset_{k}" / "ground_truth" / "Prograsp_Forceps_labels" / f"frame{j:03d}.png", np.zeros(frame.shape[:2], np.uint8))
+            _png(root / f"instrument_dataset_{k}" / "ground_truth" / "Prograsp_Forceps_labels" / f"frame{j:03d}.png", label)
     return root
 
 

@@ -129,28 +129,31 @@ def test_lesion_froc_hand_computed():
     # a tumour slide with lesions L1, L2, L3 and a normal slide
     tumour = slide_fp_tp([0.9, 0.6, 0.8, 0.35, 0.3], [1, 1, 2, 3, 0], lesions=3, labels=3)
     normal = slide_fp_tp([0.8, 0.4], [0, 0], lesions=0, labels=0)
-    assert tumour[0].tolist() == [0.3] and tumour[1].tolist() == [0.9, 0.8, 0.35]  # L1's second hit (0.6): neither
-    # 2 slides, 3 lesions. The pool (0.3, 0.35, 0.4, 0.8, 0.9); as in the official script its
-    # lowest value is not a threshold. Thresholds give (false positives per slide, sensitivity):
-    #   >= 0.9:  L1               -> (0.0, 1/3)
-    #   >= 0.8:  + L2, FP 0.8     -> (0.5, 2/3)   (tie: both enter together)
-    #   >= 0.4:  + FP 0.4         -> (1.0, 2/3)
-    #   >= 0.35: + L3             -> (1.0, 1)
+    # L1's second hit (0.6): neither; lesions keep their best confidence in float32, as the official TP_probs
+    assert tumour[0].tolist() == [0.3] and tumour[1].tolist() == [np.float32(0.9), np.float32(0.8), np.float32(0.35)]
+    # 2 slides, 3 lesions. The pool: false positives 0.3, 0.4, 0.8 and lesions at float32 0.9
+    # (0.89999998), 0.8 (0.80000001), 0.35 (0.34999999); as in the official script its lowest
+    # value is not a threshold. Thresholds give (false positives per slide, sensitivity):
+    #   >= 0.89999998: L1        -> (0.0, 1/3)
+    #   >= 0.80000001: + L2      -> (0.0, 2/3)   (L2's float32 0.8 lies above the false positive's 0.8)
+    #   >= 0.8:  + FP 0.8        -> (0.5, 2/3)
+    #   >= 0.4:  + FP 0.4        -> (1.0, 2/3)
+    #   >= 0.34999999: + L3      -> (1.0, 1)
     # Sensitivity at a rate: linear between points, flat beyond the last:
-    #   0.25 -> halfway from (0, 1/3) to (0.5, 2/3) = 1/2;  0.5 -> 2/3;  1 -> 1;  2, 4, 8 -> 1.
+    #   0.25 -> 2/3 (in float64 the two 0.8s would enter together: 1/2);  0.5 -> 2/3;  1, 2, 4, 8 -> 1.
     # Had the double hit been a false positive (at 0.6), rate 1 would read 2/3 instead.
-    expected = {"0.25": 1 / 2, "0.5": 2 / 3, "1": 1.0, "2": 1.0, "4": 1.0, "8": 1.0}
+    expected = {"0.25": 2 / 3, "0.5": 2 / 3, "1": 1.0, "2": 1.0, "4": 1.0, "8": 1.0}
     result = lesion_froc([(*tumour, 3), (*normal, 0)])
     assert result["lesions"] == 3 and result["slides"] == 2
     assert result["sensitivity"] == pytest.approx(expected)
-    assert result["froc"] == pytest.approx((1 / 2 + 2 / 3 + 4) / 6)  # 31/36
+    assert result["froc"] == pytest.approx((2 / 3 + 2 / 3 + 4) / 6)  # 8/9
 
 
 def test_slide_fp_tp_itc_hits_count_neither_way():
     # labels 1, 2 are lesions, 3 an ITC: its hit (0.95) is in neither list; L2's best hit counts;
     # a hit at confidence 0 leaves a lesion at 0, as the official "Probs[i] > TP_probs" does
     fp, tp = slide_fp_tp([0.95, 0.7, 0.2, 0.4, 0.0], [3, 2, 2, 0, 1], lesions=2, labels=3)
-    assert fp.tolist() == [0.4] and tp.tolist() == [0.0, 0.7, 0.0]
+    assert fp.tolist() == [0.4] and tp.tolist() == [0.0, np.float32(0.7), 0.0]
     with pytest.raises(ValueError, match="0..3"):
         slide_fp_tp([0.9], [4], lesions=2, labels=3)
 

@@ -19,12 +19,13 @@ from monai.data import MetaTensor, NibabelReader
 from monai.transforms import LoadImaged, MapTransform
 from monai.utils import ensure_tuple
 
+from hsmla_med.data.datalist import check_nifti
 from hsmla_med.errors import DataError
 from hsmla_med.io.dicom import DicomSeriesReader, series_in
 from hsmla_med.io.dicom_seg import is_seg_file, read_seg
 from hsmla_med.io.itk import ITKFileReader
 
-__all__ = ["CheckCased", "LoadCased", "NiftiPairReader", "source_file"]
+__all__ = ["CheckCased", "LoadCased", "NiftiReader", "source_file"]
 
 
 def source_file(tensor) -> str:
@@ -33,19 +34,28 @@ def source_file(tensor) -> str:
     return str(meta.get("filename_or_obj", "?"))
 
 
-class NiftiPairReader(NibabelReader):
-    """MONAI's ``NibabelReader`` for NIfTI pairs (``CASE.hdr`` with ``CASE.img``): nibabel reads
-    them as it reads ``.nii``, but MONAI picks that reader by the suffixes ``.nii`` and
-    ``.nii.gz`` only, and without it a pair's header went to the DICOM reader."""
+class NiftiReader(NibabelReader):
+    """MONAI's ``NibabelReader`` whose files are checked to hold the voxels their headers
+    describe before any is read (:func:`~hsmla_med.data.datalist.check_nifti`: a cut-off or
+    damaged ``.nii.gz``, a ``.nii`` shorter than its header's voxels), and which also reads NIfTI
+    pairs (``CASE.hdr`` with ``CASE.img``): nibabel reads them as it reads ``.nii``, but MONAI
+    picks its reader by the suffixes ``.nii`` and ``.nii.gz`` only, and without this one a
+    pair's header went to the DICOM reader."""
 
     def verify_suffix(self, filename) -> bool:
-        return all(str(f).endswith((".hdr", ".img")) for f in ensure_tuple(filename))
+        return all(str(f).endswith((".nii", ".nii.gz", ".hdr", ".img")) for f in ensure_tuple(filename))
+
+    def read(self, data, **kwargs):
+        img = super().read(data, **kwargs)
+        for one, name in zip(ensure_tuple(img), self.filenames):
+            check_nifti(one, name, inflate=True)
+        return img
 
 
 class LoadCased(LoadImaged):
     """``LoadImaged`` whose failures (truncated or foreign files) name the file that failed, and
-    which also reads NIfTI pairs (:class:`NiftiPairReader`), MetaImage and NRRD files through
-    SimpleITK (:class:`~hsmla_med.io.itk.ITKFileReader`), a DICOM series (a series folder,
+    which reads NIfTI files and pairs, their voxels checked (:class:`NiftiReader`), MetaImage and
+    NRRD files through SimpleITK (:class:`~hsmla_med.io.itk.ITKFileReader`), a DICOM series (a series folder,
     or the list of a series' files: :class:`~hsmla_med.io.dicom.DicomSeriesReader`, tried
     before MONAI's readers) and, for a key after the first, a DICOM SEG: the label map of a
     case whose image (the first key) is the series the SEG references, read onto that series'
@@ -66,7 +76,7 @@ class LoadCased(LoadImaged):
                 super().__init__(keys, *args, allow_missing_keys=True, **kwargs)
         finally:
             plugin_log.disabled = disabled
-        self.register(NiftiPairReader())
+        self.register(NiftiReader())
         self.register(ITKFileReader())
         self.register(DicomSeriesReader())
         self.label_names = list(label_names) if label_names is not None else None

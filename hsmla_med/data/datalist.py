@@ -35,6 +35,7 @@ import numpy as np
 from monai.data import load_decathlon_datalist
 
 from hsmla_med.errors import DataError
+from hsmla_med.io.compressed import check_inflated
 from hsmla_med.io.itk import is_itk_file, itk_header, label_suffix
 
 __all__ = ["Datalist", "load_datalist", "label_spec", "channel_groups", "find_dataset_json", "read_json", "read_header", "channels_grid", "image_series", "check_affine",
@@ -303,17 +304,36 @@ def read_header(path: str | Path) -> tuple[tuple[int, ...], np.ndarray]:
     return shape, affine
 
 
-def check_nifti(img, path: str | Path) -> None:
-    """:class:`DataError` unless nibabel read ``path`` as NIfTI (one file or a pair). An Analyze
-    7.5 header (a ``.hdr`` without NIfTI's magic) stores no orientation: nibabel's affine for it
-    assumes a radiological left-right flip, which a label map written back in it would repeat
-    unchecked, so it is refused rather than guessed."""
+def check_nifti(img, path: str | Path, inflate: bool = False) -> None:
+    """:class:`DataError` unless nibabel read ``path`` as NIfTI (one file or a pair) whose voxel
+    file holds the voxels its header describes. An Analyze 7.5 header (a ``.hdr`` without
+    NIfTI's magic) stores no orientation: nibabel's affine for it assumes a radiological
+    left-right flip, which a label map written back in it would repeat unchecked, so it is
+    refused rather than guessed.
+
+    The voxels (shape x data type, from byte ``vox_offset``): an uncompressed file is checked by
+    its size, before anything is allocated (nibabel allocates the header's size, then reports a
+    short file in two lines, or a MemoryError for a header of far more voxels than the file; bytes
+    after the voxels are left, as nibabel leaves them); a gzip-compressed one, with ``inflate``,
+    by inflating and counting its stream to its end, which must be the voxels' end
+    (:func:`~hsmla_med.io.compressed.check_inflated`: nibabel reports a cut-off stream as zlib's
+    EOFError and reads a damaged one unseen). That costs a decompression: it is done where the
+    voxels are read (:class:`~hsmla_med.data.checks.NiftiReader`,
+    :func:`~hsmla_med.evaluation.read_labels`), not for every header read."""
     if not isinstance(img, nib.Nifti1Pair):  # Nifti1Image, Nifti2Image and the pairs derive from it
         raise DataError(f"{path}: an Analyze 7.5 image, not NIfTI: its header has no orientation; convert it to NIfTI "
                         "with the orientation checked (e.g. FSL's fslchfiletype NIFTI_GZ, then fslreorient2std)")
     voxels = Path(img.file_map["image"].filename)
     if not voxels.is_file():  # nibabel reads a pair's header alone and fails only when the voxels are read
         raise DataError(f"{path}: the NIfTI pair's image file {voxels.name} is missing")
+    proxy = img.dataobj  # what nibabel will read: its offset, data type and shape (the image's header copy has offset 0)
+    offset, size = int(proxy.offset), int(np.prod(proxy.shape)) * proxy.dtype.itemsize
+    shape = f"{' x '.join(map(str, proxy.shape))} {proxy.dtype.name}"
+    if voxels.suffix == ".gz":
+        if inflate:
+            check_inflated(voxels, 0, offset + size, f"its header describes ({offset} before the voxels, then {shape})")
+    elif voxels.suffix not in (".bz2", ".zst") and voxels.stat().st_size < offset + size:  # (nibabel's other compressions: not checked)
+        raise DataError(f"{voxels}: the file is {voxels.stat().st_size} bytes, its header describes {size} bytes of voxels from byte {offset} ({shape})")
 
 
 def image_series(folder: str | Path):

@@ -44,12 +44,14 @@ from hsmla_med.errors import ConfigError, DataError
 
 __all__ = [
     "CROP",
+    "EMPTY_TRUTH",
     "PROBLEMS",
     "INSTRUMENT_TYPES",
     "PART_VALUES",
     "VIDEO_FOLDER",
     "LoadFramed",
     "crop_box",
+    "empty_truth_videos",
     "find_frames",
     "find_videos",
     "instrument_type",
@@ -78,6 +80,7 @@ PROBLEMS = {  # class names per task, index = label value
     "type": ["background"] + [name.lower() for name in INSTRUMENT_TYPES],
 }
 _FRAMES, _LABELS = "left_frames", "ground_truth"
+EMPTY_TRUTH = "every ground-truth frame is empty (or ground_truth/ holds no labels)"  # the warning about such a video
 VIDEO_FOLDER = re.compile(r"^instrument_dataset_(\d+)$")  # one video of the challenge
 
 
@@ -311,6 +314,23 @@ def find_videos(root: str | Path) -> list[dict]:
             cases.append(case)
         found.append({"video": k, "frames": cases, "labelled": truth.is_dir()})
     return found
+
+
+def empty_truth_videos(videos: Sequence[dict], problem: str) -> dict[int, Path]:
+    """``{K: video folder}`` of the labelled videos of :func:`find_videos` without an instrument
+    of ``problem`` in any ground-truth frame: every label all background (or only ``Other`` in
+    the binary and parts tasks), or a ``ground_truth/`` without label folders.
+
+    Labels are read frame by frame up to the first frame with an instrument, which in a
+    labelled video is nearly always its first. Callers warn about each video
+    (:data:`EMPTY_TRUTH`) and leave it out of their Dice/IoU means: see
+    ``pipelines.endovis.score_predictions`` for why.
+    """
+    empty = {}
+    for video in videos:
+        if video["labelled"] and not any(c["labels"] and merge_labels(c["labels"], problem, frame=c["image"]).any() for c in video["frames"]):
+            empty[video["video"]] = Path(video["frames"][0]["image"]).parent.parent
+    return empty
 
 
 def find_frames(path: str | Path) -> list[Path]:

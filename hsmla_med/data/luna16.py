@@ -138,9 +138,9 @@ def _read_rows(path: Path, columns: tuple[str, ...], what: str) -> list[dict]:
         return list(reader)
 
 
-def _numbers(path: Path, columns: tuple[str, ...], what: str, why_not_negative: str | None = None) -> dict[str, np.ndarray]:
-    """``{seriesuid: (n, len(columns) - 1) float array}`` of a CSV whose other columns are
-    finite numbers, the last one not negative when ``why_not_negative`` says why
+def _lines(path: Path, columns: tuple[str, ...], what: str, why_not_negative: str | None = None) -> dict[str, list[tuple[int, list[float]]]]:
+    """``{seriesuid: [(line number, values of the other columns)]}`` of a CSV whose other columns
+    are finite numbers, the last one not negative when ``why_not_negative`` says why
     (:class:`DataError` naming the file and line otherwise)."""
     found: dict[str, list] = {}
     for line, row in enumerate(_read_rows(path, columns, what), 2):
@@ -152,12 +152,44 @@ def _numbers(path: Path, columns: tuple[str, ...], what: str, why_not_negative: 
             raise DataError(f"{path}, line {line}: {', '.join(columns[1:])} must be finite")
         if why_not_negative and values[-1] < 0:
             raise DataError(f"{path}, line {line}: {columns[-1]} must not be negative, got {values[-1]:g} ({why_not_negative})")
-        found.setdefault(row[columns[0]], []).append(values)
-    return {uid: np.asarray(v, dtype=np.float64).reshape(-1, len(columns) - 1) for uid, v in found.items()}
+        found.setdefault(row[columns[0]], []).append((line, values))
+    return found
+
+
+def _arrays(found: Mapping[str, list], width: int) -> dict[str, np.ndarray]:
+    """``{seriesuid: (n, width) float array}`` of :func:`_lines`' rows."""
+    return {uid: np.asarray([v for _, v in rows], dtype=np.float64).reshape(-1, width) for uid, rows in found.items()}
+
+
+def _inside(path: Path, uid: str, rows: list, scan: Path, refuse: bool) -> list:
+    """The rows (:func:`_lines`) of series ``uid`` whose centre lies in its scan: within the
+    scan's extent, half a voxel beyond its outer voxel centres. A nodule outside can be neither
+    a training target nor detected, and would count as missed: refused with ``refuse`` (a
+    :class:`DataError` naming the file, line and series), else skipped with one warning for the
+    scan that counts them."""
+    geometry = read_geometry(scan)
+    index = world_to_voxel([values[:3] for _, values in rows], geometry)
+    outside = np.any((index < -0.5) | (index > geometry.size - 0.5), axis=1)
+    if not outside.any():
+        return rows
+    if refuse:
+        (line, (x, y, z, _)), (i, j, k) = next((row, ijk) for row, ijk, out in zip(rows, index, outside) if out)
+        raise DataError(f"{path}, line {line}: the nodule of series {uid} at ({x:g}, {y:g}, {z:g}) mm lies outside its scan {scan} "
+                        f"(voxel {i:.1f}, {j:.1f}, {k:.1f} of {' x '.join(map(str, geometry.size))})")
+    lines = [line for (line, _), out in zip(rows, outside) if out]
+    where = f"line{'s' if len(lines) > 1 else ''} {', '.join(map(str, lines))}"
+    if len(lines) == len(rows):
+        nodules = "its nodule lies" if len(rows) == 1 else f"all its {len(rows)} nodules lie"
+        log.warning("%s: series %s: %s outside its scan (%s); skipped: the scan trains without nodules", path, uid, nodules, where)
+    else:
+        nodules = f"{len(lines)} of its {len(rows)} nodules {'lies' if len(lines) == 1 else 'lie'}"
+        log.warning("%s: series %s: %s outside its scan (%s); skipped", path, uid, nodules, where)
+    return [row for row, out in zip(rows, outside) if not out]
 
 
 def read_annotations(
-    path: str | Path, series: Mapping[str, object] | None = None, excluded: bool = False, rendered: bool = True
+    path: str | Path, series: Mapping[str, object] | None = None, excluded: bool = False, rendered: bool = True,
+    scans: Mapping[str, Path] | None = None, refuse_outside: bool = False,
 ) -> dict[str, np.ndarray]:
     """``{seriesuid: (n, 4) float array of x, y, z (LPS mm), diameter (mm)}`` from a LUNA16 CSV.
 
@@ -171,22 +203,27 @@ def read_annotations(
         rendered: the nodules become training targets, so each needs its size and a negative
             diameter in ``annotations.csv`` is refused; ``False`` when they are only scored,
             where the official script's 10 mm applies to them too.
+        scans: ``{seriesuid: scan}``: the rows of these series are checked against their scan's
+            geometry (its header): a nodule outside its scan is skipped with one warning per
+            scan (training), or refused with ``refuse_outside`` (evaluation labels).
     """
     path = Path(path)
     why = None if excluded or not rendered else "-1 marks an irrelevant finding, which belongs in annotations_excluded.csv"
-    found = _numbers(path, COLUMNS, "annotations", why)
+    found = _lines(path, COLUMNS, "annotations", why)
     if series is not None:
         unknown = sorted(set(found) - set(series))
         if unknown:
             log.warning("%s: %d series without a scan here ignored (%s%s)", path, len(unknown), ", ".join(unknown[:3]), ", ..." if len(unknown) > 3 else "")
         found = {uid: v for uid, v in found.items() if uid in series}
-    return found
+    if scans is not None:
+        found = {uid: _inside(path, uid, rows, scans[uid], refuse_outside) if uid in scans else rows for uid, rows in found.items()}
+    return _arrays(found, len(COLUMNS) - 1)
 
 
 def read_submission(path: str | Path) -> dict[str, np.ndarray]:
     """``{seriesuid: (n, 4) x, y, z (LPS mm), probability}`` of a LUNA16 submission CSV
     (``seriesuid,coordX,coordY,coordZ,probability``)."""
-    return _numbers(Path(path), SUBMISSION_COLUMNS, "submission")
+    return _arrays(_lines(Path(path), SUBMISSION_COLUMNS, "submission"), len(SUBMISSION_COLUMNS) - 1)
 
 
 def read_seriesuids(path: str | Path) -> list[str]:

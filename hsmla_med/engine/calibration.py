@@ -278,6 +278,7 @@ def calibrate(task, module, datamodule, trainer_cfg: dict, checkpoint: str | Pat
     """
     from lightning.fabric.utilities.rank_zero import rank_zero_only
 
+    from hsmla_med.engine.checkpoint import read_checkpoint
     from hsmla_med.engine.run import evaluate
     from hsmla_med.io import atomic_path, write_json
 
@@ -322,7 +323,7 @@ def calibrate(task, module, datamodule, trainer_cfg: dict, checkpoint: str | Pat
     }
     entry = {"temperature": temperature, "per_class": per_class, "fitted_on": {"checkpoint": checkpoint.name, **record["split"]},
              "samples": before["samples"], "ece_before": before["ece"], "ece_after": after["ece"]}
-    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    state = read_checkpoint(checkpoint)
     # the loaded network config: load_module fills in what older checkpoints leave to defaults
     state["hyper_parameters"] = {**state["hyper_parameters"], "network": module.config["network"], "calibration": entry}
     state["state_dict"] = module.state_dict()

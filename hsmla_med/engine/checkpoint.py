@@ -1,6 +1,7 @@
-"""Checkpoint files that survive any kill: written beside their final name and renamed; and
-inference from an exported network (a TorchScript file, a MONAI Bundle or an ONNX model of
-``hsmla-med export``).
+"""Checkpoint files that survive any kill: written beside their final name and renamed; read
+with ``weights_only=True`` by one function, which says what a file is when it is none
+(:func:`read_checkpoint`); and inference from an exported network (a TorchScript file, a MONAI
+Bundle or an ONNX model of ``hsmla-med export``).
 
 Lightning's own :class:`~lightning.pytorch.plugins.io.TorchCheckpointIO` writes through an fsspec
 transaction: a temporary file in ``$TMPDIR``, then moved onto the checkpoint's name. When
@@ -13,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
+import stat
 import warnings
 import zipfile
 from contextlib import contextmanager
@@ -24,7 +27,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from hsmla_med.errors import DataError
 from hsmla_med.io import atomic_path
 
-__all__ = ["AtomicCheckpointIO", "EXPORT_META", "FORMAT_VERSION", "exported_file", "load_exported", "quiet_torchscript", "read_hparams"]
+__all__ = ["AtomicCheckpointIO", "EXPORT_META", "FORMAT_VERSION", "exported_file", "load_exported", "quiet_torchscript", "read_checkpoint", "read_hparams"]
 
 #: extra file of an exported TorchScript network holding its checkpoint's hyper-parameters
 EXPORT_META = "hsmla_med.json"
@@ -39,8 +42,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     the new complete one. A kill leaves at most the temporary, which
     :func:`hsmla_med.io.remove_stale_temporaries` deletes at the start of the next run.
 
-    Loading turns an unreadable file (empty, truncated, not a checkpoint) into a
-    :class:`~hsmla_med.errors.DataError` naming it.
+    Loading (``train --resume``) is :func:`read_checkpoint`'s: a file that is no checkpoint of
+    train is a :class:`~hsmla_med.errors.DataError` saying what it is.
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
@@ -57,16 +60,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         _fsync_folder(path.parent)  # the rename itself survives a power cut
 
     def load_checkpoint(self, path, map_location: Any | None = lambda storage, loc: storage, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(path)
-        if not path.is_file():
-            raise DataError(f"{path}: checkpoint not found")
-        if path.stat().st_size == 0:
-            raise DataError(f"{path}: the checkpoint is empty (0 bytes); its run was killed while writing it")
-        try:
-            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        except Exception as err:  # truncated zip, foreign pickle
-            reason = (str(err).strip().splitlines() or [""])[0][:200]
-            raise DataError(f"{path}: not a readable checkpoint, truncated or damaged ({type(err).__name__}: {reason})") from None
+        """:func:`read_checkpoint` (always ``weights_only``: a resumed file is as foreign as any)."""
+        return read_checkpoint(path, map_location=map_location)
 
 
 def _fsync_folder(folder: Path) -> None:
@@ -82,21 +77,126 @@ def _fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def read_hparams(path: str | Path) -> dict:
-    """The hyper-parameters of a checkpoint written by ``train`` (``weights_only=True``), or a
-    :class:`~hsmla_med.errors.DataError` naming the file."""
+#: what to give instead of a file that is no checkpoint of train
+_INSTEAD = "give the .ckpt file that train wrote (best.ckpt or last.ckpt)"
+#: ... and, for an exported network, where it is taken
+_EXPORTED = f"{_INSTEAD}; infer --checkpoint runs exported networks as they are"
+_ZIP, _PICKLE = b"PK\x03\x04", 0x80  # the first bytes of torch.save's zip archive, and of a pickle (protocol 2+: torch.save's older format)
+
+
+def _not_a_checkpoint(path: Path) -> str | None:
+    """What ``path`` is, in words, when it is plainly no checkpoint of train (read without
+    unpickling anything); ``None`` when it may be one: a zip archive with ``data.pkl``, or a
+    pickle."""
+    if not path.exists():
+        return "checkpoint not found"
+    if path.is_dir():
+        if (path / "models" / "model.ts").is_file():
+            return f"a MONAI bundle of hsmla-med export, not a checkpoint; {_EXPORTED}"
+        inside = [name for name in ("best.ckpt", "last.ckpt") if (path / name).is_file()]
+        return f"a folder, not a checkpoint; give the checkpoint file in it: {', '.join(str(path / n) for n in inside)}" if inside \
+            else f"a folder, not a checkpoint; {_INSTEAD}"
+    if not stat.S_ISREG(path.stat().st_mode):  # /dev/zero never ends, a FIFO blocks: never read
+        return f"not a regular file (a device, pipe or socket); {_INSTEAD}"
+    if path.stat().st_size == 0:
+        return f"not a readable hsmla-med checkpoint: empty (0 bytes), as a write or copy that did not finish leaves it; {_INSTEAD}"
+    if path.suffix.lower() == ".onnx":
+        return f"an ONNX model of hsmla-med export, not a checkpoint; {_EXPORTED}"
+    try:
+        with path.open("rb") as f:
+            head = f.read(4)
+    except OSError as err:
+        return f"cannot be read ({err.strerror})"
+    if head == _ZIP:
+        if not zipfile.is_zipfile(path):  # the archive's directory is at its end
+            return "not a readable hsmla-med checkpoint: truncated or damaged (a zip archive without its end)"
+        try:
+            with zipfile.ZipFile(path) as archive:
+                names = archive.namelist()
+        except (OSError, zipfile.BadZipFile) as err:
+            return f"not a readable hsmla-med checkpoint: truncated or damaged ({err})"
+        if any(name.split("/")[1:2] == ["code"] for name in names):
+            return f"a TorchScript network of hsmla-med export, not a checkpoint; {_EXPORTED}"
+        if not any(name.split("/")[1:] == ["data.pkl"] for name in names):
+            return f"a zip archive but not a checkpoint (no data.pkl, as a checkpoint has); {_INSTEAD}"
+        return None
+    if head[0] != _PICKLE:
+        return f"not a readable hsmla-med checkpoint: neither a zip archive nor a pickle, the formats of checkpoints; {_INSTEAD}"
+    return None
+
+
+def _pickled_globals(path: Path) -> list[str] | None:
+    """``module.name`` of every function or class that the pickle file ``path`` imports, read
+    with :mod:`pickletools` (which parses the opcodes and executes nothing); ``None`` when the
+    stream does not parse."""
+    import pickletools
+
+    names: list[str] = []
+    strings: list[str] = []  # the string arguments so far: STACK_GLOBAL takes its module and name from the last two
+    try:
+        with path.open("rb") as f:
+            for opcode, arg, _ in pickletools.genops(f):
+                if opcode.name in ("GLOBAL", "INST"):
+                    names.append(arg.replace(" ", "."))
+                elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
+                    names.append(".".join(strings[-2:]))
+                if isinstance(arg, str):
+                    strings.append(arg)
+    except Exception:  # truncated or not a pickle: ValueError, EOFError, struct.error
+        return None
+    return names
+
+
+def read_checkpoint(path: str | Path, mmap: bool = False, map_location: Any = "cpu") -> dict:
+    """The contents of a checkpoint written by ``train`` (a dict with ``hyper_parameters`` and
+    ``state_dict``), loaded with ``weights_only=True``: tensors and plain values only, nothing
+    that could run code. ``mmap``: tensors mapped from the file, not read (for the
+    hyper-parameters alone).
+
+    Anything else is a :class:`~hsmla_med.errors.DataError` naming the file and saying what it is
+    and what to give instead, never PyTorch's message (which advises ``weights_only=False``): not
+    found; a folder (an exported bundle, a run folder); a device, pipe or socket, never read; an
+    empty, truncated or damaged file; no checkpoint at all; a TorchScript or ONNX network of
+    ``export``; objects that ``weights_only`` loading refuses (named); a state dict without
+    train's hyper-parameters."""
     import torch
 
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: checkpoint not found")
+    problem = _not_a_checkpoint(path)
+    if problem is not None:
+        raise DataError(f"{path}: {problem}")
+    archive = zipfile.is_zipfile(path)
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        return checkpoint["hyper_parameters"]
-    except pickle.UnpicklingError:
-        raise DataError(f"{path}: holds Python objects beyond tensors and plain values; refused, since loading them could run code") from None
-    except Exception as err:
-        raise DataError(f"{path}: not a readable hsmla-med checkpoint ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
+        with warnings.catch_warnings():  # a pickle of protocol 3+: the refusal below says what matters
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            checkpoint = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap and archive)
+    except pickle.UnpicklingError as err:
+        # torch wraps its restricted unpickler's own message between advice to load unrestricted
+        inner = (str(err).partition("WeightsUnpickler error:")[2].strip().splitlines() or [""])[0]
+        named = re.findall(r"GLOBAL ([\w.]+)", str(err))  # the function or class it refused to call
+        if inner.startswith(("Unsupported operand", "String is too long")):
+            # a stream the restricted unpickler cannot parse (a pickle of protocol 4+, whose
+            # framing it lacks, or a damaged one): what it would import tells which
+            named = _pickled_globals(path) if not archive else None
+            if not named:
+                raise DataError(f"{path}: not a readable hsmla-med checkpoint: truncated or damaged, or a pickle of other objects ({inner})") from None
+        refused = f" ({', '.join(sorted(set(named)))})" if named else ""
+        raise DataError(f"{path}: holds objects that weights_only loading refuses{refused}: not loaded, as it could run code") from None
+    except Exception as err:  # EOFError, a zip member's CRC, a cut stream
+        reason = (str(err).strip().split(". ")[0].splitlines() or [""])[0][:200]
+        raise DataError(f"{path}: not a readable hsmla-med checkpoint: truncated or damaged ({type(err).__name__}{': ' + reason if reason else ''})") from None
+    if not isinstance(checkpoint, dict) or not {"hyper_parameters", "state_dict"} <= set(checkpoint):
+        bare = isinstance(checkpoint, dict) and checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values())
+        what = "a state dict without the hyper-parameters that train writes (a bundle's models/model.pt?)" if bare \
+            else f"a PyTorch file without the hyper-parameters and weights that train writes ({type(checkpoint).__name__})"
+        raise DataError(f"{path}: {what}; {_INSTEAD}")
+    return checkpoint
+
+
+def read_hparams(path: str | Path) -> dict:
+    """The hyper-parameters of a checkpoint written by ``train`` (:func:`read_checkpoint`, its
+    tensors mapped, not read)."""
+    return read_checkpoint(path, mmap=True)["hyper_parameters"]
 
 
 def exported_file(path: str | Path) -> Path | None:

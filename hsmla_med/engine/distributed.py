@@ -27,7 +27,7 @@ import torch.distributed as dist
 from hsmla_med.errors import ConfigError
 from hsmla_med.runtime import LoadAdaptiveThreads, adaptive_threads_enabled, applied_variables, available_cpus
 
-__all__ = ["START_TIMEOUT_ENV", "check_cpu_processes", "start_up_deadline", "ShareCPUs"]
+__all__ = ["START_TIMEOUT_ENV", "check_cpu_processes", "check_launcher", "start_up_deadline", "ShareCPUs"]
 
 #: seconds the processes of a run wait for each other to start (default 300)
 START_TIMEOUT_ENV = "HSMLA_MED_START_TIMEOUT"
@@ -47,6 +47,24 @@ def check_cpu_processes(accelerator: str, devices, option: str = "--devices") ->
     if on_cpu and isinstance(devices, int) and not isinstance(devices, bool) and devices > cores:
         raise ConfigError(f"{option} {devices}: on the CPU each device is one process, and this machine has {cores} CPU core(s); "
                           f"give {option} {cores} or fewer")
+
+
+def check_launcher(num_nodes, option: str = "--num-nodes") -> None:
+    """Refuse a run over several nodes that no launcher started on the others.
+
+    Without one (torchrun, SLURM, LSF or MPI, whose environment Lightning detects, or
+    ``MASTER_ADDR`` set for Lightning's own multi-node launch), Lightning takes this process for
+    node 0 and waits for nodes that never come, until the start-up deadline
+    (:func:`start_up_deadline`, 300 s)."""
+    from lightning.fabric.plugins.environments import LSFEnvironment, MPIEnvironment, SLURMEnvironment, TorchElasticEnvironment
+
+    if num_nodes is None or int(num_nodes) <= 1 or "MASTER_ADDR" in os.environ:
+        return
+    if any(env.detect() for env in (TorchElasticEnvironment, SLURMEnvironment, LSFEnvironment, MPIEnvironment)):  # as Lightning chooses
+        return
+    raise ConfigError(f"{option} {num_nodes} needs a launcher (torchrun, SLURM) on every node; none started this process (no torchrun, "
+                      f"SLURM, LSF or MPI environment, no MASTER_ADDR), so it would wait for the other nodes until the start-up deadline: "
+                      f"run it under torchrun --nnodes {num_nodes} or srun on each node, or leave {option} out")
 
 
 class ShareCPUs(L.Callback):

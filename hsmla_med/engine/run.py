@@ -4,7 +4,6 @@ validated), resume, evaluation, and checkpoint loading with ``weights_only=True`
 from __future__ import annotations
 
 import logging
-import pickle
 from pathlib import Path
 
 import lightning as L
@@ -14,8 +13,8 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning_utilities.core.imports import module_available
 
 from hsmla_med.engine.callbacks import MetricsWriter, StepProgressBar, ValidateFinalStep
-from hsmla_med.engine.checkpoint import AtomicCheckpointIO, exported_file, load_exported, read_hparams
-from hsmla_med.engine.distributed import ShareCPUs, check_cpu_processes, start_up_deadline
+from hsmla_med.engine.checkpoint import AtomicCheckpointIO, exported_file, load_exported, read_checkpoint, read_hparams
+from hsmla_med.engine.distributed import ShareCPUs, check_cpu_processes, check_launcher, start_up_deadline
 from hsmla_med.errors import ConfigError, DataError, InputError
 from hsmla_med.io import remove_stale_temporaries
 
@@ -76,10 +75,12 @@ def _limit(trainer_cfg: dict, key: str) -> int | None:
 
 def check_trainer_config(trainer_cfg: dict) -> None:
     """Refuse, before any work, a ``trainer`` section these runs cannot execute: an unsupported
-    strategy or precision, more CPU processes than cores (one line each)."""
+    strategy or precision, more CPU processes than cores, several nodes without a launcher (one
+    line each)."""
     _choice(trainer_cfg, "strategy", STRATEGIES)
     _choice(trainer_cfg, "precision", PRECISIONS)
     check_cpu_processes(trainer_cfg.get("accelerator", "auto"), trainer_cfg.get("devices", "auto"))
+    check_launcher(trainer_cfg.get("num_nodes", 1))
 
 
 def build_trainer(trainer_cfg: dict, output: Path, callbacks: list | None = None, loggers: list | None = None) -> L.Trainer:
@@ -129,11 +130,12 @@ def fit(module: L.LightningModule, datamodule: L.LightningDataModule, output: st
 
     ``resume`` continues from ``output/last.ckpt``: weights, optimizer, learning-rate schedule,
     step count and the best score so far; ``max_steps``/``max_epochs`` are the totals to reach, not
-    additional steps. An empty or truncated ``last.ckpt`` raises :class:`~hsmla_med.errors.DataError`.
+    additional steps. A ``last.ckpt`` that is no checkpoint of train (empty, truncated, foreign)
+    raises :class:`~hsmla_med.errors.DataError` saying what it is.
     """
     output = Path(output)
     last = output / "last.ckpt"
-    if resume and not last.is_file():
+    if resume and not last.exists():
         raise InputError(f"{last}: no checkpoint to resume from")
     if resume:
         _check_resumable(last, module)
@@ -174,13 +176,11 @@ def _describe(config: dict) -> str:
 
 
 def _check_resumable(last: Path, module: L.LightningModule) -> None:
-    """Refuse to resume from a checkpoint of another task or network (its weights would not fit:
-    Lightning's ``size mismatch`` traceback), naming the folder and both sides. A checkpoint that
-    cannot be read is left to the restore, which names the damage."""
-    try:
-        saved = read_hparams(last)
-    except DataError:
-        return
+    """Refuse, before the trainer starts, to resume from a file that is no checkpoint of train
+    (:func:`~hsmla_med.engine.checkpoint.read_hparams` says what it is) or from a checkpoint of
+    another task or network (its weights would not fit: Lightning's ``size mismatch``
+    traceback), naming the folder and both sides."""
+    saved = read_hparams(last)
     wanted = module.config
     differ = [key for key in _SHAPES_WEIGHTS if not isinstance(saved, dict) or saved.get(key) != wanted.get(key)]
     if differ:
@@ -224,16 +224,8 @@ def load_module(
     path = Path(path)
     if exported_file(path) is not None:  # hsmla-med export's TorchScript file or bundle folder
         return load_exported(path, module_class, task, inference)
-    if not path.is_file():
-        raise DataError(f"{path}: checkpoint not found")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-        config = checkpoint["hyper_parameters"]
-        state = checkpoint["state_dict"]
-    except pickle.UnpicklingError:  # torch's message advises weights_only=False: never for a foreign file
-        raise DataError(f"{path}: holds Python objects beyond tensors and plain values; refused, since loading them could run code") from None
-    except Exception as err:  # truncated file, not a Lightning checkpoint
-        raise DataError(f"{path}: not a readable hsmla-med checkpoint ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
+    checkpoint = read_checkpoint(path)
+    config, state = checkpoint["hyper_parameters"], checkpoint["state_dict"]
     written_by = config.get("task") if isinstance(config, dict) else None
     missing = [k for k in _HPARAMS if not isinstance(config, dict) or k not in config]
     if task is not None and written_by != task:

@@ -76,20 +76,23 @@ def _process_runs(pid: int) -> bool:
     return True
 
 
-def remove_stale_temporaries(folder: str | Path) -> list[Path]:
-    """Delete the temporaries of :func:`atomic_path` directly in ``folder`` whose writing process
-    no longer runs on this machine (left by ``kill -9`` or a power cut); those of running
-    processes stay, as they may be writing them now. Returns the removed paths."""
+def remove_stale_temporaries(folder: str | Path, below: int = 0) -> list[Path]:
+    """Delete the temporaries of :func:`atomic_path` in ``folder`` (and in the folders up to
+    ``below`` levels beneath it; symbolic links not followed) whose writing process no longer
+    runs on this machine (left by ``kill -9`` or a power cut); those of running processes stay,
+    as they may be writing them now. Returns the removed paths."""
     folder = Path(folder)
-    if not folder.is_dir():
-        return []
     removed = []
-    for path in sorted(folder.iterdir()):
-        match = _TEMPORARY.match(path.name)
-        if match is None or not path.is_file() or _process_runs(int(match["pid"])):
-            continue
-        path.unlink(missing_ok=True)
-        removed.append(path)
+    for root, folders, files in os.walk(folder):
+        if len(Path(root).relative_to(folder).parts) >= below:
+            folders.clear()  # no deeper
+        for name in sorted(files):
+            match = _TEMPORARY.match(name)
+            path = Path(root) / name
+            if match is None or not path.is_file() or _process_runs(int(match["pid"])):
+                continue
+            path.unlink(missing_ok=True)
+            removed.append(path)
     return removed
 
 

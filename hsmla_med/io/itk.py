@@ -11,8 +11,9 @@ ITK reader gives it (``affine_lps_to_ras``): ITK's LPS world turned into NIfTI's
 
 What SimpleITK does not check, or reports without naming the problem, is checked here first:
 a MetaImage header's sizes and its voxel file (ITK aborts the process on some broken headers,
-and a truncated file gives "No such file or directory"), a volume that is not 3D, several
-components per voxel.
+and a truncated file gives "No such file or directory"), compressed voxels that do not inflate
+to the header's size (ITK reads them as zeros: :mod:`hsmla_med.io.compressed`), a volume that
+is not 3D, several components per voxel.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from monai.data import ImageReader
 
 from hsmla_med.errors import DataError
 from hsmla_med.io.atomic import atomic_path
+from hsmla_med.io.compressed import check_inflated
 
 __all__ = ["ITK_FILE", "ITKFileReader", "check_metaimage", "data_file", "header_reader", "image_affine", "is_itk_file", "itk_header", "label_suffix", "ras_affine", "read_itk", "write_itk"]
 
@@ -63,11 +65,15 @@ def _metaimage_header(path: Path) -> tuple[dict[str, str], int]:
     raise DataError(f"{path}: not a MetaImage header (no ElementDataFile)")
 
 
-def check_metaimage(path: str | Path) -> None:
+def check_metaimage(path: str | Path, inflate: bool = False) -> None:
     """Refuse, naming the file, a MetaImage header that is not a 3D volume with a positive voxel
-    spacing, or whose uncompressed voxels (in its own voxel file, or after the header of an
-    ``.mha``) are missing or not exactly the size the header describes. Checked before SimpleITK
-    reads it: ITK aborts the process on some of these."""
+    spacing, or whose voxels (in its own voxel file, or after the header of an ``.mha``) are
+    missing or not exactly the size the header describes: uncompressed, by the file's size;
+    compressed (``CompressedData = True``), with ``inflate``, by inflating and counting the
+    stream (:func:`~hsmla_med.io.compressed.check_inflated`), which costs a decompression and is
+    done where the voxels are read (:func:`read_itk`), not for every header read. Checked before
+    SimpleITK reads it: ITK aborts the process on some of these, and reads a short or damaged
+    stream as zeros."""
     path = Path(path)
     header, offset = _metaimage_header(path)
     try:
@@ -90,13 +96,19 @@ def check_metaimage(path: str | Path) -> None:
     if not raw.is_file():
         raise DataError(f"{path}: its voxel file {raw} is missing")
     skip = int(header.get("HeaderSize", "0") or 0)  # bytes before the voxels in the voxel file; -1: the voxels end it
-    if header.get("CompressedData", "False").lower() == "true" or skip < 0:
-        return  # zlib: its size is known only once inflated (SimpleITK's error names a short stream)
     expected = int(np.prod(size)) * itemsize * int(header.get("ElementNumberOfChannels", "1") or 1)
-    actual = raw.stat().st_size - (offset if local else 0) - skip
+    voxels = f"({' x '.join(map(str, size))} {header['ElementType']})"
+    if skip < 0:
+        return  # the voxels end the file, whatever precedes them: no size to compare
+    start = (offset if local else 0) + skip
+    if header.get("CompressedData", "False").lower() == "true":
+        if inflate:
+            check_inflated(raw, start, expected, f"the header {path.name} describes {voxels}")
+        return
+    actual = raw.stat().st_size - start
     if actual != expected:
         where = f"{path}: {actual} bytes of voxels after the header" if local else f"{raw}: {actual} bytes"
-        raise DataError(f"{where}, the header {path.name} describes {expected} ({' x '.join(map(str, size))} {header['ElementType']})")
+        raise DataError(f"{where}, the header {path.name} describes {expected} {voxels}")
 
 
 def data_file(path: str | Path) -> Path | None:
@@ -117,16 +129,17 @@ def _last_line(err: Exception) -> str:
     return str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
 
 
-def header_reader(path: str | Path):
+def header_reader(path: str | Path, inflate: bool = False):
     """SimpleITK's reader of ``path`` with the header read and checked: one 3D volume of one
-    component (nnU-Net's convention: one file per channel)."""
+    component (nnU-Net's convention: one file per channel); ``inflate``: a MetaImage's compressed
+    voxels too (:func:`check_metaimage`), before they are read."""
     import SimpleITK as sitk  # here: SimpleITK loads slowly, and only these files need it
 
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: file not found")
     if path.suffix in _METAIMAGE:
-        check_metaimage(path)
+        check_metaimage(path, inflate)
     reader = sitk.ImageFileReader()
     reader.SetFileName(str(path))
     try:
@@ -170,7 +183,7 @@ def read_itk(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     import SimpleITK as sitk
 
     path = Path(path)
-    reader = header_reader(path)
+    reader = header_reader(path, inflate=True)
     try:
         image = reader.Execute()
     except RuntimeError as err:

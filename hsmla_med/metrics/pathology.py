@@ -20,8 +20,10 @@ cell (ITC) cluster, on which a detection counts neither as true nor as false pos
 detection at level-0 pixel (x, y) hits the label at ``[int(y / 2**level), int(x / 2**level)]``;
 each lesion counts once, with its best detection's confidence; the rest are false positives
 (every detection on a normal slide). MONAI carries the same rules (``monai.apps.pathology``:
-``compute_multi_instance_mask``, ``compute_isolated_tumor_cells``; ``compute_froc_curve_data``,
-``compute_froc_score``), and they are used here; where not, the function says why.
+``compute_multi_instance_mask``, ``compute_isolated_tumor_cells``; ``compute_froc_score``), and
+they are used here; where not, the function says why. The script's number types are part of its
+rules: confidences are Python floats (float64), but a lesion's best confidence is stored in a
+float32 array, so a true and a false positive of the same decimal confidence can rank apart.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from monai.apps.pathology.utils import compute_isolated_tumor_cells, compute_multi_instance_mask
-from monai.metrics import compute_froc_curve_data, compute_froc_score, compute_roc_auc
+from monai.metrics import compute_froc_score, compute_roc_auc
 from monai.transforms import ProbNMS
 from scipy.ndimage import gaussian_filter
 
@@ -218,14 +220,15 @@ def slide_fp_tp(probs, hits, lesions: int, labels: int) -> tuple[np.ndarray, np.
         labels: the largest label of the slide's evaluation mask.
 
     Returns:
-        ``(fp, tp)`` float64: the confidences of detections on no label, and per label
+        ``(fp, tp)``: float64 confidences of detections on no label, and float32 per label
         ``1..labels`` the highest confidence above 0 of a detection on it, else 0 (missed
-        lesions and every ITC: a detection on an ITC counts neither way).
+        lesions and every ITC: a detection on an ITC counts neither way). float32 because the
+        official ``TP_probs`` is ``np.zeros((max_label,), dtype=np.float32)`` while its false
+        positives stay Python floats: rounding the maximum once equals the script's rounding
+        of each better confidence as it stores it, since rounding keeps order.
 
-    Hand-written rather than MONAI's ``compute_fp_tp_probs_nd``, which keeps the true
-    positives in float32 (a float64 false positive of the same confidence would then rank
-    apart from it) and takes a lesion's maximum even when it is not above 0, which the
-    official script does not.
+    Hand-written rather than MONAI's ``compute_fp_tp_probs_nd``, which takes a lesion's
+    maximum even when it is not above 0, which the official script does not.
     """
     probs = np.asarray(probs, dtype=np.float64).reshape(-1)
     hits = np.asarray(hits, dtype=np.int64).reshape(-1)
@@ -238,7 +241,7 @@ def slide_fp_tp(probs, hits, lesions: int, labels: int) -> tuple[np.ndarray, np.
     tp = np.zeros(labels, np.float64)
     on = (hits > 0) & (hits <= lesions)
     np.maximum.at(tp, hits[on] - 1, probs[on])
-    return probs[hits == 0], tp
+    return probs[hits == 0], tp.astype(np.float32)
 
 
 def lesion_froc(slides: Sequence[tuple[np.ndarray, np.ndarray, int]], fp_rates: Sequence[float] = FP_RATES) -> dict:
@@ -247,25 +250,40 @@ def lesion_froc(slides: Sequence[tuple[np.ndarray, np.ndarray, int]], fp_rates: 
     Args:
         slides: per slide ``(fp, tp, lesions)``: :func:`slide_fp_tp`'s two arrays and the
             slide's number of lesions to detect (ITCs not counted). Normal slides count too,
-            for their false positives and in the mean per slide.
+            for their false positives and in the mean per slide. ``tp`` is rounded to float32
+            here (a no-op on :func:`slide_fp_tp`'s), as the official script stores it.
         fp_rates: mean false positives per slide at which sensitivity is read.
 
     Returns:
         ``{"froc": float | None, "sensitivity": {str(rate): float | None}, "lesions": int,
         "slides": int}``; None when there is no lesion to detect.
 
-    The curve is MONAI's ``compute_froc_curve_data``, a copy of the script's ``computeFROC``:
-    every distinct confidence but the lowest of the pool is a threshold (the script takes the
-    lowest for the 0 of a missed lesion or an ITC, which any real test set has); the
-    sensitivity at each rate is ``np.interp`` on it (``compute_froc_score``).
+    The curve is the script's ``computeFROC``: every distinct confidence but the lowest of the
+    pool is a threshold (the script takes the lowest for the 0 of a missed lesion or an ITC,
+    which any real test set has), and at each the false positives and the true positives at or
+    above it are counted; the sensitivity at each rate is ``np.interp`` on it
+    (``compute_froc_score``). The script ran on NumPy < 1.24 (it uses ``np.object``), whose
+    value-based casting compares its float32 array of true positives with a Python-float
+    threshold in float32, and its false positives in float64: a true positive of 0.1 (float32
+    0.10000000149) then ranks above a false positive of 0.1, and one of 0.7 (float32
+    0.69999998808) ties with a false positive of 0.7 or 0.70000001. MONAI's
+    ``compute_froc_curve_data`` runs the same loop but, under NumPy 2, compares the float32
+    array with a float64 threshold in float64, so it is not used.
     """
     fp = np.concatenate([np.asarray(s[0], np.float64).reshape(-1) for s in slides]) if slides else np.zeros(0)
-    tp = np.concatenate([np.asarray(s[1], np.float64).reshape(-1) for s in slides]) if slides else np.zeros(0)
+    tp = np.concatenate([np.asarray(s[1], np.float32).reshape(-1) for s in slides]) if slides else np.zeros(0, np.float32)
     lesions = int(sum(s[2] for s in slides))
     result = {"froc": None, "sensitivity": {str(r): None for r in fp_rates}, "lesions": lesions, "slides": len(slides)}
     if lesions == 0:
         return result
-    fps_per_slide, sensitivity = compute_froc_curve_data(fp, tp, num_targets=lesions, num_images=len(slides))
+    # the script's sorted(set(FPs + TPs)) orders and tells apart its Python floats and float32
+    # scalars in float64; np.unique does the same on the float64 values
+    thresholds = np.unique(np.concatenate([fp, tp.astype(np.float64)]))[1:]
+    # counts at or above each threshold: float64 for false positives, float32 for true positives
+    fps = fp.size - np.searchsorted(np.sort(fp), thresholds, side="left")
+    tps = tp.size - np.searchsorted(np.sort(tp), thresholds.astype(np.float32), side="left")
+    fps_per_slide = np.append(fps, 0) / float(len(slides))
+    sensitivity = np.append(tps, 0) / float(lesions)
     result["froc"] = float(compute_froc_score(fps_per_slide, sensitivity, eval_thresholds=tuple(fp_rates)))
     result["sensitivity"] = {str(r): float(compute_froc_score(fps_per_slide, sensitivity, eval_thresholds=(r,))) for r in fp_rates}
     return result

@@ -15,6 +15,9 @@ The distribution's quirks are drawn too, so that the readers meet them:
 * the last frame of the first test video has another, odd size: 1279 x 1023, the camera window
   less a row and a column, as a frame re-saved by another tool would be.
 
+On request (``empty_videos``, never by default) labelled videos whose every ground-truth label
+is all background while their frames show instruments, as labels lost in an export would be.
+
 Each frame is textured tissue (reddish, two octaves of smooth noise, darker towards the edges of
 the endoscope's light) with specular highlights, and one to three instruments entering from the
 left, right or bottom edge: a dark shaft, a grey wrist and two bright jaws whose length, width,
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -174,6 +178,7 @@ def generate_endovis(
     num_test_videos: int = 1,
     frames_per_video: int = 8,
     seed: int = 0,
+    empty_videos: Sequence[int] = (),
 ) -> Path:
     """Write synthetic EndoVis 2017-format videos under ``root`` and return ``root``.
 
@@ -184,6 +189,9 @@ def generate_endovis(
             first one's last frame has the odd size :data:`ODD_FRAME_SIZE`.
         frames_per_video: frames ``frame000.png``... per video.
         seed: frame ``j`` of video ``k`` depends only on ``seed``, ``k`` and ``j``.
+        empty_videos: numbers ``K`` of labelled videos whose label PNGs are written all
+            background (the instruments still drawn in the frames), to meet the readers'
+            handling of a video with empty ground truth.
 
     Returns at once if ``root/synthetic.json`` records the same parameters. Every file is
     written under a temporary name and renamed, ``synthetic.json`` last, so a folder with it is
@@ -193,6 +201,9 @@ def generate_endovis(
     root = Path(root)
     if num_videos < 1 or num_test_videos < 0 or frames_per_video < 1:
         raise ValueError("need num_videos >= 1, num_test_videos >= 0 and frames_per_video >= 1")
+    empty = sorted({int(k) for k in empty_videos})
+    if any(not 1 <= k <= num_videos for k in empty):
+        raise ValueError(f"empty_videos {empty} must be labelled videos, 1..{num_videos}")
     params = {
         "version": _GENERATOR_VERSION,
         "seed": int(seed),
@@ -200,6 +211,8 @@ def generate_endovis(
         "num_test_videos": int(num_test_videos),
         "frames_per_video": int(frames_per_video),
     }
+    if empty:  # only when asked: the default dataset's record (and so its cache) stays as it was
+        params["empty_videos"] = empty
     marker = root / "synthetic.json"
     if marker.is_file():
         meta = read_json(marker)
@@ -226,7 +239,7 @@ def generate_endovis(
             _save_png(image, video / "left_frames" / f"frame{j:03d}.png")
             if k <= num_videos:
                 for folder, label in zip(folders, labels):
-                    _save_png(label, video / "ground_truth" / folder / f"frame{j:03d}.png")
+                    _save_png(np.zeros_like(label) if k in empty else label, video / "ground_truth" / folder / f"frame{j:03d}.png")
     write_json(marker, {
         "name": "EndoVis2017-synthetic",
         "description": "Synthetic surgical frames in the EndoVis 2017 layout (not real surgery), "

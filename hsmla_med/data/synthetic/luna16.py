@@ -9,11 +9,16 @@ The folder is laid out as LUNA16 is distributed, quirks included::
     evaluationScript/annotations/  annotations.csv again, annotations_excluded.csv and
                                    seriesuids.csv (one UID per line, no header)
 
-and no CSV at the top. ``annotations_excluded.csv`` holds, as the real one does, irrelevant
-findings with ``diameter_mm`` -1 (small 2-3 mm blobs in every scan), findings with their
-diameter (3-5 mm nodule-like blobs that are not targets, in odd scans) and, in even scans, a
-second mark of a real nodule 0.4 radii off its centre with -1 (the script's 10 mm): a candidate
-on that nodule hits both, one just outside it only the excluded finding.
+and no CSV at the top. Options lay the folder out as many users hold it, with ``subset0``
+alone (``subsets=1``), and add broken cases for the tests of their refusal (``damage``): a
+scan whose compressed voxels (``.zraw``) are cut off, a nodule outside its scan. Without them
+the folder is the default dataset's.
+
+``annotations_excluded.csv`` holds, as the real one does, irrelevant findings with
+``diameter_mm`` -1 (small 2-3 mm blobs in every scan), findings with their diameter (3-5 mm
+nodule-like blobs that are not targets, in odd scans) and, in even scans, a second mark of a
+real nodule 0.4 radii off its centre with -1 (the script's 10 mm): a candidate on that nodule
+hits both, one just outside it only the excluded finding.
 
 Each scan (int16 Hounsfield units) has its own geometry: in-plane spacing 0.7-1.0 mm, slices 1.25-2.5 mm, and for some scans a direction
 other than the identity (x and y flipped, or a rotation about z), so world <-> voxel mapping is
@@ -31,6 +36,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -40,10 +46,13 @@ from hsmla_med.data.luna16 import COLUMNS, LUNG_MASKS, Geometry, voxel_to_world
 from hsmla_med.errors import DataError
 from hsmla_med.io import atomic_path, write_json
 
-__all__ = ["generate_luna16"]
+__all__ = ["DAMAGE", "generate_luna16"]
 
 _MARKER = "synthetic.json"
 _PARAMS = ("num_scans", "shape", "seed", "version")
+_OPTIONS = {"subsets": 10, "damage": []}  # parameters added later: a marker without them was written with these
+#: the broken cases ``damage`` may add (:func:`generate_luna16`)
+DAMAGE = ("truncated-zraw", "nodule-outside")
 _VERSION = 2  # 2: LUNA16's distributed layout and annotations_excluded.csv's -1 rows
 _EVALUATION = "evaluationScript/annotations"
 _CSVS = ("CSVFILES/annotations.csv", "CSVFILES/candidates.csv", f"{_EVALUATION}/annotations.csv",
@@ -54,8 +63,13 @@ def _uid(seed: int, index: int) -> str:
     return f"1.3.6.1.4.1.14519.5.2.1.6279.6001.{seed:03d}{index:06d}"
 
 
-def _subset(index: int) -> str:
-    return f"subset{index % 10}"
+def _subset(index: int, subsets: int) -> str:
+    return f"subset{index % subsets}"
+
+
+def _voxels(params: dict, index: int) -> str:
+    """The voxel file's extension of scan ``index``: ``.zraw`` for the cut-off scan of ``damage``."""
+    return ".zraw" if index == 0 and "truncated-zraw" in params["damage"] else ".raw"
 
 
 def _files(params: dict) -> list[str]:
@@ -64,7 +78,7 @@ def _files(params: dict) -> list[str]:
     uids = [_uid(params["seed"], i) for i in range(params["num_scans"])]
     if params["version"] < 2:
         return [f"subset0/{uid}{ext}" for uid in uids for ext in (".mhd", ".raw")] + ["annotations.csv", "annotations_excluded.csv"]
-    scans = [f"{_subset(i)}/{uid}{ext}" for i, uid in enumerate(uids) for ext in (".mhd", ".raw")]
+    scans = [f"{_subset(i, params['subsets'])}/{uid}{ext}" for i, uid in enumerate(uids) for ext in (".mhd", _voxels(params, i))]
     masks = [f"{LUNG_MASKS}/{uid}{ext}" for uid in uids for ext in (".mhd", ".zraw")]
     return scans + masks + list(_CSVS)
 
@@ -78,7 +92,7 @@ def _read_marker(marker: Path) -> dict:
         meta = None
     if not (
         isinstance(meta, dict)
-        and set(_PARAMS) <= set(meta) <= {*_PARAMS, "complete"}
+        and set(_PARAMS) <= set(meta) <= {*_PARAMS, *_OPTIONS, "complete"}
         and isinstance(meta["num_scans"], int)
         and isinstance(meta["seed"], int)
     ):
@@ -86,7 +100,7 @@ def _read_marker(marker: Path) -> dict:
             f"{marker.parent}: its {_MARKER} was not written by the synthetic LUNA16 generator; "
             "refusing to write synthetic scans into this folder (choose another cache_dir)"
         )
-    return {"complete": True, **meta}
+    return {"complete": True, **_OPTIONS, **meta}
 
 
 def _direction(rng: np.random.Generator, kind: int) -> np.ndarray:
@@ -193,19 +207,37 @@ def _write_image(path: Path, voxels_zyx: np.ndarray, geometry: Geometry, compres
     sitk.WriteImage(image, str(path), useCompression=compress)
 
 
+def _cut_off(header: Path) -> None:
+    """Cut the compressed voxels of ``header`` to half their length, and drop the header's
+    CompressedDataSize (an optional field): ITK then inflates what the file holds, reports the
+    broken stream on stderr only and reads the rest of the scan as zeros (issue 51)."""
+    zraw = header.with_suffix(".zraw")
+    zraw.write_bytes(zraw.read_bytes()[: zraw.stat().st_size // 2])
+    header.write_text("".join(line for line in header.read_text().splitlines(keepends=True) if not line.startswith("CompressedDataSize")))
+
+
 def generate_luna16(
-    root: str | Path, num_scans: int = 12, shape: tuple[int, int, int] = (112, 112, 48), seed: int = 0
+    root: str | Path, num_scans: int = 12, shape: tuple[int, int, int] = (112, 112, 48), seed: int = 0, *,
+    subsets: int = 10, damage: Sequence[str] = (),
 ) -> Path:
     """Write ``num_scans`` synthetic scans of ``shape`` (x, y, z voxels), their lung masks and the
     CSVs into ``root`` in LUNA16's layout (module docstring), unless a complete set with the
     same parameters is there.
+
+    Scan ``i`` goes into ``subset{i % subsets}``. ``damage`` (:data:`DAMAGE`) breaks the folder
+    on purpose: ``"truncated-zraw"`` stores scan 0 compressed, its ``.zraw`` cut to half;
+    ``"nodule-outside"`` adds to ``annotations.csv`` a nodule of scan 0 that lies outside the
+    scan (ten voxels before its first column).
 
     A set of the generator's own with other parameters, or an interrupted one, is replaced (only
     the files its marker implies are deleted). Raises :class:`~hsmla_med.errors.DataError`,
     touching nothing, when ``root`` holds files but no marker of this generator (e.g. real data).
     """
     root = Path(root)
-    params = {"num_scans": int(num_scans), "shape": [int(n) for n in shape], "seed": int(seed), "version": _VERSION}
+    if int(subsets) < 1 or not set(damage) <= set(DAMAGE):
+        raise ValueError(f"subsets must be at least 1 and damage among {DAMAGE}, got {subsets}, {list(damage)}")
+    params = {"num_scans": int(num_scans), "shape": [int(n) for n in shape], "seed": int(seed), "version": _VERSION,
+              "subsets": int(subsets), "damage": sorted(set(damage))}
     marker = root / _MARKER
     if marker.is_file():
         old = _read_marker(marker)
@@ -230,12 +262,18 @@ def generate_luna16(
         spacing = np.array([rng.uniform(0.7, 1.0)] * 2 + [rng.choice([1.25, 2.0, 2.5])])
         geometry = Geometry(rng.uniform(-200, -100, 3), spacing, _direction(rng, i % 3), shape)
         hu, mask, nodules, excluded = _scan(rng, shape, spacing, i)
-        _write_image(root / _subset(i) / f"{uid}.mhd", hu, geometry)
+        scan = root / _subset(i, subsets) / f"{uid}.mhd"
+        _write_image(scan, hu, geometry, compress=_voxels(params, i) == ".zraw")
+        if _voxels(params, i) == ".zraw":
+            _cut_off(scan)
         _write_image(root / LUNG_MASKS / f"{uid}.mhd", mask, geometry, compress=True)
         for key, found in (("nodules", nodules), ("excluded", excluded)):
             for *point, diameter in found:
                 world = voxel_to_world([point], geometry)[0]
                 rows[key].append([uid, *np.round(world, 4).tolist(), -1 if diameter < 0 else round(diameter, 3)])
+        if i == 0 and "nodule-outside" in damage:
+            world = voxel_to_world([[-10.0, shape[1] / 2, shape[2] / 2]], geometry)[0]
+            rows["nodules"].append([uid, *np.round(world, 4).tolist(), 6.0])
         rows["candidates"] += _candidates(rng, uid, nodules, excluded, geometry)
     for name in ("CSVFILES/annotations.csv", f"{_EVALUATION}/annotations.csv"):
         _write_csv(root / name, COLUMNS, rows["nodules"])
