@@ -364,3 +364,14 @@ def test_training_forward_and_gradients_equal_the_tile_schedule(routing, monkeyp
     torch.testing.assert_close(out, out_tiled, rtol=1e-4, atol=1e-5)
     for a, b in zip(grads, grads_tiled):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("spatial", [(5, 7), (5, 6, 7)])
+def test_partial_tile_gate_pooling_equals_the_tile_average(spatial):
+    """Maps with partial edge tiles pool with one ceil-mode average pooling, whose edge windows
+    divide by the tokens inside the map: equal to the tile average (float64, 2D and 3D)."""
+    layer = _layer(spatial_dims=len(spatial), channels=16, block=4).double()
+    torch.nn.init.normal_(layer.gate_conv.weight)
+    ms = torch.randn(2, 48, *spatial, dtype=torch.float64)
+    expected = HF.tile_average(layer.gate_conv(ms), 4)
+    torch.testing.assert_close(layer._gate_pool(ms), expected, rtol=1e-12, atol=1e-12)

@@ -102,12 +102,19 @@ def test_two_processes_predict_rank_zeros_cases_whatever_their_own_lists(tmp_pat
 
 
 def test_a_run_whose_peers_never_come_stops_with_one_line_naming_them(tmp_path):
-    """``--num-nodes 2`` without a second node: rank 1 never comes. The run stops after
-    HSMLA_MED_START_TIMEOUT seconds with one line naming it (it used to wait 30 minutes)."""
+    """``--num-nodes 2`` launched as node 0 (``MASTER_ADDR``: Lightning's own multi-node launch)
+    without a second node: rank 1 never comes. The run stops after HSMLA_MED_START_TIMEOUT
+    seconds with one line naming it (it used to wait 30 minutes). (Without any launcher the run
+    is refused before it starts: tests/test_bad_inputs.py.)"""
+    import socket
+
     data = make_dataset(tmp_path / "data")
     cmd = [sys.executable, "-m", "hsmla_med.cli", "train", "--task", "btcv", "--data-dir", str(data), "--config", str(tiny_yaml(tmp_path / "tiny.yaml")),
            "--max-steps", "1", "--output", str(tmp_path / "run"), "--accelerator", "cpu", "--devices", "1", "--num-nodes", "2"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HSMLA_MED_START_TIMEOUT="5")
+    with socket.socket() as probe:  # a free port for node 0's rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HSMLA_MED_START_TIMEOUT="5", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="0")
     try:
         result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
     except subprocess.TimeoutExpired:
