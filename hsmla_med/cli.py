@@ -189,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--excluded", metavar="F", help="luna16, with --predictions: annotations_excluded.csv (findings there count neither way)")
     p.add_argument("--seriesuids", metavar="F", help="luna16, with --predictions: seriesuids.csv, the scans scored (default: those of --labels)")
     p.add_argument("--problem", choices=["binary", "parts", "type"], help="endovis, with --predictions: the task the masks answer (default binary)")
+    p.add_argument("--masks", metavar="DIR", help="camelyon16, with --predictions: the ground-truth mask TIFFs <slide>_Mask.tif that "
+                   "Evaluation_FROC.py reads (default: Masks or Ground_Truth/Masks beside --labels, if there; else each slide's XML, "
+                   "rasterised as ASAP makes those masks)")
     p.add_argument("--tta", action="store_true", help="mirroring test-time augmentation")
     p.add_argument("--allow-training-cases", action="store_true", help="score validation cases the checkpoint trained on (refused by default: "
                    "the checkpoint records its fold's case IDs)")
@@ -578,7 +581,7 @@ def _evaluate_predictions(args) -> dict:
             raise InputError(f"{option} {path}: not found")
     default = predictions if predictions.is_dir() else predictions.parent
     output = _writable_folder(args.output if args.output is not None else default, "--output")
-    options = {k: getattr(args, k) for k in ("dataset_json", "nsd_tolerance", "excluded", "seriesuids", "data_dir", "problem", "dicom")}
+    options = {k: getattr(args, k) for k in ("dataset_json", "nsd_tolerance", "excluded", "seriesuids", "data_dir", "problem", "dicom", "masks")}
     summary = task.score_predictions(predictions, labels, output, options)
     print("\n".join(task.score_lines(summary, output)))
     return summary
@@ -598,8 +601,10 @@ def _scored_cases(task, module, args, checkpoints: list[str]):
     if not trained:
         log.warning("%s records no split (written before splits_final.json): cannot check that its validation cases are unseen", named)
     elif seen and not args.allow_training_cases:
+        where = (f"fold {cases.split['fold']} of {cases.split['file']}" if cases.split.get("file")
+                 else f"{cases.split['dataset']}, whose case IDs its training split names")
         raise InputError(f"--checkpoint {named} trained on {len(seen)} of the {len(cases.validation)} cases to score "
-                         f"(fold {cases.split['fold']} of {cases.split['file']}: {', '.join(seen[:5])}{' ...' if len(seen) > 5 else ''}); "
+                         f"({where}: {', '.join(seen[:5])}{' ...' if len(seen) > 5 else ''}); "
                          "their scores would not be held-out scores; pass --allow-training-cases to score them anyway")
     if cases.label_names != module.label_names:
         raise InputError(f"--checkpoint {named} predicts {len(module.label_names)} classes {module.label_names}, "

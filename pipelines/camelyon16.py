@@ -28,11 +28,11 @@ from monai.data import DataLoader, list_data_collate
 from monai.transforms import Compose, MapTransform, RandFlipd, RandRotate90d, RandScaleIntensityd, RandShiftIntensityd
 from torch.utils.data import WeightedRandomSampler
 
-from hsmla_med.data.asap import TUMOUR_GROUPS, Polygon, rasterise, read_asap_xml
+from hsmla_med.data.asap import TUMOUR_GROUPS, Polygon, asap_mask, rasterise, read_asap_xml
 from hsmla_med.data.datalist import Datalist
 from hsmla_med.data.splits import fold_cases
 from hsmla_med.data.patch_readers import open_patches, requested_reader
-from hsmla_med.data.slides import coverage, open_slide, patch_grid, select_level, slide_mpp, thumbnail, tissue_mask
+from hsmla_med.data.slides import coverage, open_slide, patch_grid, read_mask_level, select_level, slide_mpp, thumbnail, tissue_mask
 from hsmla_med.data.stain import hed_jitter, stain_normalization
 from hsmla_med.data.synthetic.wsi import generate_camelyon16
 from hsmla_med.io.tiff import write_pyramidal_tiff
@@ -57,7 +57,7 @@ LABELS = ["normal", "tumour"]
 # in the patch-grid cache key: version 2 takes the grid cells from patch_grid (version 1 cached
 # cells computed back from rounded corners, which collide where a level's downsample is fractional);
 # version 3: "lesions" is the official evaluation-mask label at each patch centre, with the slide's counts
-_GRID_VERSION = 3
+_GRID_VERSION = 4  # 4: evaluation masks made as ASAP makes them (asap_mask)
 SLIDE_SUFFIXES = (".tif", ".tiff", ".svs", ".ndpi", ".mrxs", ".scn", ".bif")
 
 
@@ -114,6 +114,8 @@ def datalist(config: dict) -> Datalist:
     labelled, test = find_slides(root)
     ids = [Path(c["slide"]).stem for c in labelled]  # the slide name, as the challenge's files name it
     training, validation, record = fold_cases(config, Path(root), labelled, ids, synthetic, classes=[c["label"] for c in labelled])
+    if record["file"] is None and test:  # a checkpoint scored on another CAMELYON16-layout dataset: its testing slides are the held-out ones
+        validation, record = test, {**record, "val": sorted(Path(c["slide"]).stem for c in test)}
     return Datalist(LABELS, training, validation, test, Path(root), synthetic, record)
 
 
@@ -166,7 +168,7 @@ def slide_patches(case: dict, data: dict) -> dict:
         polygons = read_asap_xml(case["annotation"])
         tumour = rasterise(polygons, slide.dimensions, tissue_ds, slide_path.name)
         labels = (coverage(tumour, tissue_ds, coords, footprint) >= params["tumour_coverage"]).astype(np.int64)
-        truth, num_lesions, downsample = slide_truth(polygons, slide.dimensions, mpp, slide_path.name)
+        truth, num_lesions, downsample = slide_truth(polygons, slide.dimensions, mpp)
         lesions = hit_labels(truth, downsample, patch_centres(cells, params["stride"] * level_ds, footprint))
         num_labels = int(truth.max())
     result = {
@@ -197,16 +199,19 @@ def patch_centres(cells: np.ndarray, step: float, footprint: float) -> np.ndarra
     return np.floor(corners + footprint / 2).astype(np.int64)
 
 
-def slide_truth(polygons: list[Polygon], level0_size: tuple[int, int], mpp: float | None, name: str | None = None) -> tuple[np.ndarray, int, int]:
-    """The official evaluation mask of a slide's annotation (:func:`evaluation_mask`): the
-    outlines rasterised at downsample ``2**level`` of :func:`evaluation_geometry` (level 5 of a
-    0.243 µm slide, as ``Evaluation_FROC.py``), grown by the official 75 µm, ITC clusters
-    numbered last. Returns ``(labels, num_lesions, downsample)``. The official script reads level
-    5 of the ground-truth mask TIFF that ASAP made from the same outlines; here a pixel is
-    tumour when its centre lies inside them (:func:`~hsmla_med.data.asap.rasterise`)."""
+def slide_truth(polygons: list[Polygon], level0_size: tuple[int, int], mpp: float | None, mask: Path | None = None) -> tuple[np.ndarray, int, int]:
+    """The official evaluation mask of a slide (:func:`evaluation_mask`): its tumour mask at
+    downsample ``2**level`` of :func:`evaluation_geometry` (level 5 of a 0.243 µm slide, as
+    ``Evaluation_FROC.py``), grown by the official 75 µm, ITC clusters numbered last. Returns
+    ``(labels, num_lesions, downsample)``.
+
+    The tumour mask is the ground-truth mask TIFF ``mask`` where given (CAMELYON16's
+    ``Ground_Truth/Masks``, read as the official script reads it:
+    :func:`~hsmla_med.data.slides.read_mask_level`), else the one ASAP makes of the outlines
+    (:func:`~hsmla_med.data.asap.asap_mask`), which is how the challenge made those TIFFs."""
     slide_mpp_used, level = evaluation_geometry(mpp)
     downsample = 2**level
-    tumour = rasterise(polygons, level0_size, downsample, name)
+    tumour = read_mask_level(mask, downsample) if mask is not None else asap_mask(polygons, level0_size, downsample)
     labels, num_lesions = evaluation_mask(tumour, slide_mpp_used * downsample)
     return labels, num_lesions, downsample
 
@@ -493,10 +498,12 @@ class SlideHeatmaps(_SlideSink):
                  self.output / LESIONS / f"{stem}.csv", self.output / f"{stem}.geojson", self.output / f"{stem}.xml"]
         inference = self.module.config["inference"]
         found = detect_lesions(prob, inference["lesion_threshold"], inference["lesion_radius"])
-        write_lesion_csv(paths[3], found[:, 0], patch_centres(found[:, 1:], step, slide["footprint"]))
-        # a checkpoint older than the region settings: its lesion threshold and slide-score smoothing
+        points = patch_centres(found[:, 1:], step, slide["footprint"])
+        write_lesion_csv(paths[3], found[:, 0], points)
+        # a checkpoint older than the region settings: its lesion threshold and slide-score smoothing;
+        # the CSV's detections are the polygons' too (one definition of a lesion for the three files)
         regions = tumour_regions(prob, step, handle.dimensions, inference.get("region_threshold", inference["lesion_threshold"]),
-                                 inference.get("region_sigma", inference["slide_sigma"]))
+                                 inference.get("region_sigma", inference["slide_sigma"]), detections=(found[:, 0], points))
         write_geojson(paths[4], regions, mpp)
         write_asap_xml(paths[5], asap_outlines(regions))
         write_pyramidal_tiff(paths[0], heat, mpp * step / scale if mpp else None)
@@ -717,13 +724,20 @@ def _number(text: str, path: Path, line: int, what: str) -> float:
     return value
 
 
+def _coordinate(text: str, path: Path, line: int, axis: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise DataError(f"{path}: line {line}: {axis} {text.strip()!r} is not an integer (level-0 pixels; "
+                        "Evaluation_FROC.py reads coordinates with int(), which refuses decimals)") from None
+
+
 def read_lesion_csv(path: Path) -> np.ndarray:
     """A lesion CSV as ``(n, 3)`` float64 ``(confidence, x, y)``; blank lines skipped.
 
     Where the official ``readCSVContent`` would stop with a traceback (a header, a word, a
-    missing column), this raises one :class:`DataError` naming the file and line. Coordinates
-    must be non-negative; written with decimals they are truncated as the official lookup
-    ``int(x / 2**level)`` would truncate them."""
+    missing column, a coordinate with decimals, which its ``int()`` refuses), this raises one
+    :class:`DataError` naming the file and line. Coordinates must be non-negative integers."""
     rows = []
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -731,7 +745,7 @@ def read_lesion_csv(path: Path) -> np.ndarray:
         fields = line.split(",")
         if len(fields) != 3:
             raise DataError(f"{path}: line {number}: {line.strip()!r} is not 'Confidence,X,Y' (three numbers, no header)")
-        rows.append([_number(text, path, number, what) for text, what in zip(fields, ("confidence", "X", "Y"))])
+        rows.append([_number(fields[0], path, number, "confidence"), *(_coordinate(t, path, number, a) for t, a in zip(fields[1:], "XY"))])
         if min(rows[-1][1:]) < 0:
             raise DataError(f"{path}: line {number}: negative coordinate in {line.strip()!r} (level-0 pixels start at 0)")
     return np.array(rows, np.float64).reshape(-1, 3)
@@ -776,25 +790,59 @@ def _slide_geometry(stem: str, labels: Path, data_dir: Path | None) -> tuple[tup
     return None, None, None
 
 
-def _score_slide(csv_path: Path, labels: Path, data_dir: Path | None) -> tuple[tuple, dict]:
+MASK_FOLDERS = ("Masks", "Ground_Truth/Masks")  # beside the annotation folder: CAMELYON16's ground-truth mask TIFFs
+
+
+def mask_folder(labels: Path, given: str | Path | None) -> Path | None:
+    """The folder of ground-truth mask TIFFs: ``--masks``, else ``Masks`` or
+    ``Ground_Truth/Masks`` beside the annotation folder, else ``None`` (masks made from the XML)."""
+    if given is not None:
+        folder = Path(given)
+        if not folder.is_dir():
+            raise InputError(f"--masks {folder}: not a folder (the ground-truth mask TIFFs, <slide>_Mask.tif)")
+        return folder
+    return next((labels.parent / name for name in MASK_FOLDERS if (labels.parent / name).is_dir()), None)
+
+
+def _mask_file(stem: str, folder: Path | None) -> Path | None:
+    """``<slide>_Mask.tif``, the name ``Evaluation_FROC.py`` opens (any case of ``_mask``)."""
+    if folder is None:
+        return None
+    return next((p for p in sorted(folder.glob("*")) if p.stem.lower() == f"{stem.lower()}_mask" and p.suffix.lower() in (".tif", ".tiff")), None)
+
+
+def _score_slide(csv_path: Path, labels: Path, data_dir: Path | None, masks: Path | None) -> tuple[tuple, dict]:
     """One slide of a submission: its :func:`slide_fp_tp` counts (with its lesion count) and its
     row of the summary."""
     found = read_lesion_csv(csv_path)
-    xml = labels / f"{csv_path.stem}.xml"
-    polygons = read_asap_xml(xml) if xml.is_file() else []
+    xml, mask = labels / f"{csv_path.stem}.xml", _mask_file(csv_path.stem, masks)
+    polygons = read_asap_xml(xml) if xml.is_file() and mask is None else []
     size, mpp, slide_path = _slide_geometry(csv_path.stem, labels, data_dir)
-    points = found[:, 1:].astype(np.int64)  # truncated, as the official int() of the lookup
+    if mask is not None:  # the mask is the slide's geometry, as the official script reads it
+        reader = open_slide(mask)
+        size, mpp = tuple(reader.dimensions), slide_mpp(reader) or mpp
+        reader.close()
+    points = found[:, 1:].astype(np.int64)
     if size is not None and len(points) and ((points[:, 0] >= size[0]) | (points[:, 1] >= size[1])).any():
         x, y = points[(points[:, 0] >= size[0]) | (points[:, 1] >= size[1])][0]
-        raise DataError(f"{csv_path}: detection at ({x}, {y}) lies outside the {size[0]}x{size[1]} slide {slide_path}")
-    if size is None:  # the outlines' extent, with room for the growth: no lesion reaches beyond it
+        raise DataError(f"{csv_path}: detection at ({x}, {y}) lies outside the {size[0]}x{size[1]} slide {mask or slide_path}")
+    known = size is not None
+    if not known:  # the outlines' extent, with room for the growth: no lesion reaches beyond it
         official_mpp, level = evaluation_geometry(None)
         extent = np.max([p.points.max(axis=0) for p in polygons], axis=0) if polygons else np.zeros(2)
         size = tuple(int(math.ceil(v + GROW_UM / official_mpp + 2**level)) + 1 for v in extent)
-    truth, num_lesions, downsample = slide_truth(polygons, size, mpp, xml.name)
+    truth, num_lesions, downsample = slide_truth(polygons, size, mpp, mask)
+    beyond = (points[:, 1] // downsample >= truth.shape[0]) | (points[:, 0] // downsample >= truth.shape[1])
+    if known and beyond.any():
+        x, y = points[beyond][0]
+        raise DataError(f"{csv_path}: detection at ({x}, {y}) lies in the last partial row or column of the slide's evaluation mask "
+                        f"({truth.shape[1]}x{truth.shape[0]} pixels of {downsample} level-0 pixels), which Evaluation_FROC.py cannot look up "
+                        "(IndexError); place it at most "
+                        f"({truth.shape[1] * downsample - 1}, {truth.shape[0] * downsample - 1})")
     fp, tp = slide_fp_tp(found[:, 0], hit_labels(truth, downsample, points), num_lesions, int(truth.max()))
+    reference = mask or (xml if xml.is_file() else None)
     row = {
-        "slide": csv_path.stem, "prediction_file": str(csv_path), "reference_file": str(xml) if xml.is_file() else None,
+        "slide": csv_path.stem, "prediction_file": str(csv_path), "reference_file": str(reference) if reference else None,
         "slide_file": slide_path, "tumour": bool(truth.max() > 0), "lesions": num_lesions, "itc": int(truth.max()) - num_lesions,
         "detected": int((tp[:num_lesions] > 0).sum()), "detections": len(found), "false_positives": len(fp),
         "evaluation_level": int(math.log2(downsample)), "mpp": evaluation_geometry(mpp)[0],
@@ -831,11 +879,17 @@ def score_predictions(predictions: Path, labels: Path, output: Path, options: di
     is normal. Lesion-level FROC by the official rules (:func:`slide_truth`, :func:`slide_fp_tp`,
     :func:`lesion_froc`); slide AUC of ``slides.csv`` over its slides when it has both classes.
 
-    The evaluation mask needs the slide's level-0 size and resolution: the slide file of the
-    same name is looked for under ``--data-dir`` (else under the annotation folder's parent,
-    e.g. CAMELYON16's ``testing/images``); without one, the mask covers the outlines' extent
-    (plus the growth) at the official 0.243 µm and level 5, which gives the official result on
-    CAMELYON16's slides, and a detection beyond it counts as a false positive.
+    A slide's tumour mask is its ground-truth mask TIFF ``<slide>_Mask.tif`` where there is one
+    (``options["masks"]``, ``evaluate --masks DIR``; else a ``Masks`` or ``Ground_Truth/Masks``
+    folder beside the annotation folder, :func:`mask_folder`), read as the official script reads
+    it; else the mask ASAP makes of its XML (:func:`~hsmla_med.data.asap.asap_mask`). The
+    XML's mask needs the slide's level-0 size and resolution: the slide file of the same name is
+    looked for under ``--data-dir`` (else under the annotation folder's parent, e.g.
+    CAMELYON16's ``testing/images``); without one, the mask covers the outlines' extent (plus
+    the growth) at the official 0.243 µm and level 5, which gives the official result on
+    CAMELYON16's slides, and a detection beyond it counts as a false positive. Where the slide's
+    size is known, a detection outside the slide, or in the last partial row or column of its
+    evaluation mask (which the official lookup cannot index), is refused in one line.
 
     Writes ``OUTPUT/summary.json`` (atomically): ``froc``, ``sensitivity`` at the six rates,
     ``lesions``, ``slides``, ``auc`` (null without a slide CSV or with one class),
@@ -850,12 +904,15 @@ def score_predictions(predictions: Path, labels: Path, output: Path, options: di
     if not csvs:
         raise DataError(f"{folder}: no lesion CSVs (<slide>.csv)")
     data_dir = Path(options["data_dir"]) if options.get("data_dir") else None
-    counts, rows = zip(*(_score_slide(path, labels, data_dir) for path in csvs))
+    masks = mask_folder(labels, options.get("masks"))
+    if masks is not None:
+        log.info("ground-truth masks: %s (<slide>_Mask.tif; a slide without one: its XML, rasterised as ASAP does)", masks)
+    counts, rows = zip(*(_score_slide(path, labels, data_dir, masks) for path in csvs))
     froc = lesion_froc(list(counts))
     summary = {"task": "camelyon16", **froc, "auc": None, "auc_slides": 0}
     if (predictions / SLIDE_CSV).is_file():
         scores = read_slide_csv(predictions / SLIDE_CSV)
-        tumour = [_has_tumour(labels / f"{name}.xml") for name in scores]
+        tumour = [int(_mask_file(name, masks) is not None) or _has_tumour(labels / f"{name}.xml") for name in scores]
         value = auc(list(scores.values()), tumour) if scores else math.nan
         summary.update(auc=None if math.isnan(value) else value, auc_slides=len(scores))
     summary["rules"] = {"grow_um": GROW_UM, "itc_major_axis_um": ITC_UM, "evaluation": "Evaluation_FROC.py (CAMELYON16)"}

@@ -28,7 +28,7 @@ from hsmla_med.data.datalist import Datalist
 from hsmla_med.data.endovis import (EMPTY_TRUTH, PROBLEMS, VIDEO_FOLDER, LoadFramed, crop_box, empty_truth_videos, find_frames, find_videos,
                                     load_frame, merge_labels, read_label)
 from hsmla_med.data.intensity import intensity_augmentations
-from hsmla_med.data.splits import fold_cases
+from hsmla_med.data.splits import fold_cases, other_dataset
 from hsmla_med.data.synthetic.endovis import generate_endovis
 from hsmla_med.engine.base import hparams, plain
 from hsmla_med.engine.datamodule import CaseDataModule
@@ -74,7 +74,7 @@ def datalist(config: dict) -> Datalist:
         synthetic = True
     videos = find_videos(root)
     labelled = [v["video"] for v in videos if v["labelled"]]
-    if len(labelled) < 2:
+    if len(labelled) < 2 and not other_dataset(config, [f"{VIDEO_PREFIX}{k}" for k in labelled]):
         raise DataError(f"{root}: need at least two videos with ground_truth to hold one out for validation, found {len(labelled)}")
     fixed = {}
     if data["validation_videos"]:

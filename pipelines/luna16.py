@@ -39,7 +39,7 @@ from hsmla_med.data.luna16 import (
     read_submission,
     voxel_to_lps,
 )
-from hsmla_med.data.splits import fold_cases
+from hsmla_med.data.splits import fold_cases, other_dataset
 from hsmla_med.data.synthetic.luna16 import generate_luna16
 from hsmla_med.data.volume_crops import crop_and_augment, roi_size, spatial_dims
 from hsmla_med.engine.base import hparams
@@ -134,7 +134,7 @@ def datalist(config: dict) -> Datalist:
         {"image": str(path), "seriesuid": uid, "nodules": nodules.get(uid, none), "excluded": excluded.get(uid, none)}
         for uid, path in scans.items()
     ]
-    if len(cases) < 2:
+    if len(cases) < 2 and not other_dataset(config, list(scans)):
         raise DataError(f"{root}: need at least two scans to hold one out for validation, found {len(cases)}")
     groups = [_subset(path, root) for path in scans.values()]
     subsets = sorted({g for g in groups if g is not None}, key=lambda g: int(g[len("subset"):]))

@@ -381,12 +381,16 @@ class Task(ABC):
     def evaluation_config(self, config: dict, module: GatedModule) -> dict:
         """``config`` with the data preparation of ``module``'s training (a checkpoint is
         evaluated on data prepared exactly as it was trained on), and the fold it trained on
-        (its splits file too, where it still exists and ``data.splits_file`` is not set)."""
+        (its splits file too, where it still exists and ``data.splits_file`` is not set). The
+        split's cases (``trained_split``) tell its dataset from another one, which is scored on
+        its own held-out cases (:func:`~hsmla_med.data.splits.fold_cases`)."""
         data = {**config["data"], **module.config["data"]}
         split = module.config.get("split") or {}
         if not data.get("splits_file") and split.get("file") and Path(split["file"]).is_file():
             data["splits_file"] = split["file"]
-        return {**config, "data": data, "fold": split.get("fold", config["fold"]), "mode": {2: "2d", 3: "3d"}[module.config["spatial_dims"]]}
+        fold = split.get("fold")
+        return {**config, "data": data, "fold": config["fold"] if fold is None else fold, "trained_split": split,
+                "mode": {2: "2d", 3: "3d"}[module.config["spatial_dims"]]}
 
     def summary_lines(self, summary: dict) -> list[str]:
         """The validation summary as printed after training and evaluation."""

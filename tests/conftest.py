@@ -58,16 +58,17 @@ def phantom(shape, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     return image.astype(np.int16), label
 
 
-def make_dataset(root: Path, cases: int = 4, shape=(40, 36, 6), affines=None, seed: int = 0, validation: int = 1) -> Path:
-    """An MSD-style dataset (imagesTr, labelsTr, dataset.json with training/validation lists)."""
+def make_dataset(root: Path, cases: int = 4, shape=(40, 36, 6), affines=None, seed: int = 0, validation: int = 1, name: str = "img") -> Path:
+    """An MSD-style dataset (imagesTr, labelsTr, dataset.json with training/validation lists);
+    case ``i``'s image is ``imagesTr/<name><i:04d>.nii.gz``, so its case ID is ``<name><i:04d>``."""
     rng = np.random.default_rng(seed)
     entries = []
     for i in range(cases):
         affine = affines[i % len(affines)] if affines else np.diag([1.5, 1.5, 2.0, 1.0])
         image, label = phantom(shape, rng)
-        write_nifti(root / "imagesTr" / f"img{i:04d}.nii.gz", image, affine)
+        write_nifti(root / "imagesTr" / f"{name}{i:04d}.nii.gz", image, affine)
         write_nifti(root / "labelsTr" / f"label{i:04d}.nii.gz", label, affine)
-        entries.append({"image": f"imagesTr/img{i:04d}.nii.gz", "label": f"labelsTr/label{i:04d}.nii.gz"})
+        entries.append({"image": f"imagesTr/{name}{i:04d}.nii.gz", "label": f"labelsTr/label{i:04d}.nii.gz"})
     meta = {"labels": LABELS, "training": entries[validation:], "validation": entries[:validation]}
     (root / "dataset.json").write_text(json.dumps(meta))
     return root

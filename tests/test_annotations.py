@@ -193,20 +193,22 @@ def test_region_settings_are_validated_naming_the_key():
             validate_config(merge_config(task_config("camelyon16"), {"inference": {key: value}}))
 
 
-def test_wsi_heatmap_writes_the_regions_beside_the_heatmap(tmp_path, monkeypatch):
+@pytest.mark.parametrize("regions", [{"region_threshold": 0.6, "region_sigma": 0.5}, {}])
+def test_wsi_heatmap_writes_the_regions_beside_the_heatmap(tmp_path, monkeypatch, regions):
     """The GeoJSON and ASAP XML of a synthetic tumour slide through ``infer``: listed with the
-    outputs, built from the slide's probability map with the config's settings, and read back by
-    our ASAP reader to that map thresholded."""
+    outputs, built from the slide's probability map with the config's settings, read back by our
+    ASAP reader to that map thresholded, and holding the lesions of the challenge CSV (with the
+    default settings, two detections lie where the smoothed map is below the threshold)."""
     root = generate_camelyon16(tmp_path / "data", num_normal=0, num_tumor=1, num_test=0, size=(1024, 768))
     config = merge_config(task_config("camelyon16"), {
         "data": {"data_dir": str(root), "cache_dir": str(tmp_path / "cache"), "patch_size": 64, "stride": 64, "num_workers": 0},
-        "inference": {"region_threshold": 0.6, "region_sigma": 0.5}})
+        "inference": regions})
     module = ClassificationModule(camelyon16.module_config(config, {"variant": "b0"}, camelyon16.LABELS), network=DarkIsTumour())
     seen = []
 
-    def recording(prob, *args):
+    def recording(prob, *args, **kwargs):
         seen.append((prob.copy(), *args))
-        return tumour_regions(prob, *args)
+        return tumour_regions(prob, *args, **kwargs)
 
     finish, written = camelyon16.SlideHeatmaps._finish, []
     monkeypatch.setattr(camelyon16, "tumour_regions", recording)
@@ -217,9 +219,11 @@ def test_wsi_heatmap_writes_the_regions_beside_the_heatmap(tmp_path, monkeypatch
     # beside the heatmap, among the paths a slide's writer reports (what a DDP process returns)
     assert {out / "tumor_001.geojson", out / "tumor_001.xml", out / "tumor_001_heatmap.tif"} <= set(written)
     [(prob, step, size, threshold, sigma)] = seen
-    assert (step, tuple(size), threshold, sigma) == (64, (1023, 767), 0.6, 0.5)
+    assert (step, tuple(size), threshold, sigma) == (64, (1023, 767), regions.get("region_threshold", 0.5), regions.get("region_sigma", 1.0))
     expected = np.nan_to_num(smooth_map(prob, sigma)) > threshold
-    assert expected.any()  # the stub finds the metastases
+    found = camelyon16.read_lesion_csv(out / "lesions" / "tumor_001.csv")
+    assert len(found) and not regions or expected.any()  # the stub finds the metastases; by default the smoothed map does not
+    expected[(found[:, 2] // step).astype(int), (found[:, 1] // step).astype(int)] = True  # patch centres: inside their cells
     features = json.loads((out / "tumor_001.geojson").read_text(encoding="utf-8"))["features"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no outline outside the slide, none skipped
@@ -228,3 +232,45 @@ def test_wsi_heatmap_writes_the_regions_beside_the_heatmap(tmp_path, monkeypatch
     raster = rasterise(polygons, size, step)
     assert (raster & expected).sum() / (raster | expected).sum() >= 0.95
     assert not [p for p in out.iterdir() if "tmp" in p.name]
+    _one_lesion_definition(out / "lesions" / "tumor_001.csv", features, polygons)
+
+
+def _inside(point, exterior, holes) -> bool:
+    """Strictly inside the ring and outside every hole (a hole need not lie in the ring)."""
+    return ShapelyPolygon(exterior).contains(shapely.Point(point)) and not any(ShapelyPolygon(h).covers(shapely.Point(point)) for h in holes)
+
+
+def _one_lesion_definition(csv_path, features, polygons):
+    """Every detection of the challenge CSV lies inside a GeoJSON polygon and inside an ASAP
+    outline (outside its _2 holes), and each polygon's max probability is the highest confidence
+    of the detections inside it."""
+    found = camelyon16.read_lesion_csv(csv_path)
+    assert len(found)
+    rings = [[np.array(ring) for ring in f["geometry"]["coordinates"]] for f in features]
+    best = np.full(len(features), -np.inf)
+    for confidence, x, y in found:
+        owners = [k for k, (exterior, *holes) in enumerate(rings) if _inside((x, y), exterior, holes)]
+        assert len(owners) == 1, (confidence, x, y)
+        best[owners[0]] = max(best[owners[0]], confidence)
+        holes = [p.points for p in polygons if p.group == "_2"]
+        assert any(_inside((x, y), p.points, holes) for p in polygons if p.group == "_0"), (confidence, x, y)
+    for feature, highest in zip(features, best):
+        if np.isfinite(highest):
+            assert feature["properties"]["measurements"]["max probability"] == highest
+
+
+@pytest.mark.parametrize("point, cells", [((150, 250), 1), ((200, 250), 2), ((200, 300), 4)])
+def test_a_detection_outside_the_smoothed_regions_gets_its_own_polygon(point, cells):
+    """A detection where the thresholded map has no region: its cell becomes one (two on a cell
+    edge, four on a corner, where overlapping patches put their centres), holding the point
+    strictly inside, with the detection's confidence as the region's max probability; a
+    detection inside a region sets that region's max probability."""
+    step = 100
+    prob = np.full((6, 7), 0.1)
+    prob[0:2, 4:6] = 0.9  # a region
+    prob[2, 1] = 0.45  # below the threshold
+    regions = tumour_regions(prob, step, (700, 600), threshold=0.5, sigma=0, detections=(np.array([0.7, 0.95]), np.array([point, (450, 50)])))
+    assert [r.max_probability for r in regions] == [0.95, 0.7]
+    lone = regions[1]
+    assert lone.area == cells * step**2 and _inside(point, lone.exterior, lone.holes)
+    assert lone.mean_probability == pytest.approx(prob[[2, 2, 3, 3][:cells], [1, 2, 1, 2][:cells]].mean() if cells != 2 else prob[2, 1:3].mean())

@@ -11,7 +11,7 @@ import warnings
 import numpy as np
 import pytest
 
-from hsmla_med.data.asap import Polygon, rasterise, read_asap_xml
+from hsmla_med.data.asap import Polygon, asap_mask, rasterise, read_asap_xml
 from hsmla_med.errors import DataError
 
 SLIDE = (2400, 1000)  # level-0 (width, height)
@@ -146,3 +146,75 @@ def test_outside_slide_warns_and_clips(tmp_path):
         mask = rasterise(polygons, SLIDE, 1, slide_name="tumor_001")
     assert mask.shape == (1000, 2400) and mask.sum() == 100 * 10
     assert mask[10:20, 2300:].all()
+
+
+# --- ASAP's AnnotationToMask (annotation/AnnotationToMask.cpp), transcribed point by point: the
+# reference asap_mask must equal. Coordinates are C++ floats (float32); isLeft is a float32
+# expression cast to int (truncated; beyond the int range x86 gives INT_MIN); every outline is
+# made clockwise first; a pixel is tested only strictly inside its outline's bounding box; groups
+# are drawn _0, _1, then _2 (label 0) over them. The pyramid keeps the top-left pixel of each 2x2.
+
+F32 = np.float32
+
+
+def _is_left(p0, p1, p2) -> int:
+    value = F32(F32(F32(p1[0] - p0[0]) * F32(p0[1] - p2[1])) - F32(F32(p2[0] - p0[0]) * F32(p0[1] - p1[1])))
+    return -(2**31) if abs(float(value)) >= 2**31 else int(value)
+
+
+def _winding(point, vertices) -> int:
+    wn = 0
+    for a, b in zip(vertices[:-1], vertices[1:]):
+        if a[1] <= point[1]:
+            if b[1] > point[1] and _is_left(a, b, point) > 0:
+                wn += 1
+        elif b[1] <= point[1] and _is_left(a, b, point) < 0:
+            wn -= 1
+    return wn
+
+
+def _annotation_to_mask(polygons, width, height) -> np.ndarray:
+    buffer = np.zeros((height, width), np.uint8)
+    for poly in sorted(polygons, key=lambda p: ("_0", "_1", "_2").index(p.group)):
+        vertices = [(F32(x), F32(y)) for x, y in poly.points]
+        closed = vertices + vertices[:1]
+        cwise = sum(float(F32(F32(b[0] - a[0]) * F32(b[1] + a[1]))) for a, b in zip(closed[:-1], closed[1:]))
+        if not cwise < 0:
+            vertices = vertices[::-1]
+        low = (min(v[0] for v in vertices), min(v[1] for v in vertices))
+        high = (max(v[0] for v in vertices), max(v[1] for v in vertices))
+        vertices = vertices + vertices[:1]
+        for y in range(height):
+            if low[1] < F32(y) < high[1]:
+                for x in range(width):
+                    if low[0] < F32(x) < high[0] and _winding((F32(x), F32(y)), vertices) != 0:
+                        buffer[y, x] = 0 if poly.group == "_2" else 1
+    return buffer > 0
+
+
+def test_asap_mask_is_asaps_annotation_to_mask_and_pyramid():
+    """Random outlines (star-shaped and self-intersecting, either orientation, fractional and
+    integer vertices: points exactly on edges, exclusions over tumour) on small slides: every level
+    equals the transcription's level 0 read every d-th pixel, floor(size / d) pixels."""
+    rng = np.random.default_rng(7)
+    for trial in range(12):
+        width, height = (int(n) for n in rng.integers(40, 80, 2))
+        polygons = []
+        for k in range(int(rng.integers(1, 4))):
+            n = int(rng.integers(3, 9))
+            angles = np.sort(rng.uniform(0, 2 * np.pi, n)) if rng.random() < 0.6 else rng.uniform(0, 2 * np.pi, n)
+            points = rng.uniform([0, 0], [width, height]) + np.stack([np.cos(angles), np.sin(angles)], 1) * rng.uniform(5, 30, (n, 1))
+            points = np.round(points) if rng.random() < 0.5 else points
+            polygons.append(Polygon(f"a{k}", "_0" if k == 0 else str(rng.choice(["_0", "_1", "_2"])), points[::-1] if rng.random() < 0.3 else points))
+        reference = _annotation_to_mask(polygons, width, height)
+        for d in (1, 2, 4, 8):
+            np.testing.assert_array_equal(asap_mask(polygons, (width, height), d), reference[::d, ::d][: height // d, : width // d], err_msg=f"{trial}, {d}")
+
+
+def test_asap_mask_differs_from_pixel_centres_on_the_edge():
+    """An edge 4 level-0 pixels past a level-5 pixel's corner: ASAP's sample (the corner) is
+    inside, the pixel's centre (15.5 further) is not."""
+    poly = [Polygon("a", "_0", np.array(square(316, 316, 644, 644), float))]
+    asap_cols = np.nonzero(asap_mask(poly, (1000, 1000), 32).any(axis=0))[0]
+    centre_cols = np.nonzero(rasterise(poly, (1000, 1000), 32).any(axis=0))[0]
+    assert asap_cols.tolist() == list(range(10, 21)) and centre_cols.tolist() == list(range(10, 20))

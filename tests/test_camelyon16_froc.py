@@ -25,6 +25,7 @@ from hsmla_med.engine.classification import ClassificationModule
 from hsmla_med.metrics.pathology import evaluation_mask, lesion_froc, slide_fp_tp
 from hsmla_med.pipelines import camelyon16
 from hsmla_med.pipelines.task import InferenceOptions
+from tests.conftest import cli_error
 
 LEVEL, L0 = 5, 0.243  # the official EVALUATION_MASK_LEVEL and L0_RESOLUTION
 PIXEL_UM = L0 * 2**LEVEL
@@ -346,3 +347,71 @@ def test_synthetic_tumour_slides_have_an_itc_and_a_lesion_under_half_a_patch(tmp
     assert downsample == 8 and truth.max() > lesions >= 2  # an ITC is numbered after the lesions
     areas = [int(camelyon16.rasterise([p], (4095, 3071), 1).sum()) for p in polygons if p.group != "_2"]
     assert min(areas) < 256 * 256 / 2 and sum(a < 256 * 256 / 2 for a in areas) >= 2  # the ITC and the small lesion
+
+
+# --- the evaluation mask as the challenge made it (issue 51): ASAP's mask of the XML, or the
+# ground-truth mask TIFF itself. A 36 x 36-pixel (level 5) lesion whose edges lie 4 level-0
+# pixels past pixel corners: ASAP's mask (corner samples) holds one more row and column than
+# pixel centres would, so after the growth (4 pixels) column 49 is the lesion's in the official
+# mask and a false positive by pixel centres. ---
+
+EDGE_SLIDE = (60 * 32 + 10, 60 * 32 + 20)  # level 0 (width, height): 60 x 60 level-5 pixels and a partial one
+EDGE_LESION = [Polygon("lesion", "_0", np.array([[316, 316], [1444, 316], [1444, 1444], [316, 1444]], float))]
+EDGE_HITS = {"tumour_1": np.array([[0.9, 49 * 32 + 16, 25 * 32 + 16]]), "normal_1": np.array([[0.2, 500, 500]])}
+
+
+def _mask_tiff(path, min_size: int):
+    from hsmla_med.data.asap import asap_mask
+    from hsmla_med.io.tiff import write_pyramidal_tiff
+
+    level0 = asap_mask(EDGE_LESION, EDGE_SLIDE, 1).astype(np.uint8) * 255  # CAMELYON16's masks are 0/255
+    write_pyramidal_tiff(path, level0, L0, tile=256, min_size=min_size, nearest=True)
+    return level0
+
+
+def _submission(root):
+    subs, notes = root / "submission", root / "Ground_Truth" / "XML"
+    subs.mkdir(parents=True), notes.mkdir(parents=True)
+    _write_xml(notes / "tumour_1.xml", EDGE_LESION)
+    for name, rows in EDGE_HITS.items():
+        _write_rows(subs / f"{name}.csv", rows)
+    return subs, notes
+
+
+def test_the_evaluation_mask_is_asaps_and_the_official_mask_tiffs_are_read(tmp_path):
+    """By hand: ASAP's mask makes the detection at 0.9 a true positive and the normal slide's
+    0.2 the only false positive: FROC 1; by pixel centres it would miss the lesion: FROC 0. The
+    official script on the ASAP-made mask TIFF's level 5 agrees; ours agrees from the XML, from
+    --masks (a full pyramid, and one without level 5), and from Ground_Truth/Masks found beside
+    the annotations."""
+    from hsmla_med.data.asap import rasterise
+
+    subs, notes = _submission(tmp_path)
+    level0 = _mask_tiff(tmp_path / "masks" / "tumour_1_Mask.tif", min_size=32)
+    official, _ = official_score([level0[::32, ::32][:60, :60] > 0, None], list(EDGE_HITS.values()))
+    by_centres, _ = official_score([rasterise(EDGE_LESION, EDGE_SLIDE, 32), None], list(EDGE_HITS.values()))
+    assert official == 1.0 and by_centres == 0.0
+    runs = {"xml": [], "masks": ["--masks", str(tmp_path / "masks")]}
+    _mask_tiff(tmp_path / "partial" / "tumour_1_Mask.tif", min_size=256)  # levels 0..3: level 5 read from level 3
+    runs["no level 5"] = ["--masks", str(tmp_path / "partial")]
+    for name, extra in runs.items():
+        assert main(["evaluate", "--task", "camelyon16", "--predictions", str(subs), "--labels", str(notes), *extra]) == 0, name
+        summary = json.loads((subs / "summary.json").read_text())
+        assert summary["froc"] == official, name
+    (notes / "tumour_1.xml").unlink()  # the mask alone, found in Ground_Truth/Masks beside Ground_Truth/XML
+    _mask_tiff(tmp_path / "Ground_Truth" / "Masks" / "tumour_1_Mask.tif", min_size=32)
+    assert main(["evaluate", "--task", "camelyon16", "--predictions", str(subs), "--labels", str(notes)]) == 0
+    summary = json.loads((subs / "summary.json").read_text())
+    assert summary["froc"] == official
+    assert {r["slide"]: r["reference_file"] for r in summary["metric_per_case"]}["tumour_1"].endswith("Masks/tumour_1_Mask.tif")
+
+
+@pytest.mark.parametrize("row, words", [("0.9,1925,816", "last partial row or column"), ("0.9,1584.5,816", "not an integer")])
+def test_detections_the_official_script_cannot_read_are_one_line(tmp_path, capsys, row, words):
+    """A detection in the mask's last partial column (Evaluation_FROC.py: IndexError) and a
+    coordinate with decimals (its int(): ValueError) are refused in one line naming the file."""
+    subs, notes = _submission(tmp_path)
+    _mask_tiff(tmp_path / "masks" / "tumour_1_Mask.tif", min_size=32)
+    (subs / "tumour_1.csv").write_text(row + "\n")
+    line = cli_error(capsys, ["evaluate", "--task", "camelyon16", "--predictions", str(subs), "--labels", str(notes), "--masks", str(tmp_path / "masks")])
+    assert "tumour_1.csv" in line and words in line

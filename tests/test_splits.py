@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from hsmla_med.config import merge_config, task_config
-from hsmla_med.data.splits import SPLITS_FILE, fold_cases, make_splits
+from hsmla_med.data.splits import SPLITS_FILE, fold_cases, make_splits, read_splits
 from hsmla_med.errors import ConfigError, DataError
 from hsmla_med.pipelines import get_task
 from tests.conftest import cli_error, make_dataset, tiny_config, tiny_yaml
@@ -151,3 +151,48 @@ def test_checkpoint_records_its_fold_and_evaluate_refuses_trained_cases(tmp_path
     assert "trained on" in line and "--allow-training-cases" in line
     assert main(["evaluate", "--task", "btcv", "--data-dir", str(data), "--config", str(yaml_path), "--checkpoint", str(run / "last.ckpt"),
                  "--output", str(out), "--allow-training-cases"]) == 0
+
+
+def test_evaluate_scores_another_dataset_without_its_training_split(tmp_path, capsys):
+    """A checkpoint scored on another site's dataset (its own folder, other case IDs): that
+    dataset's validation list (else all its cases) is scored, no splits file is read or written
+    there, the training dataset's split stays as it was, and only case IDs the checkpoint trained
+    on are refused, by name."""
+    from hsmla_med.cli import main
+
+    data = make_dataset(tmp_path / "data", cases=4, validation=1)
+    yaml_path = tiny_yaml(tmp_path / "tiny.yaml")
+    run = tmp_path / "run"
+    assert main(["train", "--task", "btcv", "--data-dir", str(data), "--config", str(yaml_path), "--output", str(run), "--max-steps", "1"]) == 0
+    recorded = (data / SPLITS_FILE).read_text()
+    trained = get_task("btcv").load(run / "last.ckpt")[0].config["split"]["train"]
+    evaluate = ["evaluate", "--config", str(yaml_path), "--checkpoint", str(run / "last.ckpt")]
+
+    other = make_dataset(tmp_path / "site2", cases=3, validation=2, seed=5, name="siteb")
+    out = tmp_path / "eval_site2"
+    assert main([*evaluate, "--data-dir", str(other), "--output", str(out)]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["cases"] == 2  # its validation list
+    assert not (other / SPLITS_FILE).exists() and (data / SPLITS_FILE).read_text() == recorded
+
+    unlisted = make_dataset(tmp_path / "site3", cases=3, validation=0, seed=6, name="sitec")
+    assert main([*evaluate, "--data-dir", str(unlisted), "--output", str(tmp_path / "eval_site3")]) == 0
+    assert json.loads((tmp_path / "eval_site3" / "metrics.json").read_text())["cases"] == 3  # no list: all of them
+
+    # a dataset holding one of the checkpoint's training cases (by ID): refused by name, no advice to delete a split
+    mixed = make_dataset(tmp_path / "site4", cases=3, validation=0, seed=7, name="sited")
+    meta = json.loads((mixed / "dataset.json").read_text())
+    (mixed / "imagesTr" / "sited0000.nii.gz").rename(mixed / "imagesTr" / f"{trained[0]}.nii.gz")
+    meta["training"][0]["image"] = f"imagesTr/{trained[0]}.nii.gz"
+    (mixed / "dataset.json").write_text(json.dumps(meta))
+    line = cli_error(capsys, [*evaluate, "--data-dir", str(mixed), "--output", str(tmp_path / "eval_site4")])
+    assert trained[0] in line and "--allow-training-cases" in line and "delete" not in line
+    assert main([*evaluate, "--data-dir", str(mixed), "--output", str(tmp_path / "eval_site4"), "--allow-training-cases"]) == 0
+
+
+def test_a_splits_file_that_no_longer_fits_is_not_to_be_deleted(tmp_path):
+    path = tmp_path / SPLITS_FILE
+    path.write_text(json.dumps(make_splits(["a", "b", "c"], 3, seed=0)))
+    with pytest.raises(DataError) as err:
+        read_splits(path, ["a", "b"])
+    assert "c" in str(err.value) and "delete" not in str(err.value) and "data.splits_file" in str(err.value)

@@ -15,6 +15,7 @@ from hsmla_med.data.synthetic.wsi import generate_camelyon16
 
 SIZE = (1024, 768)  # (width, height)
 COUNTS = dict(num_normal=1, num_tumor=2, num_test=1)
+SIZE_ODD = (1023, 767)  # the sides written: an even side loses a pixel
 EXPECTED = {
     "training/normal/normal_001.tif",
     "training/tumor/tumor_001.tif",
@@ -23,6 +24,7 @@ EXPECTED = {
     "training/lesion_annotations/tumor_002.xml",
     "testing/images/test_001.tif",
     "testing/lesion_annotations/test_001.xml",
+    "testing/Ground_Truth/Masks/test_001_Mask.tif",
     "testing/reference.csv",
     "synthetic.json",
 }
@@ -81,7 +83,7 @@ def test_layout(root):
 
 
 def test_slides_open_as_pyramids(root):
-    for path in sorted(root.rglob("*.tif")):
+    for path in sorted(p for p in root.rglob("*.tif") if "Masks" not in p.parts):
         slide = openslide.OpenSlide(path)
         assert slide.properties["openslide.vendor"] == "generic-tiff"
         # odd sides halved and rounded up, as in real pyramids: no level is a whole downsample
@@ -189,3 +191,21 @@ def test_refuses_foreign_folder_and_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="seed"):
         generate_camelyon16(tmp_path / "x", size=SIZE, seed=-1)
     assert not (tmp_path / "x").exists()
+
+
+def test_test_masks_are_asaps(root):
+    """The ground-truth mask of a test slide with metastases: level 0 is ASAP's rasterisation of
+    its XML in 0/255, each level the previous one's top-left pixels (floor of half the size), as
+    the challenge's masks; read_mask_level at any power of two gives asap_mask there."""
+    from hsmla_med.data.asap import asap_mask, read_asap_xml
+    from hsmla_med.data.slides import read_mask_level
+
+    path = root / "testing" / "Ground_Truth" / "Masks" / "test_001_Mask.tif"
+    slide = openslide.OpenSlide(path)
+    polygons = read_asap_xml(root / "testing" / "lesion_annotations" / "test_001.xml")
+    level0 = np.asarray(slide.read_region((0, 0), 0, slide.dimensions))[..., 0]
+    assert set(np.unique(level0).tolist()) == {0, 255}
+    np.testing.assert_array_equal(level0 > 0, asap_mask(polygons, SIZE_ODD, 1))
+    assert slide.level_dimensions[:3] == ((1023, 767), (511, 383), (255, 191))
+    for d in (2, 4, 8, 16):
+        np.testing.assert_array_equal(read_mask_level(path, d), asap_mask(polygons, SIZE_ODD, d), err_msg=str(d))

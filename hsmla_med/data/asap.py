@@ -10,7 +10,8 @@ CAMELYON16 ships one ASAP XML file per tumour slide::
 with coordinates in level-0 pixels. Groups ``_0``/``_1`` (or ``Tumor`` in some files) outline
 metastases; ``_2`` outlines non-tumour regions inside them, which are cut out of the tumour.
 :func:`read_asap_xml` reads the outlines and :func:`rasterise` turns them into a boolean tumour
-mask at any pyramid level, so that patches can be labelled by their tumour coverage.
+mask at any pyramid level, so that patches can be labelled by their tumour coverage;
+:func:`asap_mask` makes the mask the challenge's evaluation read, as ASAP makes it.
 
 Input problems are reported, never silently mishandled: an unreadable file or coordinate raises a
 :class:`~hsmla_med.errors.DataError` naming the file; what can be used with a caveat (too few
@@ -32,7 +33,7 @@ from skimage.draw import polygon as fill_polygon
 
 from hsmla_med.errors import DataError
 
-__all__ = ["TUMOUR_GROUPS", "EXCLUSION_GROUPS", "Polygon", "read_asap_xml", "rasterise"]
+__all__ = ["TUMOUR_GROUPS", "EXCLUSION_GROUPS", "Polygon", "read_asap_xml", "rasterise", "asap_mask"]
 
 TUMOUR_GROUPS = ("_0", "_1", "Tumor")  # CAMELYON16 metastasis outlines
 EXCLUSION_GROUPS = ("_2",)  # non-tumour regions inside a metastasis outline
@@ -178,4 +179,94 @@ def rasterise(
             f"{width}x{height} slide; clipped",
             stacklevel=2,
         )
+    return tumour & ~excluded
+
+
+_INT_RANGE = 2.0**31  # C++ static_cast<int> of a float beyond it gives INT_MIN on x86 (cvttss2si)
+_CHUNK = 1 << 22  # (sample rows x edges) and (crossings x columns) per pass of _asap_fill
+
+
+def _clockwise(points: np.ndarray) -> bool:
+    """ASAP's ``Annotation::isClockwise``: the float32 shoelace terms summed in order in double."""
+    closed = np.vstack([points, points[:1]])
+    terms = (closed[1:, 0] - closed[:-1, 0]) * (closed[1:, 1] + closed[:-1, 1])  # float32, as ASAP's Point
+    return float(np.cumsum(terms.astype(np.float64))[-1]) < 0
+
+
+def _asap_fill(points: np.ndarray, shape: tuple[int, int], downsample: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows and columns of the level pixels (level-0 points ``(c d, r d)``) that ASAP's
+    ``AnnotationToMask`` sets for one outline: strictly inside its bounding box, and a winding
+    number (``wn_PnPoly``) other than 0. ``isLeft`` is ASAP's: float32 products truncated to int,
+    so a point less than one unit of cross product from an edge's line is on it.
+
+    Scanline form of the same test: per sample row, only the edges it crosses (half-open in y,
+    ``y0 <= y < y1`` upward, ``y1 <= y < y0`` downward) count, +1 upward where the point is left
+    (isLeft > 0), -1 downward where it is right (isLeft < 0)."""
+    v = points.astype(np.float32)
+    if not _clockwise(v):  # ASAP turns every outline clockwise before drawing
+        v = v[::-1]
+    lo, hi = v.min(axis=0), v.max(axis=0)
+    d = float(downsample)
+
+    def samples(low: np.float32, high: np.float32, count: int) -> np.ndarray:
+        first, last = max(0, math.floor(float(low) / d)), min(count - 1, math.ceil(float(high) / d))
+        index = np.arange(first, last + 1) if last >= first else np.zeros(0, np.int64)
+        at = (index * downsample).astype(np.float32)  # exact below 2**24, as ASAP's float(tx + x)
+        keep = (at > low) & (at < high)
+        return index[keep], at[keep]
+
+    rows, ys = samples(lo[1], hi[1], shape[0])
+    cols, xs = samples(lo[0], hi[0], shape[1])
+    if not rows.size or not cols.size:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    x0, y0 = v[:, 0], v[:, 1]
+    x1, y1 = np.roll(x0, -1), np.roll(y0, -1)
+    found_rows, found_cols = [], []
+    chunk = max(1, _CHUNK // (cols.size * max(1, len(v))))  # sample rows per pass: bounded temporaries
+    for start in range(0, rows.size, chunk):
+        y = ys[start: start + chunk, None]
+        up = (y0[None, :] <= y) & (y1[None, :] > y)
+        down = (y0[None, :] > y) & (y1[None, :] <= y)
+        row, edge = np.nonzero(up | down)  # the crossings, by row
+        # isLeft(V[i], V[i+1], P) = int((x1 - x0) * (y0 - Py) - (Px - x0) * (y0 - y1)), in float32
+        cross = ((x1[edge] - x0[edge]) * (y0[edge] - y[row, 0]))[:, None] - (xs[None, :] - x0[edge][:, None]) * (y0[edge] - y1[edge])[:, None]
+        left = (cross >= 1) & (cross < _INT_RANGE)
+        right = (cross <= -1) | (cross >= _INT_RANGE)
+        winding = np.zeros((y.shape[0], cols.size), np.int32)
+        np.add.at(winding, row, np.where(up[row, edge][:, None], left, -right.astype(np.int32)))
+        r, c = np.nonzero(winding)
+        found_rows.append(rows[start + r])
+        found_cols.append(cols[c])
+    return np.concatenate(found_rows), np.concatenate(found_cols)
+
+
+def asap_mask(polygons: list[Polygon], level0_size: tuple[int, int], downsample: int) -> np.ndarray:
+    """The tumour mask of CAMELYON16's ``Ground_Truth/Masks`` made from the outlines, at the
+    level of ``downsample`` (a power of two), as ``Evaluation_FROC.py`` reads it.
+
+    The challenge's masks were made by ASAP's ``AnnotationToMask`` (label map ``_0``, ``_1``: 1,
+    ``_2``: 0, drawn in that order) and its pyramid writer: level-0 pixel ``(x, y)`` is tumour
+    when the integer point ``(x, y)`` lies inside a tumour outline (:func:`_asap_fill`) and
+    inside no exclusion outline; each level halves the previous by nearest neighbour (the
+    top-left pixel of each 2 x 2) and has ``floor`` of half its size. So the level pixel
+    ``(r, c)`` is level-0 point ``(c d, r d)``, not the pixel-centre test of :func:`rasterise`.
+    Hand-written: no Python package implements ASAP's rasteriser.
+
+    Args:
+        polygons: outlines from :func:`read_asap_xml`.
+        level0_size: (width, height) of level 0.
+        downsample: ``2**level``.
+
+    Returns:
+        bool ``(height // downsample, width // downsample)`` mask.
+    """
+    if downsample < 1 or downsample & (downsample - 1):
+        raise ValueError(f"downsample must be a power of two, got {downsample}")
+    width, height = level0_size
+    shape = (height // downsample, width // downsample)
+    tumour, excluded = np.zeros(shape, bool), np.zeros(shape, bool)
+    for poly in polygons:
+        target = tumour if poly.group in TUMOUR_GROUPS else excluded if poly.group in EXCLUSION_GROUPS else None
+        if target is not None:
+            target[_asap_fill(poly.points, shape, downsample)] = True
     return tumour & ~excluded

@@ -27,7 +27,7 @@ from skimage.morphology import remove_small_holes, remove_small_objects
 
 from hsmla_med.errors import DataError
 
-__all__ = ["open_slide", "slide_mpp", "select_level", "read_region", "thumbnail", "tissue_mask", "patch_grid", "coverage"]
+__all__ = ["open_slide", "slide_mpp", "select_level", "read_region", "read_mask_level", "thumbnail", "tissue_mask", "patch_grid", "coverage"]
 
 # scikit-image 0.26 renamed min_size/area_threshold (removes sizes < n) to max_size (removes sizes <= n).
 _SKIMAGE_MAX_SIZE = "max_size" in inspect.signature(remove_small_objects).parameters
@@ -132,6 +132,56 @@ def read_region(slide: openslide.OpenSlide, x0: int, y0: int, level: int, size: 
     rgba = np.asarray(image)
     alpha = rgba[..., 3:].astype(np.uint16)  # OpenSlide un-premultiplies: colour * alpha + white * (255 - alpha)
     return ((rgba[..., :3] * alpha + 255 * (255 - alpha) + 127) // 255).astype(np.uint8)
+
+
+def read_mask_level(path: str | Path, downsample: int) -> np.ndarray:
+    """A ground-truth mask TIFF (CAMELYON16's ``Ground_Truth/Masks/<slide>_Mask.tif``) at
+    ``downsample`` (a power of two), as ``Evaluation_FROC.py`` reads it: the first channel of
+    OpenSlide's ``read_region`` of that level; a pixel is tumour where it is not 0.
+
+    The official script reads level ``log2(downsample)`` by index; a mask whose pyramid lacks
+    that level is read at its finest level whose downsample divides it, every
+    ``downsample / d``-th pixel kept (the nearest-neighbour halving ASAP's pyramid does), in
+    bands, to ``floor(size / downsample)`` pixels per axis, as ASAP's level has.
+    CAMELYON16's masks are 0/255 and the script counts only 255 as tumour: other non-zero values
+    (ASAP's default label 1) count here too, with a warning naming the file.
+
+    Raises:
+        DataError: naming the file, if OpenSlide cannot read it.
+    """
+    slide = open_slide(path)
+    try:
+        width, height = slide.dimensions
+        level = int(math.log2(downsample))
+        exact = level < slide.level_count and abs(slide.level_downsamples[level] / downsample - 1) < 0.01
+        if exact:  # the official read: that level, its own size
+            shape, step = slide.level_dimensions[level][::-1], 1
+        else:  # the finest level whose downsample is a power of two dividing ``downsample``
+            level = max(i for i, d in enumerate(slide.level_downsamples) if i == 0 or _divides(d, downsample))
+            shape, step = (height // downsample, width // downsample), round(downsample / slide.level_downsamples[level])
+        level_width = slide.level_dimensions[level][0]
+        band = max(step, _BAND_PIXELS // max(1, level_width) // step * step)
+        values = np.zeros(shape, np.uint8)
+        for top in range(0, shape[0] * step, band):
+            rows = min(band, shape[0] * step - top)
+            y0 = int(round(top * slide.level_downsamples[level]))
+            try:
+                rgba = np.asarray(slide.read_region((0, y0), level, (min(level_width, shape[1] * step), rows)))
+            except openslide.OpenSlideError as err:
+                raise DataError(f"{path}: cannot read the mask ({err})") from None
+            values[top // step: top // step + len(rgba[::step])] = rgba[::step, ::step, 0][:, : shape[1]] * (rgba[::step, ::step, 3][:, : shape[1]] > 0)
+    finally:
+        slide.close()
+    other = np.setdiff1d(np.unique(values), [0, 255])
+    if other.size:
+        warnings.warn(f"{path}: mask values {', '.join(map(str, other[:5].tolist()))} count as tumour here; "
+                      "Evaluation_FROC.py counts only 255 (CAMELYON16's masks are 0/255)", stacklevel=2)
+    return values > 0
+
+
+def _divides(level_downsample: float, downsample: int) -> bool:
+    ratio = downsample / level_downsample
+    return ratio >= 1 and abs(ratio - round(ratio)) < 0.01 and round(ratio) & (round(ratio) - 1) == 0
 
 
 def _remove_small(mask: np.ndarray, area: float) -> np.ndarray:

@@ -30,7 +30,7 @@ import numpy as np
 from hsmla_med.data.datalist import Datalist, case_name
 from hsmla_med.errors import ConfigError, DataError
 
-__all__ = ["SPLITS_FILE", "make_splits", "read_splits", "fold_cases", "fold_datalist"]
+__all__ = ["SPLITS_FILE", "make_splits", "read_splits", "fold_cases", "fold_datalist", "other_dataset"]
 
 SPLITS_FILE = "splits_final.json"
 
@@ -120,7 +120,8 @@ def read_splits(path: Path, ids: Sequence[str]) -> list[dict]:
         unknown = sorted(set(split["train"] + split["val"]) - known)
         if unknown:
             raise DataError(f"{path}: fold {k} names {len(unknown)} case(s) the dataset does not have: {', '.join(unknown[:5])}"
-                            + (" ..." if len(unknown) > 5 else "") + "; correct the file or delete it to split again")
+                            + (" ..." if len(unknown) > 5 else "") + "; it is the record of what models trained with it used: correct it, "
+                            "or set data.splits_file to a new path to split this dataset again")
         overlap = sorted(set(split["train"]) & set(split["val"]))
         if overlap:
             raise DataError(f"{path}: fold {k} has case(s) in both train and val: {', '.join(overlap[:5])}")
@@ -146,6 +147,16 @@ def _location(config: dict, dataset_dir: Path) -> Path:
     return Path(chosen).expanduser() if chosen else beside_dataset(config, dataset_dir, SPLITS_FILE)
 
 
+def other_dataset(config: dict, ids: Sequence[str]) -> bool:
+    """Whether ``config`` scores a checkpoint on a dataset other than the one it trained on:
+    ``config["trained_split"]`` (the split record a checkpoint keeps, set by ``evaluate`` and
+    ``calibrate``) names a case the dataset of ``ids`` lacks. Its splits file then says nothing
+    about this dataset (another site's scans, in their own folder)."""
+    trained = config.get("trained_split") or {}
+    named = set(trained.get("train") or []) | set(trained.get("val") or [])
+    return bool(named) and not named <= set(ids)
+
+
 def fold_cases(
     config: dict,
     dataset_dir: Path,
@@ -155,6 +166,7 @@ def fold_cases(
     groups: Sequence[str] | None = None,
     classes: Sequence | None = None,
     fixed: dict[str, int] | None = None,
+    held_out: Sequence[str] = (),
 ) -> tuple[list, list, dict]:
     """Training and validation cases of fold ``config["fold"]``, from the splits file (made now,
     with ``config["data"]["folds"]`` folds and ``config["seed"]``, when it does not exist).
@@ -164,7 +176,19 @@ def fold_cases(
     for the synthetic default data (``synthetic``), whose cases change with its settings: its
     splits are then made again. Returns ``(training, validation, record)``; ``record`` is what
     a checkpoint keeps: ``{"file", "fold", "folds", "train", "val"}``.
+
+    A checkpoint scored on another dataset (:func:`other_dataset`) is scored on the cases that
+    dataset holds out itself (``held_out``: the IDs of a dataset JSON's validation list), else
+    on all of them; no splits file is read or written, and the record names the dataset
+    (``"file"`` and ``"fold"`` are ``None``). The checkpoint's training cases among them are
+    refused by ID by the caller.
     """
+    if other_dataset(config, ids):
+        chosen = set(held_out) & set(ids) or set(ids)
+        log.info("%s is not the dataset the checkpoint trained on (it lacks cases of its split): scoring its %s, %d case(s)",
+                 dataset_dir, "validation list" if set(held_out) & set(ids) else "cases, all", len(chosen))
+        record = {"file": None, "fold": None, "folds": None, "dataset": str(dataset_dir), "train": [], "val": sorted(chosen)}
+        return [], [c for c, i in zip(cases, ids) if i in chosen], record
     path = _location(config, dataset_dir)
     fold, wanted = config["fold"], config["data"]["folds"]
     splits = None
@@ -208,5 +232,5 @@ def fold_datalist(config: dict, cases: Datalist) -> Datalist:
     labelled = cases.training + cases.validation
     ids = [case_name(c["image"]) for c in labelled]
     fixed = {case_name(c["image"]): 0 for c in cases.validation}
-    training, validation, record = fold_cases(config, cases.source.parent, labelled, ids, cases.synthetic, fixed=fixed)
+    training, validation, record = fold_cases(config, cases.source.parent, labelled, ids, cases.synthetic, fixed=fixed, held_out=list(fixed))
     return replace(cases, training=training, validation=validation, split=record)

@@ -63,8 +63,6 @@ class CaseDataModule(L.LightningDataModule):
         cache_rate: float = 1.0,
     ) -> None:
         super().__init__()
-        if not training:
-            raise DataError("the dataset has no training cases")
         if not validation:
             raise DataError("the dataset has no validation cases")
         self.training = [dict(c, case=i) for i, c in enumerate(training)]
@@ -78,6 +76,8 @@ class CaseDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         if stage in (None, "fit") and self.train_set is None:
+            if not self.training:  # checked here, not above: evaluate scores another dataset's cases with none to train on
+                raise DataError("the dataset has no training cases")
             self.train_set = self._dataset(self.training, self.train_transform)
         if stage in (None, "fit", "validate") and self.val_set is None:
             self.val_set = self._dataset(self.validation, self.val_transform)

@@ -46,7 +46,9 @@ class Region:
             point repeated last), counter-clockwise as RFC 7946 reads ``(x, y)`` (positive
             shoelace area; clockwise on screen, where y points down).
         holes: the rings of the tumour-free areas inside it, each ``(m, 2)``, closed, clockwise.
-        max_probability: the highest patch probability of its cells (unsmoothed).
+        max_probability: the highest confidence of the lesion detections it holds (the
+            challenge CSV's, see :func:`tumour_regions`), else the highest patch probability of
+            its cells (unsmoothed).
         mean_probability: the mean patch probability of its cells (unsmoothed).
         area: level-0 pixels² inside the exterior and outside the holes, within the slide.
     """
@@ -85,8 +87,24 @@ def _cell_edge_ring(contour: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return np.vstack([ring, ring[:1]])
 
 
+def _cells_at(points: np.ndarray, step: float, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(index, row, col)``: the grid cells whose closed square holds each level-0 point: one
+    for a point inside a cell, two on a cell edge, four on a corner (a patch centre of
+    overlapping patches), so that the union of its cells holds the point inside, not on its
+    outline."""
+    index, rows, cols = [], [], []
+    for i, (x, y) in enumerate(np.asarray(points, np.float64).reshape(-1, 2)):
+        row_set = {min(int(y // step), shape[0] - 1)} | ({int(y // step) - 1} if y % step == 0 and y > 0 else set())
+        col_set = {min(int(x // step), shape[1] - 1)} | ({int(x // step) - 1} if x % step == 0 and x > 0 else set())
+        for r in row_set:
+            for c in col_set:
+                index.append(i), rows.append(r), cols.append(c)
+    return np.array(index, np.int64), np.array(rows, np.int64), np.array(cols, np.int64)
+
+
 def tumour_regions(
-    prob_map: np.ndarray, step: float, level0_size: tuple[int, int], threshold: float = 0.5, sigma: float = 1.0
+    prob_map: np.ndarray, step: float, level0_size: tuple[int, int], threshold: float = 0.5, sigma: float = 1.0,
+    detections: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> list[Region]:
     """The tumour regions of a slide's probability map, as polygons in level-0 pixels.
 
@@ -106,6 +124,12 @@ def tumour_regions(
             column and row starting inside (``(W - 1) * step < width <= W * step``, as for H).
         threshold: a cell is tumour where the smoothed probability is above it.
         sigma: Gaussian smoothing in grid cells (0: none).
+        detections: ``(confidences (n,), points (n, 2))``, the lesions of the challenge CSV
+            (level-0 ``(x, y)``). One definition of a lesion for all three outputs: the cells
+            holding each point are tumour too (a polygon is made around a detection the
+            smoothed map leaves out), and a region's ``max_probability`` is the highest
+            confidence of the detections inside it, so the CSV, the GeoJSON and the ASAP XML
+            report the same lesions at the same confidences.
 
     Returns:
         The regions, the most probable (``max_probability``) first.
@@ -119,12 +143,19 @@ def tumour_regions(
         raise ValueError(f"prob_map {prob.shape} with step {step} is not the grid of the {width}x{height} slide")
     with np.errstate(invalid="ignore"):  # NaN (off tissue) is never above the threshold
         tumour = smooth_map(prob, sigma) > threshold
+    confidences, owner, rows, cols = np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    if detections is not None:
+        confidences = np.asarray(detections[0], np.float64).reshape(-1)
+        owner, rows, cols = _cells_at(detections[1], step, prob.shape)
+        tumour[rows, cols] = True
     # level-0 position of each cell edge, the last ones cut at the slide's edge: a monotone map
     # per axis, so it keeps rings simple and apart, and straight segments straight
     x_edges = np.minimum(np.arange(prob.shape[1] + 1) * step, width)
     y_edges = np.minimum(np.arange(prob.shape[0] + 1) * step, height)
-    regions = []
-    for piece in regionprops(label(tumour, connectivity=2), intensity_image=prob):
+    regions, pieces = [], label(tumour, connectivity=2)
+    best = np.full(int(pieces.max()) + 1, -np.inf)  # per region, its detections' highest confidence
+    np.maximum.at(best, pieces[rows, cols], confidences[owner])
+    for piece in regionprops(pieces):
         top, left = piece.bbox[:2]
         mask = np.pad(piece.image, 1)  # a region touching its box still closes
         rings = []
@@ -139,7 +170,9 @@ def tumour_regions(
         exterior = rings[outer] if areas[outer] > 0 else rings[outer][::-1]
         holes = tuple(ring if area < 0 else ring[::-1] for i, (ring, area) in enumerate(zip(rings, areas)) if i != outer)
         area = abs(areas[outer]) - sum(abs(a) for i, a in enumerate(areas) if i != outer)
-        regions.append(Region(exterior, holes, float(piece.intensity_max), float(piece.intensity_mean), area))
+        values = prob[tuple(piece.coords.T)]  # a detection's neighbour cell may be off tissue (NaN)
+        highest = best[piece.label] if np.isfinite(best[piece.label]) else np.nanmax(values)
+        regions.append(Region(exterior, holes, float(highest), float(np.nanmean(values)), area))
     return sorted(regions, key=lambda region: -region.max_probability)
 
 

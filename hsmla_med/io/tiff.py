@@ -51,13 +51,16 @@ __all__ = ["COMPRESSIONS", "pyramid_shapes", "write_pyramidal_tiff"]
 COMPRESSIONS = ("zlib", "jpeg")
 
 
-def pyramid_shapes(height: int, width: int, min_size: int = 256) -> list[tuple[int, int]]:
-    """(height, width) of each level: halved (rounded up) while the longer side is at least
-    ``min_size``, and at least once when the image has more than one pixel along some side."""
+def pyramid_shapes(height: int, width: int, min_size: int = 256, nearest: bool = False) -> list[tuple[int, int]]:
+    """(height, width) of each level: halved (rounded up; ``nearest``: down, as ASAP's label
+    pyramids) while the longer side is at least ``min_size``, and at least once when the image
+    has more than one pixel along some side (``nearest``: while both sides keep a pixel)."""
     shapes = [(height, width)]
     while max(shapes[-1]) > 1 and (len(shapes) == 1 or max(shapes[-1]) >= min_size):
         h, w = shapes[-1]
-        shapes.append(((h + 1) // 2, (w + 1) // 2))
+        if nearest and min(h, w) < 2:
+            break
+        shapes.append((h // 2, w // 2) if nearest else ((h + 1) // 2, (w + 1) // 2))
     return shapes
 
 
@@ -70,6 +73,7 @@ def write_pyramidal_tiff(
     min_size: int = 256,
     quality: int = 90,
     bigtiff: bool | None = None,
+    nearest: bool = False,
 ) -> Path:
     """Write ``image`` as a tiled pyramidal OME-TIFF at ``path`` (atomically) and return the path.
 
@@ -88,6 +92,9 @@ def write_pyramidal_tiff(
         quality: JPEG quality (1..95); ignored for zlib.
         bigtiff: force BigTIFF (True) or classic TIFF (False); None picks BigTIFF only when
             the file could exceed 4 GiB.
+        nearest: label images (masks): each level keeps the top-left pixel of each 2x2 block
+            and has ``floor`` of half the previous size, as ASAP's ``AnnotationToMask`` writes
+            CAMELYON16's ground-truth masks, instead of the mean below.
 
     Each level is the previous one averaged over 2x2 blocks (rounded half up; along an odd
     edge the last row/column is repeated, so an edge pixel is the mean of the pixels it covers).
@@ -127,9 +134,9 @@ def write_pyramidal_tiff(
     height0, width0 = image.shape[:2]
     with atomic_path(path) as tmp, tifffile.TiffWriter(tmp, bigtiff=bigtiff) as tif:
         level = image
-        for index, (height, width) in enumerate(pyramid_shapes(height0, width0, min_size)):
+        for index, (height, width) in enumerate(pyramid_shapes(height0, width0, min_size, nearest)):
             if index:
-                level = _downsample(level)
+                level = level[: 2 * height : 2, : 2 * width : 2] if nearest else _downsample(level)
             if mpp is None:
                 resolution = {}
             else:

@@ -6,6 +6,7 @@ user without it gets this stand-in with the same layout::
     training/normal/normal_001.tif ...        training/tumor/tumor_001.tif ...
     training/lesion_annotations/tumor_001.xml ...
     testing/images/test_001.tif ...           testing/lesion_annotations/test_001.xml ...
+    testing/Ground_Truth/Masks/test_001_Mask.tif ...
     testing/reference.csv                     synthetic.json
 
 Slides are RGB pyramidal tiled JPEG TIFFs (:func:`hsmla_med.io.tiff.write_pyramidal_tiff`)
@@ -20,7 +21,9 @@ on a more purple background, and, where the tissue leaves room, an isolated tumo
 (100 µm across) and an elongated lesion of 300 x 100 µm, smaller than half a 256-pixel patch. They are outlined in ASAP XML as in CAMELYON16: level-0 pixel
 coordinates, group ``Tumor`` on even-numbered slides and the ``_0``/``_2`` convention on
 odd-numbered ones, where a ``_2`` polygon cuts a region of normal tissue (painted as such) out of
-a ``_0`` metastasis. ``reference.csv`` lists the test slides as CAMELYON16's does
+a ``_0`` metastasis. Each test slide with metastases has its ground-truth mask TIFF, as the
+challenge's ``Ground_Truth/Masks`` (0/255, ASAP's rasterisation of the XML and its
+nearest-neighbour pyramid; what ``Evaluation_FROC.py`` reads). ``reference.csv`` lists the test slides as CAMELYON16's does
 (``test_001,Tumor,Micro`` / ``test_002,Normal``, no header); odd-numbered test slides have tumour.
 
 The default ``mpp`` of 0.972 µm is 4 x 0.243 µm, the level-0 pixel of CAMELYON16's Radboudumc
@@ -46,11 +49,12 @@ import torch
 
 from hsmla_med.io.tiff import write_pyramidal_tiff
 from hsmla_med.io import atomic_path, write_json
+from hsmla_med.data.asap import asap_mask, read_asap_xml
 from hsmla_med.io.annotations import write_asap_xml
 
 __all__ = ["generate_camelyon16", "DEFAULT_STAIN", "OTHER_STAIN", "TUMOURS"]
 
-_GENERATOR_VERSION = 3  # 2: odd sides, fractional level downsamples; 3: an ITC cluster and a lesion under half a patch
+_GENERATOR_VERSION = 4  # 2: odd sides, fractional level downsamples; 3: an ITC cluster and a lesion under half a patch; 4: test masks
 _MIN_SIDE = 256  # pixels; smaller slides leave no room for tissue islands with metastases
 
 # Optical density per unit stain (Ruifrok & Johnston's H&E vectors, normalised), and of glass.
@@ -181,6 +185,11 @@ def generate_camelyon16(
         if xml_rel is not None:
             write_asap_xml(root / xml_rel, polygons)
             files.append(xml_rel)
+        if xml_rel is not None and slide_rel.startswith("testing/"):  # the evaluation's ground-truth mask, as ASAP makes it
+            mask_rel = f"testing/Ground_Truth/Masks/{Path(slide_rel).stem}_Mask.tif"
+            mask = asap_mask(read_asap_xml(root / xml_rel), (width, height), 1).astype(np.uint8) * 255
+            write_pyramidal_tiff(root / mask_rel, mask, mpp, tile=512, nearest=True)
+            files.append(mask_rel)
         if slide_rel.startswith("testing/"):
             reference.append(_reference_line(Path(slide_rel).stem, polygons, mpp))
     if num_test:
