@@ -602,7 +602,7 @@ def _scored_cases(task, module, args, checkpoints: list[str]):
         log.warning("%s records no split (written before splits_final.json): cannot check that its validation cases are unseen", named)
     elif seen and not args.allow_training_cases:
         where = (f"fold {cases.split['fold']} of {cases.split['file']}" if cases.split.get("file")
-                 else f"{cases.split['dataset']}, whose case IDs its training split names")
+                 else f"case IDs of its training split, found in {cases.split['dataset']}")
         raise InputError(f"--checkpoint {named} trained on {len(seen)} of the {len(cases.validation)} cases to score "
                          f"({where}: {', '.join(seen[:5])}{' ...' if len(seen) > 5 else ''}); "
                          "their scores would not be held-out scores; pass --allow-training-cases to score them anyway")

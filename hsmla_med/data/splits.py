@@ -185,8 +185,8 @@ def fold_cases(
     """
     if other_dataset(config, ids):
         chosen = set(held_out) & set(ids) or set(ids)
-        log.info("%s is not the dataset the checkpoint trained on (it lacks cases of its split): scoring its %s, %d case(s)",
-                 dataset_dir, "validation list" if set(held_out) & set(ids) else "cases, all", len(chosen))
+        log.info("%s is not the dataset the checkpoint trained on (it lacks cases of its split): scoring %s (%d case(s))",
+                 dataset_dir, "its validation list" if set(held_out) & set(ids) else "all its cases", len(chosen))
         record = {"file": None, "fold": None, "folds": None, "dataset": str(dataset_dir), "train": [], "val": sorted(chosen)}
         return [], [c for c, i in zip(cases, ids) if i in chosen], record
     path = _location(config, dataset_dir)
