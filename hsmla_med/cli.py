@@ -20,11 +20,14 @@ from pathlib import Path
 
 from hsmla_med.config import load_yaml, task_config
 from hsmla_med.defaults import CALIBRATION_SAMPLES, UNCERTAINTY_KINDS, UNCERTAINTY_THRESHOLD
-from hsmla_med.pipelines import ALIASES, CARDS, TASKS, get_task, task_name
+from hsmla_med.pipelines import ALIASES, CARDS, get_task, task_name, tasks_with
 
 __all__ = ["main", "build_parser"]
 
 log = logging.getLogger("hsmla_med")
+
+#: the pipeline of ``evaluate --predictions`` without ``--task``: label maps of any segmentation tool
+PREDICTIONS_TASK = "segmentation"
 
 _EPILOG = """examples:
   hsmla-med demo                                   # all four tasks on synthetic data, minutes on CPU
@@ -46,7 +49,7 @@ _EPILOG = """examples:
 
 def _add_task_options(p: argparse.ArgumentParser, data: bool = True, required: bool = True, help: str = "") -> None:
     generic = "; ".join(f"{alias}: your own data through the {task} pipeline (needs --data-dir)" for alias, task in ALIASES.items())
-    p.add_argument("--task", required=required, help=f"task pipeline: {' | '.join(TASKS)} ({generic}){help}")
+    p.add_argument("--task", required=required, help=f"task pipeline: {' | '.join(CARDS)} ({generic}){help}")
     if data:
         p.add_argument("--data-dir", help="dataset folder (MSD/nnU-Net layout with dataset.json); default: the synthetic dataset")
         p.add_argument("--config", help="YAML merged over the task's default config (configs/<task>.yaml)")
@@ -143,16 +146,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "attributes, in MONAI Deploy's format ({selections: [{name, conditions: {Modality: '(?i)CT', SeriesDescription: "
                    "REGEX, ImageType: [ORIGINAL, PRIMARY]}}]}); default (btcv): the checkpoint's inference.series_selection")
     p.add_argument("--tta", action="store_true", help="mirroring test-time augmentation")
-    overlaps = ", ".join(f"{n} {c['inference']['overlap']}" for n in TASKS if "overlap" in (c := task_config(n))["inference"])
+    overlaps = ", ".join(f"{n} {c['inference']['overlap']}" for n in CARDS if "overlap" in (c := task_config(n))["inference"])
     p.add_argument("--overlap", type=float, help=f"sliding-window overlap in [0, 1) (default: the checkpoint's; as trained by default: {overlaps})")
     p.add_argument("--crop", choices=["auto", "none"], default="auto", help="endovis: auto crops frames of the challenge's raw size as in training and uses other sizes whole; none never crops")
     p.add_argument("--save-probabilities", action="store_true", help="btcv: also write OUTPUT/<case>.npz, the class probabilities (float16) in the input's grid (an ensemble's: their mean)")
-    p.add_argument("--output-format", action="append", metavar="F", help="btcv: nifti (default: OUTPUT/<case>.nii.gz; a MetaImage / NRRD input's as <case>.mha / .nrrd) and/or dicom-seg "
+    p.add_argument("--output-format", action="append", metavar="F", help=f"{', '.join(tasks_with('output_formats'))}: nifti (default: OUTPUT/<case>.nii.gz; "
+                   "a MetaImage / NRRD input's as <case>.mha / .nrrd) and/or dicom-seg "
                    "(OUTPUT/<case>.seg.dcm, a DICOM SEG referencing the input series; DICOM inputs only); repeat it or give a comma list for both")
     p.add_argument("--postprocessing", metavar="F", help="btcv: the postprocessing.json to apply to the label maps (largest connected "
                    "components, chosen on validation by cross-validate); default: the postprocessing.json in the folder that holds "
                    "the checkpoints, or above a cross-validate fold_K folder, if there is one; none: no post-processing")
-    p.add_argument("--uncertainty", choices=UNCERTAINTY_KINDS, help="btcv: also write OUTPUT/uncertainty/<case>_uncertainty.nii.gz, "
+    p.add_argument("--uncertainty", choices=UNCERTAINTY_KINDS, help=f"{', '.join(tasks_with('uncertainty'))}: also write "
+                   "OUTPUT/uncertainty/<case>_uncertainty.nii.gz, "
                    "the voxel-wise uncertainty on the label map's grid, normalised to [0, 1] (entropy: of the class probabilities; "
                    "mutual-information: the disagreement of the mirrored copies of --tta and/or of several --checkpoint, which it needs), "
                    "and OUTPUT/uncertainty.csv, a review queue: per case the mean uncertainty over the predicted foreground, the volume "
@@ -162,15 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prediction_options(p)
 
     p = sub.add_parser("evaluate", help="metrics of a checkpoint on a dataset's validation cases, or of any folder of predicted label maps",
-                       description="The task's validation metrics of a checkpoint (--task, --checkpoint) on the validation cases (btcv: Dice, "
-                       "HD95 and NSD per class, each prediction brought back to its original image grid as infer writes it and scored "
-                       "against the original label file at its spacing, also written as OUTPUT/summary.json, OUTPUT/metrics_per_case.csv "
-                       "and the label maps OUTPUT/validation/<case>.nii.gz; endovis: Dice and IoU per frame; camelyon16: slide AUC, patch AUC and lesion FROC; luna16: FROC "
-                       "sensitivities and CPM); writes OUTPUT/metrics.json. "
+                       description="The task's validation metrics of a checkpoint (--task, --checkpoint) on the validation cases ("
+                       + "; ".join(f"{n}: {card.metrics}" for n, card in CARDS.items()) + "); writes OUTPUT/metrics.json. "
                        "Or, with --predictions DIR --labels DIR, scores label maps from any tool (ours, nnU-Net's, MONAI's) against the "
                        "reference label maps of the same file names, as nnU-Net's compute_metrics_on_folder does, plus HD95 and NSD in mm "
                        "and bootstrap 95%% intervals; writes summary.json and metrics_per_case.csv into --output (default: DIR).")
-    _add_task_options(p, required=False, help="; default with --checkpoint: the task it was trained for; with --predictions: btcv")
+    _add_task_options(p, required=False, help=f"; default with --checkpoint: the task it was trained for; with --predictions: {task_name(PREDICTIONS_TASK)}")
     p.add_argument("--checkpoint", nargs="+", metavar="CKPT", help="a checkpoint written by train; several: their ensemble (probabilities "
                    "averaged as infer does), which has trained on every member's training cases")
     p.add_argument("--output", help="folder for metrics.json (default runs/evaluate), or for summary.json with --predictions (default: that folder)")
@@ -200,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trainer_options(p)
 
     p = sub.add_parser("calibrate", help="fit a temperature to a checkpoint's probabilities on its validation cases",
-                       description="Temperature scaling: runs the checkpoint (btcv, camelyon16) on the validation cases of the split it "
+                       description=f"Temperature scaling: runs the checkpoint ({', '.join(tasks_with('calibration'))}) on the validation cases of the split it "
                        "recorded, as evaluate does, fits one temperature T (or one per class) by L-BFGS minimising the NLL of softmax(logits / T) "
                        "on a uniform sample of the validation voxels or patches, and writes OUTPUT/<checkpoint name> (the calibrated checkpoint: "
                        "the network divides its logits by T, so infer, --save-probabilities, wsi-heatmap, evaluate and export apply it), "
@@ -233,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="export a checkpoint's network: ONNX, TorchScript or a MONAI Bundle",
                        description="Export the network of a checkpoint for deployment (docs/deployment.md): --format onnx writes OUTPUT/model.onnx "
                        "(opset 18), torchscript OUTPUT/model.ts (traced; hsmla-med infer --checkpoint takes it), bundle a MONAI "
-                       "Bundle in OUTPUT (configs/, models/model.ts, models/model.pt, docs/README.md; tasks btcv and endovis). The batch axis is "
+                       f"Bundle in OUTPUT (configs/, models/model.ts, models/model.pt, docs/README.md; tasks {' and '.join(tasks_with('bundle'))}). The batch axis is "
                        "dynamic, and so are ONNX's spatial axes (traced at the checkpoint's sliding-window size or --input-size; export.json "
                        "records the range proven); TorchScript keeps the size it was traced at. Each graph is checked against the PyTorch network "
                        "(max |logit difference| <= 1e-4) before it is written; OUTPUT/export.json records the figures.")
@@ -245,8 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
     # its options are the benchmark's own (hsmla-med bench --help), passed through unparsed
     sub.add_parser("bench", help="benchmarks of HSMLA networks vs SegFormer, SwinUNETR and UNet (CPU; --only gpu on a CUDA GPU)", add_help=False)
 
-    p = sub.add_parser("demo", help="train on synthetic data for a few minutes, infer, print metrics", description="Generates synthetic data in each benchmark's format (BTCV NIfTI volumes, CAMELYON16 slides, EndoVis 2017 frames, LUNA16 MetaImage scans), trains a small HSMLA model on each (configs/<task>_demo.yaml), runs inference on the held-out data (label volumes, slide heatmaps, frame masks, a nodule submission CSV) and prints the metrics and output paths.")
-    p.add_argument("--task", choices=[*TASKS, "all"], default="all", help="which demo (default: all)")
+    p = sub.add_parser("demo", help="train on synthetic data for a few minutes, infer, print metrics", description="Generates synthetic data in each benchmark's format ("
+                       + ", ".join(card.synthetic for card in CARDS.values() if card.synthetic) + "), trains a small HSMLA model on each (configs/<task>_demo.yaml), "
+                       "runs inference on the held-out data (label volumes, slide heatmaps, frame masks, a nodule submission CSV) and prints the metrics and output paths.")
+    p.add_argument("--task", choices=[*tasks_with("synthetic"), "all"], default="all", help="which demo (default: all)")
     p.add_argument("--output", default="runs/demo", help="run folder; one subfolder per task (default runs/demo)")
     p.add_argument("--max-steps", type=int, help="override the demo's training steps")
     p.add_argument("--config", help="YAML merged over the demo's config (configs/<task>_demo.yaml), e.g. a smaller synthetic dataset")
@@ -445,12 +449,14 @@ def _options(args, **extra):
 
 
 def _output_formats(given: list[str] | None, task) -> tuple[str, ...]:
-    """``--output-format`` values (repeated or comma lists) in order, once each; dicom-seg is btcv's."""
+    """``--output-format`` values (repeated or comma lists) in order, once each; dicom-seg only for
+    a task whose card declares it."""
     from hsmla_med.errors import InputError
 
     formats = tuple(dict.fromkeys(f.strip() for value in given or ["nifti"] for f in value.split(",") if f.strip()))
-    if "dicom-seg" in formats and task.name != "btcv":
-        raise InputError(f"--output-format dicom-seg: only --task btcv writes label volumes as DICOM SEG, not {task.name}")
+    if "dicom-seg" in formats and "dicom-seg" not in task.card.output_formats:
+        writers = ", ".join(tasks_with("output_formats", "dicom-seg"))
+        raise InputError(f"--output-format dicom-seg: only --task {writers} writes label volumes as DICOM SEG, not {task.name}")
     return formats
 
 
@@ -460,8 +466,8 @@ def _infer(args) -> list[Path]:
     args.task = _checkpoint_task(args)
     task = get_task(args.task)
     formats = _output_formats(args.output_format, task)
-    if args.uncertainty is not None and task.name != "btcv":
-        raise InputError(f"--uncertainty: only --task btcv writes uncertainty maps, not {task.name}")
+    if args.uncertainty is not None and args.uncertainty not in task.card.uncertainty:
+        raise InputError(f"--uncertainty: only --task {', '.join(tasks_with('uncertainty', args.uncertainty))} writes uncertainty maps, not {task.name}")
     options = _options(args, crop=args.crop, save_probabilities=args.save_probabilities, output_formats=formats, series_uid=args.series_uid,
                        uncertainty=args.uncertainty, uncertainty_threshold=args.uncertainty_threshold,
                        series_rules=load_yaml(args.series_rules) if args.series_rules else None,
@@ -498,7 +504,7 @@ def _checkpoint_task(args) -> str:
     first = args.checkpoint[0]
     written = written_task(first)
     if written is None:
-        raise InputError(f"--checkpoint {first}: does not record its task; pass --task ({' | '.join(TASKS)})")
+        raise InputError(f"--checkpoint {first}: does not record its task; pass --task ({' | '.join(CARDS)})")
     return task_name(written)
 
 
@@ -547,21 +553,21 @@ def _report(line: str) -> None:
 
 
 def _wsi(args, features: bool = False) -> list[Path]:
-    """wsi-heatmap, or wsi-features with ``features``: the same slides, options and checks."""
+    """wsi-heatmap, or wsi-features with ``features``: the same slides, options and checks. Both
+    are the CAMELYON16 pipeline's own commands: its task, feature extraction and file names."""
     from hsmla_med.data.patch_readers import requested_reader
-    from hsmla_med.pipelines.camelyon16 import FEATURES_H5, FEATURES_PT, SLIDE_CSV, extract_features
+    from hsmla_med.pipelines.camelyon16 import FEATURES_H5, FEATURES_PT, SLIDE_CSV, TASK, extract_features
 
     requested_reader()  # a bad HSMLA_MED_SLIDE_READER is refused before any work
-    task = get_task("camelyon16")
     options = _options(args, batch_size=args.batch_size, level=args.level, uncertainty=getattr(args, "uncertainty", None))
     _apart(args.slide, args.output, "--slide")
     output = _writable_folder(args.output, "--output")
-    module, _ = task.load(args.checkpoint)
+    module, _ = TASK.load(args.checkpoint)
     if features:
         written = extract_features(module, args.slide, output, options)
         _report(f"features of {len(written)} slide(s) in {output / FEATURES_H5} and {output / FEATURES_PT} (CLAM's layout)")
         return written
-    written = task.predict(module, args.slide, output, options)
+    written = TASK.predict(module, args.slide, output, options)
     slides = [p for p in written if p.name != SLIDE_CSV]  # (the run's slide CSV is no slide)
     _report(f"heatmaps of {len(slides)} slide(s) in {output}; slide scores in {output / SLIDE_CSV}")
     return written
@@ -574,7 +580,7 @@ def _evaluate_predictions(args) -> dict:
         raise InputError("--predictions needs --labels, the reference files")
     if args.checkpoint is not None:
         raise InputError("--checkpoint with --predictions: the predictions are scored as they are; give one or the other")
-    task = get_task(args.task or "btcv")
+    task = get_task(args.task or PREDICTIONS_TASK)
     predictions, labels = Path(args.predictions), Path(args.labels)
     for option, path in (("--predictions", predictions), ("--labels", labels)):
         if not path.exists():  # before the default --output would create a folder there
@@ -635,7 +641,7 @@ def _evaluate(args) -> dict:
         module.network.set_routing(args.routing)
     config, cases = _scored_cases(task, module, args, [str(c) for c in args.checkpoint])
     task.evaluation_outputs(module, output, {"nsd_tolerance": args.nsd_tolerance, "save_probabilities": args.save_probabilities})
-    module.calibration_sample = CalibrationSample()  # ECE, Brier, NLL where the task draws one (btcv, camelyon16)
+    module.calibration_sample = CalibrationSample()  # ECE, Brier, NLL where the task draws one (its card declares calibration)
     summary = evaluate(module, task.datamodule(config, cases), config["trainer"], output)
     if not _first_process():  # every process holds the gathered summary; one writes and prints it
         return summary
@@ -680,7 +686,7 @@ def _demo(args) -> int:
     from hsmla_med.config import merge_config, merge_user_config, validate_config
     from hsmla_med.pipelines.task import InferenceOptions
 
-    tasks = list(TASKS) if args.task == "all" else [args.task]
+    tasks = tasks_with("synthetic") if args.task == "all" else [args.task]
     report = []
     for name in tasks:
         started = time.perf_counter()

@@ -39,16 +39,17 @@ def load_yaml(path: str | Path) -> dict:
 
 
 def model_config(name_or_path: str | Path | dict) -> dict:
-    """A model config: a packaged size (``"b0"``, ``"b1"``, ``"b2"``), a YAML file path, or the
-    mapping itself (a task config may give the model inline)."""
-    from hsmla_med.nn import VARIANTS
+    """A model config: a registered name (``"b0"``, ``"b1"``, ``"b2"``:
+    :mod:`hsmla_med.nn.registry`), a YAML file path, or the mapping itself (a task config may
+    give the model inline)."""
+    from hsmla_med.nn.registry import MODELS, registered_config
 
     if isinstance(name_or_path, dict):
         return dict(name_or_path)
-    if str(name_or_path) in VARIANTS:
-        return load_yaml(resources.files("hsmla_med.configs") / "model" / f"{name_or_path}.yaml")
+    if str(name_or_path) in MODELS:
+        return registered_config(str(name_or_path))
     if not str(name_or_path).endswith((".yaml", ".yml")):
-        raise ConfigError(f"unknown model {str(name_or_path)!r}: use one of {', '.join(VARIANTS)} or a model YAML file")
+        raise ConfigError(f"unknown model {str(name_or_path)!r}: use one of {', '.join(MODELS)} or a model YAML file")
     return load_yaml(name_or_path)
 
 
@@ -172,7 +173,7 @@ def merge_user_config(config: dict, path: str | Path, asked: str) -> dict:
     another pipeline (its settings are another task's; the run would fail later on a section
     this task lacks), and a normalisation's values without its ``kind`` (the default kind,
     ``auto``, plans its own from the data and would replace them)."""
-    from hsmla_med.pipelines import ALIASES, TASKS
+    from hsmla_med.tasks import ALIASES, TASKS
 
     user = load_yaml(path)
     if "task" in user:

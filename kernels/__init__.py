@@ -1,7 +1,7 @@
 """Kernels of HSMLA attention for the inference path, installed as ``hsmla_med.kernels``.
 
 One public function per op, each in its own module beside its reference (the matching
-:mod:`hsmla_med.nn.functional` op, named ``reference`` there) and tested against it:
+:mod:`hsmla_med.ops_reference` op, named ``reference`` there) and tested against it:
 
 - :func:`linear_attention` (:mod:`.linear`, Triton): fused global ReLU linear attention;
 - :func:`local_refine` (:mod:`.refine`, Triton): tile-compacted local residual
@@ -27,24 +27,36 @@ kernel is built, and :func:`triton_unsupported` / :func:`cpu_kernel_unsupported`
 would refuse features of a given device and dtype (``None`` when they take them): what
 :func:`hsmla_med.nn.select_backend` decides by.
 
-The kernels depend on their references in :mod:`hsmla_med.nn.functional` (public names only);
-:mod:`hsmla_med.nn` uses this package through the names below only.
+The kernels depend on their references in :mod:`hsmla_med.ops_reference` (public names only),
+which :mod:`hsmla_med.nn.functional` imports too, and on nothing of :mod:`hsmla_med.nn`, which
+uses this package through the names below only: imports run from the networks down.
 """
 
-from ._runtime import triton_available, triton_unsupported
-from .linear import linear_attention
-from .gate_cpu import block_gate as block_gate_cpu
-from .norm_cpu import instance_norm_act as instance_norm_act_cpu
-from .refine import local_refine
-from .attention import attention
-from .refine_cpu import compiled as cpu_kernel_available
-from .refine_cpu import local_refine as local_refine_cpu
-from .refine_cpu import unsupported as cpu_kernel_unsupported
-from . import ops
-from .ops import block_gate as block_gate_op
-from .ops import linear_attention as linear_attention_op
-from .ops import local_refine as local_refine_op
-from .ops import attention_op
+if __name__ != "hsmla_med.kernels":
+    # The folder found again as a top-level ``kernels`` package: with the repository's root on
+    # sys.path (pytest's pythonpath, ``python -m`` there) transformers, which MONAI's networks
+    # import, imports it so while probing for a library of that name. A second copy would
+    # register the torch.ops.hsmla operators again, over this package's (the last registration
+    # runs), so that name is made this package instead.
+    import importlib
+    import sys
+
+    sys.modules[__name__] = importlib.import_module("hsmla_med.kernels")
+else:
+    from ._runtime import triton_available, triton_unsupported
+    from .linear import linear_attention
+    from .gate_cpu import block_gate as block_gate_cpu
+    from .norm_cpu import instance_norm_act as instance_norm_act_cpu
+    from .refine import local_refine
+    from .attention import attention
+    from .refine_cpu import compiled as cpu_kernel_available
+    from .refine_cpu import local_refine as local_refine_cpu
+    from .refine_cpu import unsupported as cpu_kernel_unsupported
+    from . import ops
+    from .ops import block_gate as block_gate_op
+    from .ops import linear_attention as linear_attention_op
+    from .ops import local_refine as local_refine_op
+    from .ops import attention_op
 
 __all__ = [
     "linear_attention",

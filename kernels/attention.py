@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from hsmla_med.nn import functional as HF
+from hsmla_med import ops_reference
 
 from . import linear as _linear
 from . import refine as _refine
@@ -29,8 +29,8 @@ def reference(
     gate: Optional[torch.Tensor], tau, refine: bool, block: int, window: int, eps: float,
 ) -> torch.Tensor:
     """``O_lin`` (``refine`` False), ``O_lin + R`` (``gate`` None) or ``O_lin + [M > tau] * M * R``
-    from :mod:`hsmla_med.nn.functional`; the semantics :func:`attention` is tested against."""
-    return HF.attend(HF.linear_attention, HF.local_refine, q, k, v, qh, kh, vh, gate, tau, refine, block, window, eps)
+    from :mod:`hsmla_med.ops_reference`; the semantics :func:`attention` is tested against."""
+    return ops_reference.attend(ops_reference.linear_attention, ops_reference.local_refine, q, k, v, qh, kh, vh, gate, tau, refine, block, window, eps)
 
 
 def attention(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from hsmla_med.nn.functional import linear_attention as reference
+from hsmla_med.ops_reference import linear_attention as reference
 
 from ._runtime import (
     DEFAULT_NUM_STAGES,

@@ -22,7 +22,7 @@ op                        CPU                                      CUDA
                           refinement added into it in place        sync (the layer's CUDA path)
 ========================  =======================================  ============================
 
-(the references are the functions of the same name in :mod:`hsmla_med.nn.functional`; that of
+(the references are the functions of the same name in :mod:`hsmla_med.ops_reference`; that of
 ``attention`` is :func:`.attention.reference`). The gate's tile selection (``gate > tau``) stays
 inside ``local_refine`` and ``attention``, whose outputs have the shape of their inputs, so no
 data-dependent shape leaves an op; on CUDA the Triton refinement reads the gate and ``tau`` on
@@ -47,7 +47,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from hsmla_med.nn import functional as HF
+from hsmla_med import ops_reference
 
 from . import attention, gate_cpu, linear, refine, refine_cpu
 from ._runtime import triton_unsupported
@@ -83,14 +83,14 @@ def _triton_takes(*tensors: Tensor) -> bool:
 @torch.library.custom_op("hsmla::linear_attention", mutates_args=())
 def _linear_attention(qh: Tensor, kh: Tensor, vh: Tensor, eps: float) -> Tensor:
     # every device without an own kernel, the CPU included: the reference
-    return HF.linear_attention(qh, kh, vh, eps)
+    return ops_reference.linear_attention(qh, kh, vh, eps)
 
 
 @_linear_attention.register_kernel("cuda")
 def _(qh: Tensor, kh: Tensor, vh: Tensor, eps: float) -> Tensor:
     if _triton_takes(qh, kh, vh):
         return linear.linear_attention(qh, kh, vh, eps)
-    return _token_major_empty(qh).copy_(HF.linear_attention(qh, kh, vh, eps))  # the layout the fake promises on CUDA
+    return _token_major_empty(qh).copy_(ops_reference.linear_attention(qh, kh, vh, eps))  # the layout the fake promises on CUDA
 
 
 @_linear_attention.register_fake
@@ -98,9 +98,9 @@ def _(qh: Tensor, kh: Tensor, vh: Tensor, eps: float) -> Tensor:
     return _token_major_empty(qh) if qh.device.type == "cuda" else _channel_first_empty(qh)
 
 
-def linear_attention(qh: Tensor, kh: Tensor, vh: Tensor, eps: float = HF.DEFAULT_EPS) -> Tensor:
+def linear_attention(qh: Tensor, kh: Tensor, vh: Tensor, eps: float = ops_reference.DEFAULT_EPS) -> Tensor:
     """``torch.ops.hsmla.linear_attention``: global ReLU linear attention
-    (:func:`hsmla_med.nn.functional.linear_attention`).
+    (:func:`hsmla_med.ops_reference.linear_attention`).
 
     Args:
         qh, kh, vh: ``(batch, heads, *spatial, head_dim)``, 2 or 3 spatial dims.
@@ -117,14 +117,14 @@ def linear_attention(qh: Tensor, kh: Tensor, vh: Tensor, eps: float = HF.DEFAULT
 
 @torch.library.custom_op("hsmla::block_gate", mutates_args=())
 def _block_gate(ms: Tensor, taps: Tensor, conv_bias: Tensor, weight: Tensor, gate_bias: Tensor, block: int) -> Tensor:
-    return HF.block_gate(ms, taps, conv_bias, weight, gate_bias, block)
+    return ops_reference.block_gate(ms, taps, conv_bias, weight, gate_bias, block)
 
 
 @_block_gate.register_kernel("cpu")
 def _(ms: Tensor, taps: Tensor, conv_bias: Tensor, weight: Tensor, gate_bias: Tensor, block: int) -> Tensor:
     # the C gate returns None for inputs it does not take (not float32, channel-first, not built)
     gate = gate_cpu.block_gate(ms, taps, conv_bias, weight, gate_bias, block)
-    return gate if gate is not None else HF.block_gate(ms, taps, conv_bias, weight, gate_bias, block)
+    return gate if gate is not None else ops_reference.block_gate(ms, taps, conv_bias, weight, gate_bias, block)
 
 
 @_block_gate.register_fake
@@ -137,7 +137,7 @@ def _(ms: Tensor, taps: Tensor, conv_bias: Tensor, weight: Tensor, gate_bias: Te
 def block_gate(
     ms: Tensor, taps: Tensor, conv_bias: Tensor, weight: Tensor, gate_bias: Tensor, block: int
 ) -> Optional[Tensor]:
-    """``torch.ops.hsmla.block_gate``: the block gate ``M`` (:func:`hsmla_med.nn.functional.block_gate`).
+    """``torch.ops.hsmla.block_gate``: the block gate ``M`` (:func:`hsmla_med.ops_reference.block_gate`).
 
     Args:
         ms: multi-scale tokens ``(b, 3C, *S)``.
@@ -176,7 +176,7 @@ def _local_refine(
     q: Tensor, k: Tensor, v: Tensor, qh: Tensor, kh: Tensor, vh: Tensor,
     gate: Optional[Tensor], tau: Tensor, block: int, window: int, eps: float, add_to: Optional[Tensor],
 ) -> Tensor:
-    return _refine_with(HF.local_refine, (q, k, v, qh, kh, vh), gate, tau, block, window, eps, add_to)
+    return _refine_with(ops_reference.local_refine, (q, k, v, qh, kh, vh), gate, tau, block, window, eps, add_to)
 
 
 @_local_refine.register_kernel("cpu")
@@ -188,13 +188,13 @@ def _(q, k, v, qh, kh, vh, gate, tau, block, window, eps, add_to):
 @_local_refine.register_kernel("cuda")
 def _(q, k, v, qh, kh, vh, gate, tau, block, window, eps, add_to):
     maps = (q, k, v, qh, kh, vh)
-    fn = refine.local_refine if _triton_takes(*maps) else HF.local_refine
+    fn = refine.local_refine if _triton_takes(*maps) else ops_reference.local_refine
     return _refine_with(fn, maps, gate, tau, block, window, eps, add_to)
 
 
 @_local_refine.register_fake
 def _(q, k, v, qh, kh, vh, gate, tau, block, window, eps, add_to):
-    HF.check_refine((q, k, v, qh, kh, vh), gate, block, window, add_to)
+    ops_reference.check_refine((q, k, v, qh, kh, vh), gate, block, window, add_to)
     return _channel_first_empty(q) if add_to is None else torch.empty_like(add_to)
 
 
@@ -209,11 +209,11 @@ def local_refine(
     tau,
     block: int,
     window: int,
-    eps: float = HF.DEFAULT_EPS,
+    eps: float = ops_reference.DEFAULT_EPS,
     add_to: Optional[Tensor] = None,
 ) -> Tensor:
     """``torch.ops.hsmla.local_refine``: the local residual ``R = O_loc - O_linloc`` on the tiles
-    with ``gate > tau`` (:func:`hsmla_med.nn.functional.local_refine`), tile list inside the op.
+    with ``gate > tau`` (:func:`hsmla_med.ops_reference.local_refine`), tile list inside the op.
 
     Args:
         q, k, v, qh, kh, vh: ``(batch, heads, *spatial, head_dim)``.
@@ -246,7 +246,7 @@ def _attention(
 
 @_attention.register_kernel("cpu")
 def _(q, k, v, qh, kh, vh, gate, tau, refine, block, window, eps):
-    out = HF.linear_attention(qh, kh, vh, eps)  # a fresh tensor of this op's: refined in place
+    out = ops_reference.linear_attention(qh, kh, vh, eps)  # a fresh tensor of this op's: refined in place
     if not refine:
         return out
     if gate is None:
@@ -264,7 +264,7 @@ def _(q, k, v, qh, kh, vh, gate, tau, refine, block, window, eps):
 
 @_attention.register_fake
 def _(q, k, v, qh, kh, vh, gate, tau, refine, block, window, eps):
-    HF.check_refine((q, k, v, qh, kh, vh), gate, block, window, None)
+    ops_reference.check_refine((q, k, v, qh, kh, vh), gate, block, window, None)
     return _token_major_empty(q) if q.device.type == "cuda" else _channel_first_empty(q)
 
 
@@ -276,7 +276,7 @@ def _channel_first(x: Tensor) -> Tensor:
 
 def attention_op(
     q: Tensor, k: Tensor, v: Tensor, qh: Tensor, kh: Tensor, vh: Tensor,
-    gate: Optional[Tensor], tau, refine: bool, block: int, window: int, eps: float = HF.DEFAULT_EPS,
+    gate: Optional[Tensor], tau, refine: bool, block: int, window: int, eps: float = ops_reference.DEFAULT_EPS,
 ) -> Tensor:
     """``torch.ops.hsmla.attention``: ``O_lin`` (``refine`` False), ``O_lin + R`` (``gate``
     None) or ``O_lin + [M > tau] * M * R`` (:func:`.attention.reference`).

@@ -20,8 +20,8 @@ import math
 
 import torch
 
-from hsmla_med.nn.functional import check_refine, tile_grid
-from hsmla_med.nn.functional import local_refine as reference
+from hsmla_med.ops_reference import check_refine, tile_grid
+from hsmla_med.ops_reference import local_refine as reference
 
 from ._runtime import (
     DEFAULT_NUM_STAGES,

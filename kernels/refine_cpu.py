@@ -1,7 +1,7 @@
 """Tile-compacted local refinement on the CPU: ``refine_cpu.c``, built at first use by
 :mod:`._cpu_build`.
 
-The reference (:func:`hsmla_med.nn.functional.local_refine`) assembles the active tiles from
+The reference (:func:`hsmla_med.ops_reference.local_refine`) assembles the active tiles from
 whole-tensor PyTorch operations: a token-major stack of the keys and values, gathers of every
 tile's halo, batched matmuls over the full halo, a scatter back. On a CPU that costs a fixed
 ~1 ms per layer plus memory traffic per tile, as much as the rest of the layer at alpha = 0.3
@@ -18,8 +18,8 @@ import functools
 
 import torch
 
-from hsmla_med.nn.functional import check_refine, tile_grid
-from hsmla_med.nn.functional import local_refine as reference
+from hsmla_med.ops_reference import check_refine, tile_grid
+from hsmla_med.ops_reference import local_refine as reference
 
 from ._cpu_build import failure, int64s, library, pointer
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -31,17 +32,18 @@ from hsmla_med.errors import ConfigError, DataError, InputError
 from hsmla_med.evaluation import DEFAULT_NSD_TOLERANCE, check_nsd_tolerance
 from hsmla_med.inference import geometry
 from hsmla_med.inference.ensemble import is_ensemble
-from hsmla_med.inference.geometry import UNCROPPED_BACKGROUND, write_labels, write_probabilities, write_uncertainty
+from hsmla_med.inference.geometry import UNCROPPED_BACKGROUND, write_probabilities
 from hsmla_med.inference.uncertainty import case_row, uncertainty_map, write_review_queue
 from hsmla_med.metrics.summary import write_reports
 from hsmla_med.inference.postprocessing import apply_postprocessing
 from hsmla_med.io import is_temporary, write_json
 from hsmla_med.io.dicom import DicomSeries, SeriesRules, find_series, is_dicom_file, select_series, series_of
-from hsmla_med.io.dicom_seg import SEG_SUFFIX, is_seg_file, write_seg
-from hsmla_med.io.itk import data_file, label_suffix
-from hsmla_med.pipelines.task import InferenceOptions, Task, input_files, predict_cases, synthetic_root
+from hsmla_med.io.dicom_seg import SEG_SUFFIX, is_seg_file
+from hsmla_med.io.itk import data_file
+from hsmla_med.io.volumes import DICOM_SEG, NIFTI, prediction_path, write_labels
+from hsmla_med.pipelines.task import BundleParts, InferenceOptions, Task, input_files, predict_cases, synthetic_root
 
-__all__ = ["TASK", "datalist", "check_config", "preprocessing_items", "UNCROPPED_BACKGROUND", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer", "score_predictions", "crossval_score"]
+__all__ = ["TASK", "datalist", "check_config", "preprocessing_items", "UNCROPPED_BACKGROUND", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer", "bundle", "score_predictions", "crossval_score"]
 
 OTSU_MARGIN = 2  # voxels around the Otsu foreground that the crop keeps
 UNCERTAINTY = "uncertainty"  # infer --uncertainty: the maps' folder under OUTPUT (evaluate --predictions OUTPUT pairs every NIfTI there)
@@ -222,15 +224,14 @@ def _series_rules(options: InferenceOptions, inference: dict) -> SeriesRules | N
     return None if rules is None else SeriesRules(rules, "the checkpoint's inference.series_selection")
 
 
-def _case(source: Path | DicomSeries, output: Path, inference: dict) -> dict:
+def _case(source: Path | DicomSeries, output: Path) -> dict:
     """The ``infer`` item of a NIfTI file or a DICOM series (a DICOM file given alone: its
     series). A series is loaded from its sorted files (``image``; kept as ``dicom_files`` for
     writers that reference the source instances) and named by :attr:`DicomSeries.name`."""
     if isinstance(source, list):  # a case's channel files (CASE_0000.nii.gz, ...): one grid
         channels_grid(source)
         name = case_name(source)
-        return {"name": name, "image": [str(f) for f in source], "source": str(source[0]), "output": output / f"{name}{label_suffix(source[0])}",
-                "inference": inference}
+        return {"name": name, "image": [str(f) for f in source], "source": str(source[0]), "output": prediction_path(output, source, name)}
     if isinstance(source, Path) and source.suffix == ".img" and source.with_suffix(".hdr").is_file():
         source = source.with_suffix(".hdr")  # the voxels of a NIfTI pair: the pair, by its header (not a DICOM file so named)
     elif isinstance(source, Path) and source.suffix == ".raw":  # the voxels of a detached MetaImage / NRRD header beside them
@@ -240,10 +241,10 @@ def _case(source: Path | DicomSeries, output: Path, inference: dict) -> dict:
     if isinstance(source, DicomSeries):
         files = [str(f) for f in source.files]
         return {"name": source.name, "image": files, "dicom_files": files, "source": str(source.folder),
-                "output": output / f"{source.name}.nii.gz", "inference": inference}
+                "output": prediction_path(output, source.folder, source.name)}
     read_header(source)  # an unreadable header or an affine that places no voxel: one line, before any work
     name = case_name(source)
-    return {"name": name, "image": str(source), "source": str(source), "output": output / f"{name}{label_suffix(source)}", "inference": inference}
+    return {"name": name, "image": str(source), "source": str(source), "output": prediction_path(output, source, name)}
 
 
 def _channel_cases(sources: list, channels: int) -> list:
@@ -263,7 +264,7 @@ def _seg_outputs(items: list[dict], output: Path) -> None:
         if "dicom_files" not in item:
             raise DataError(f"{item['source']}: --output-format dicom-seg needs a DICOM series input (a SEG references the series' "
                             "instances); a NIfTI file has none: use --output-format nifti")
-        item["output"] = output / f"{item['name']}{SEG_SUFFIX}"
+        item["output"] = prediction_path(output, item["source"], item["name"], DICOM_SEG)
 
 
 def infer(
@@ -300,7 +301,7 @@ def infer(
     sources = input_files(inputs, lambda folder: _volume_inputs(folder, options.series_uid, rules))
     if cfg["in_channels"] > 1:
         sources = _channel_cases(sources, cfg["in_channels"])
-    items = [_case(f, output, inference) for f in sources]
+    items = [_case(f, output) for f in sources]
     if options.uncertainty is not None:
         _check_uncertainty(module, options)
     seg = "dicom-seg" in options.output_formats
@@ -326,12 +327,12 @@ def infer(
         if probabilities is not None:
             written.append(write_probabilities(output / f"{case['name']}.npz", probabilities))
         if uncertainty is not None:
-            written.append(write_uncertainty(output / UNCERTAINTY / f"{case['name']}_uncertainty.nii.gz", uncertainty, reference))
+            written.append(NIFTI.write_map(output / UNCERTAINTY / f"{case['name']}_uncertainty.nii.gz", uncertainty, reference))
             write_json(_row_path(output, case["name"]), case_row(case["name"], uncertainty, labels, affine, options.uncertainty_threshold))
         if "nifti" in options.output_formats:
-            written.append(write_labels(output / f"{case['name']}{label_suffix(source)}", labels, reference))
+            written.append(write_labels(prediction_path(output, source, case["name"]), labels, reference))
         if seg and labels.any():  # last: it marks the case done
-            written.append(write_seg(labels, case["dicom_files"], module.label_names, case["output"], algorithm))
+            written.append(DICOM_SEG.write_labels(case["output"], labels, case["dicom_files"], module.label_names, algorithm))
         elif seg:
             options.progress(f"{source.name}: no foreground class predicted, no DICOM SEG written (a SEG holds at least one segment)")
         options.progress(f"{source.name}: {'x'.join(map(str, shape[:3]))} voxels -> {', '.join(map(str, written))}")
@@ -344,7 +345,7 @@ def infer(
             options.progress(f"{REVIEW_QUEUE}: {len(rows)} of {len(items)} case(s) so far (the others are other shards')")
         return [write_review_queue(output / REVIEW_QUEUE, rows)]
 
-    return predict_cases(module, items, pre, write, options, finish=review_queue if options.uncertainty is not None else None)
+    return predict_cases(module, items, pre, write, options, finish=review_queue if options.uncertainty is not None else None, settings=inference)
 
 
 def _row_path(output: Path, name: str) -> Path:
@@ -387,6 +388,78 @@ def labels_in_input_geometry(case: dict, transform: Compose, probabilities: bool
     return geometry.labels_in_input_geometry(case["probs"], case["image"], transform, probabilities, regions_class_order)
 
 
+def bundle(config: dict) -> BundleParts:
+    """``export --format bundle``: BTCV's parts of a MONAI Bundle of a module ``config``
+    (:mod:`hsmla_med.export.bundle`): :func:`infer`'s transforms as MONAI config items
+    (:func:`_bundle_inference`), NIfTI in and out. With ``ct_window`` or ``zscore`` intensities
+    they need MONAI alone; the Otsu kinds (``zscore_foreground``, ``percentile``) have no MONAI
+    equivalent and name ``hsmla_med``'s transforms. A model of several input channels or of
+    regions is refused: the bundle reads one single-channel file per case and takes the argmax."""
+    if config.get("regions") or config["in_channels"] > 1:
+        raise InputError("--format bundle: the bundle reads one single-channel file per case and takes the argmax; this model takes "
+                         f"{config['in_channels']} channel(s){' and predicts regions' if config.get('regions') else ''}: "
+                         "use --format torchscript or onnx with hsmla-med infer")
+    imports, items = preprocessing_items(config["data"])
+    kind, dims = config["data"]["intensity"]["kind"], config["spatial_dims"]
+    return BundleParts(
+        imports=imports,
+        inference=partial(_bundle_inference, config, items),
+        written="case(s) segmented; labels",
+        description=("HSMLA segmentation of CT/MRI volumes (NIfTI), trained with hsmla-med on task btcv; "
+                     f"{'slice-wise 2D' if dims == 2 else '3D'} network, sliding-window inference, labels written in each input's geometry."),
+        image={"type": "image", "format": "hounsfield" if kind == "ct_window" else "magnitude", "modality": "CT" if kind == "ct_window" else "MR",
+               "num_channels": config["in_channels"], "channel_def": {"0": "image"}},
+        packages={"nibabel": "nibabel"},
+        needs_hsmla=kind not in ("ct_window", "zscore"),
+        inputs="a folder of NIfTI volumes (`*.nii.gz`, `*.nii`)",
+        outputs="`OUT/<case>.nii.gz`, uint8 labels in each input's shape and affine",
+        # the training recipe's mode, and its crop as the window the checkpoint infers with
+        recipe={"data": {f"roi_size_{dims}d": list(config["inference"]["roi_size"])}, "mode": f"{dims}d"},
+    )
+
+
+def _bundle_inference(config: dict, items: list[dict], size: Sequence[int]) -> dict:
+    """The bundle's volumes as :func:`infer` segments them, with windows of ``size``: loading,
+    then the ``items`` of :func:`preprocessing_items` (the definition training and ``infer``
+    instantiate), the sliding window (:func:`hsmla_med.inference.sliding.predict_volume`:
+    ``SliceInferer`` for a 2D network, Gaussian blending), softmax, ``Invertd`` of every class's
+    probability and the argmax (what :func:`labels_in_input_geometry` computes), saved as uint8
+    NIfTI in the input's geometry."""
+    inference = config["inference"]
+    if config["spatial_dims"] == 2:
+        inferer = {"_target_": "SliceInferer", "spatial_dim": 2, "roi_size": list(size), "sw_batch_size": int(inference["sw_batch_size"]) * int(inference["slab"]),
+                   "overlap": float(inference["overlap"]), "mode": "gaussian"}
+    else:
+        inferer = {"_target_": "SlidingWindowInferer", "roi_size": list(size), "sw_batch_size": int(inference["sw_batch_size"]),
+                   "overlap": float(inference["overlap"]), "mode": "gaussian"}
+    return {
+        "datalist": "$list(sorted(glob.glob(@dataset_dir + '/*.nii.gz') + glob.glob(@dataset_dir + '/*.nii')))",
+        "preprocessing": {
+            "_target_": "Compose",
+            "transforms": [
+                {"_target_": "LoadImaged", "keys": "image", "ensure_channel_first": True, "image_only": True},
+                *items,
+            ],
+        },
+        "dataset": {"_target_": "Dataset", "data": "$[{'image': i} for i in @datalist]", "transform": "@preprocessing"},
+        "inferer": inferer,
+        "postprocessing": {
+            "_target_": "Compose",
+            "transforms": [
+                {"_target_": "Activationsd", "keys": "pred", "softmax": True},
+                # every class's probability back to the input's grid, then the argmax; the
+                # background shifted around Invertd so that it is 1 outside the foreground crop
+                {"_target_": "Lambdad", "keys": "pred", "func": f"$lambda p: torch.cat([p[:1] - {UNCROPPED_BACKGROUND!r}, p[1:]])"},
+                {"_target_": "Invertd", "keys": "pred", "transform": "@preprocessing", "orig_keys": "image", "nearest_interp": False, "to_tensor": True},
+                {"_target_": "Lambdad", "keys": "pred", "func": f"$lambda p: torch.cat([p[:1] + {UNCROPPED_BACKGROUND!r}, p[1:]])"},
+                {"_target_": "AsDiscreted", "keys": "pred", "argmax": True},
+                {"_target_": "SaveImaged", "keys": "pred", "output_dir": "@output_dir", "output_postfix": "", "output_ext": ".nii.gz",
+                 "output_dtype": "$numpy.uint8", "resample": False, "separate_folder": False, "squeeze_end_dims": True, "print_log": False},
+            ],
+        },
+    }
+
+
 def crossval_score(folds: list[tuple[Datalist, Path]], output: Path, config: dict) -> dict:
     """Every fold's validation label maps (as ``infer`` names them) in ``output/predictions``,
     their label files under the same names in ``output/labels`` (links), scored by the folder
@@ -395,9 +468,8 @@ def crossval_score(folds: list[tuple[Datalist, Path]], output: Path, config: dic
 
     for cases, folder in folds:
         for case in cases.validation:
-            name = case_name(case["image"])
-            first = case["image"][0] if isinstance(case["image"], list) else case["image"]
-            pool_file(folder / f"{name}{label_suffix(first)}", output / "predictions" / f"{name}{label_suffix(first)}")
+            name, prediction = case_name(case["image"]), prediction_path(folder, case["image"])
+            pool_file(prediction, output / "predictions" / prediction.name)
             label = Path(case["label"])  # a DICOM SEG keeps its kind: the evaluator reads it onto its series; a volume its format
             pool_file(label, output / "labels" / f"{name}{SEG_SUFFIX if is_seg_file(label) else VOLUME_FILE.search(label.name).group(0)}")
             if label.suffix == ".hdr":  # a NIfTI pair's voxels: beside the header, of its name

@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -37,13 +38,14 @@ from hsmla_med.errors import ConfigError, DataError, InputError
 from hsmla_med.io import atomic_path, is_temporary, write_json
 from hsmla_med.metrics import frame_confusion, frame_reference_scores, frame_scores, summarize_frames
 from hsmla_med.metrics.summary import bootstrap_means
-from hsmla_med.pipelines.task import InferenceOptions, Task, predict_cases, synthetic_root
+from hsmla_med.pipelines.task import BundleParts, InferenceOptions, Task, predict_cases, synthetic_root
 
 VIDEO_PREFIX = "instrument_dataset_"  # the video folders, instrument_dataset_K: the case IDs of the splits
 
 log = logging.getLogger("hsmla_med")
 
-__all__ = ["TASK", "datalist", "transforms", "datamodule", "module_config", "held_out", "infer", "inference_box", "score_predictions", "crossval_score"]
+__all__ = ["TASK", "datalist", "transforms", "datamodule", "module_config", "held_out", "infer", "inference_box", "bundle", "score_predictions",
+           "crossval_score"]
 
 
 def _problem(config: dict) -> str:
@@ -210,7 +212,7 @@ def infer(
     items = []
     for frame in frames:
         path = output_path(frame, output)
-        items.append({"name": str(path.relative_to(output)), "frame": str(frame), "output": path, "inference": inference})
+        items.append({"name": str(path.relative_to(output)), "frame": str(frame), "output": path})
 
     # per video (instrument_dataset_K, or the folder of loose frames) and its output folder: the
     # frames this process segmented, and their seconds (each since the write before it)
@@ -230,11 +232,70 @@ def infer(
         return [case["output"]]
 
     transform = FrameForInference(cfg["data"]["crop"], options.crop, cfg["data"]["size"])
-    written = predict_cases(module, items, transform, write, options, folder=output)
+    written = predict_cases(module, items, transform, write, options, folder=output, settings=inference)
     for (video, folder), (count, seconds) in videos.items():
         options.progress(f"{video}: {count} frame(s) segmented by this process, {count / seconds:.2f} frames/s "
                          f"({options.device}, input {cfg['data']['size']}) -> {folder}")
     return written
+
+
+def bundle(config: dict) -> BundleParts:
+    """``export --format bundle``: EndoVis's parts of a MONAI Bundle of a module ``config``
+    (:mod:`hsmla_med.export.bundle`): :func:`infer`'s steps as MONAI config items
+    (:func:`_bundle_inference`), PNG frames in, PNG masks out. The crop is the function ``infer``
+    calls (:func:`inference_box`), so the bundle needs ``hsmla_med``."""
+    return BundleParts(
+        imports=["$import functools", "$import re", "$from PIL import Image as PILImage", "$from hsmla_med.pipelines.endovis import inference_box"],
+        inference=partial(_bundle_inference, config),
+        written="frame(s) segmented; masks",
+        description="HSMLA segmentation of surgical instrument frames (EndoVis 2017 PNG), trained with hsmla-med on task endovis.",
+        image={"type": "image", "format": "RGB", "modality": "regular", "num_channels": config["in_channels"], "channel_def": {"0": "R", "1": "G", "2": "B"}},
+        packages={"pillow": "PIL"},
+        needs_hsmla=True,
+        inputs="a folder of PNG frames (searched recursively; label folders skipped)",
+        outputs="`OUT/<path relative to IN>.png`, uint8 class index at each frame's size, background outside the crop",
+    )
+
+
+def _bundle_inference(config: dict, size: Sequence[int]) -> dict:
+    """The bundle's frames as :func:`infer` segments them with ``--crop auto``, the network's
+    input of ``size``: the training crop for frames large enough for it, frames of exactly the
+    crop's size and of other sizes whole (:func:`inference_box`); area resize to ``size``;
+    probabilities resized back bilinearly and placed in the frame with background outside the
+    box; one PNG per frame, named as ``infer`` names them (:func:`output_path`)."""
+    crop = None if config["data"]["crop"] is None else [int(v) for v in config["data"]["crop"]]
+    h, w = (int(v) for v in size)
+    return {
+        "datalist": "$sorted(p for p in glob.glob(@dataset_dir + '/**/*.png', recursive=True) if 'ground_truth' not in p and not os.path.basename(p).startswith('.'))",
+        # (top, left, height, width) of the part of a frame of shape (H, W) that is segmented: the
+        # function infer calls, so that the rule is written once
+        "box": f"$functools.partial(inference_box, crop={crop!r}, mode='auto')",
+        "read": "$lambda f: torch.from_numpy(numpy.asarray(PILImage.open(f).convert('RGB')).transpose(2, 0, 1).copy()).float().div_(255.0)",
+        "cut": "$lambda d, x, b: {**d, 'shape': tuple(x.shape[1:]), 'box': b, 'image': x[:, b[0]:b[0] + b[2], b[1]:b[1] + b[3]]}",
+        "load": "$lambda d: (lambda x: @cut(d, x, @box(x.shape[1:], path=d['image'])))(@read(d['image']))",
+        "preprocessing": {
+            "_target_": "Compose",
+            "transforms": [
+                "@load",
+                {"_target_": "Resized", "keys": "image", "spatial_size": [h, w], "mode": "area"},
+                {"_target_": "EnsureTyped", "keys": "image", "dtype": "$torch.float32", "track_meta": False},
+            ],
+        },
+        "dataset": {"_target_": "Dataset", "data": "$[{'image': i, 'frame': i} for i in @datalist]", "transform": "@preprocessing"},
+        # the window is the whole resized frame
+        "inferer": {"_target_": "SimpleInferer"},
+        "output_path": ("$lambda f: os.path.join(@output_dir, *([os.path.basename(os.path.dirname(os.path.dirname(f)))] "
+                        "if os.path.basename(os.path.dirname(f)) == 'left_frames' and re.match(r'^instrument_dataset_(\\d+)$', "
+                        "os.path.basename(os.path.dirname(os.path.dirname(f)))) else []), os.path.splitext(os.path.basename(f))[0] + '.png')"),
+        "mask": ("$lambda d: torch.nn.functional.pad(torch.nn.functional.interpolate(d['pred'][None].float(), size=d['box'][2:], mode='bilinear', "
+                 "align_corners=False).argmax(1)[0].to(torch.uint8), (d['box'][1], d['shape'][1] - d['box'][1] - d['box'][3], d['box'][0], "
+                 "d['shape'][0] - d['box'][0] - d['box'][2]))"),
+        "save": "$lambda d: (os.makedirs(os.path.dirname(@output_path(d['frame'])), exist_ok=True), PILImage.fromarray(@mask(d).numpy()).save(@output_path(d['frame'])))",
+        "postprocessing": {
+            "_target_": "Compose",
+            "transforms": [{"_target_": "Activationsd", "keys": "pred", "softmax": True}, "@save"],
+        },
+    }
 
 
 TERNAUSNET_FACTORS = {"binary": 255, "parts": 85, "type": 32}

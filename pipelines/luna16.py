@@ -212,14 +212,14 @@ def _scan_inputs(folder: Path, series_uid: str | None = None, rules: SeriesRules
     return select_series(series, folder, series_uid, rules)
 
 
-def _case(source: Path | DicomSeries, folder: Path, inference: dict) -> dict:
+def _case(source: Path | DicomSeries, folder: Path) -> dict:
     """The ``infer`` item of a MetaImage scan (named by its file, LUNA16's seriesuid) or a DICOM
     series (a DICOM file given alone: its series), named by its SeriesInstanceUID, the seriesuid
     of LUNA16's CSVs, and loaded from its files in slice order."""
     if isinstance(source, Path) and is_dicom_file(source):
         source = series_of(source)
     name, image = (source.uid, [str(f) for f in source.files]) if isinstance(source, DicomSeries) else (source.stem, str(source))
-    return {"name": name, "image": image, "output": folder / f"{name}.csv", "inference": inference}
+    return {"name": name, "image": image, "output": folder / f"{name}.csv"}
 
 
 def infer(
@@ -246,7 +246,7 @@ def infer(
     inference = options.apply(cfg["inference"])
     folder = Path(output) / CANDIDATES
     rules = SeriesRules(options.series_rules, "--series-rules", InputError) if options.series_rules is not None else None
-    items = [_case(source, folder, inference) for source in input_files(inputs, lambda root: _scan_inputs(root, options.series_uid, rules))]
+    items = [_case(source, folder) for source in input_files(inputs, lambda root: _scan_inputs(root, options.series_uid, rules))]
 
     def write(case: dict) -> list[Path]:
         found = scan_candidates(case["probs"][1].numpy(), case["image"].affine, inference, voxel_to_lps)
@@ -267,7 +267,8 @@ def infer(
         _write_csv(path, rows)
         return [path]
 
-    return predict_cases(module, items, Compose(preprocessing(cfg["data"], label=False)), write, options, finish=merge, folder=output)
+    return predict_cases(module, items, Compose(preprocessing(cfg["data"], label=False)), write, options, finish=merge, folder=output,
+                         settings=inference)
 
 
 def _write_csv(path: Path, rows: list[list]) -> None:

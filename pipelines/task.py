@@ -4,8 +4,8 @@ A task is one benchmark's data, transforms, LightningModule and output format. T
 (train, infer, evaluate, demo) drives every task through :class:`Task` alone; what is specific to
 a benchmark (its layout, geometry, file formats, summary lines, help text) lives in its module.
 Adding a task: a module ``pipelines/<name>.py`` with a :class:`Task` subclass as ``TASK``, its
-YAML ``configs/<name>.yaml``, and its name in :data:`hsmla_med.pipelines.TASKS`
-(docs/design.md has a worked example).
+YAML ``configs/<name>.yaml``, and its card in :data:`hsmla_med.pipelines.CARDS`, which declares
+what it supports (docs/design.md §5.3 has a worked example).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import lightning as L
 from lightning.fabric.utilities.rank_zero import rank_zero_only
@@ -28,8 +28,9 @@ from hsmla_med.engine.prediction import PredictionDataModule, Shard, claim_outpu
 from hsmla_med.errors import DataError, InputError
 from hsmla_med.inference.uncertainty import DEFAULT_THRESHOLD
 from hsmla_med.inference.uncertainty import KINDS as UNCERTAINTY_KINDS
+from hsmla_med.pipelines import CARDS, TaskCard, tasks_with
 
-__all__ = ["Task", "InferenceOptions", "input_files", "predict_cases", "synthetic_root"]
+__all__ = ["Task", "InferenceOptions", "BundleParts", "input_files", "predict_cases", "synthetic_root"]
 
 log = logging.getLogger("hsmla_med")
 
@@ -63,6 +64,7 @@ def predict_cases(
     finish: Callable[[], list[Path]] | None = None,
     flush: Callable[[], list[Path]] | None = None,
     folder: str | Path | None = None,
+    settings: dict | None = None,
     **loader,
 ) -> list[Path]:
     """Predict this job's shard of ``items`` (see :mod:`hsmla_med.engine.prediction`) on
@@ -76,6 +78,10 @@ def predict_cases(
     other options there are refused unless ``options.overwrite``. An output that would replace
     one of its case's inputs is refused. When this returns, every item's output in ``folder``
     is this model's with these options, so ``finish`` may merge exactly the items' outputs.
+
+    ``settings``: the run's inference settings (the checkpoint's with the run's options,
+    ``InferenceOptions.apply``), which the module holds for the run
+    (:attr:`~hsmla_med.engine.base.GatedModule.run_inference`); ``None``: the checkpoint's.
     """
     folder = Path(folder) if folder is not None else output_folder(items)
     items = options.shard.select(items)
@@ -86,9 +92,13 @@ def predict_cases(
         options.progress(f"{len(items) - len(todo)} of {len(items)} case(s) done before by this checkpoint with these options: skipped")
     data = PredictionDataModule(todo, transform, num_workers=options.num_workers, **loader)
     module.use_cuda_graphs(options.cuda_graphs)
-    written, finished, first = run_prediction(
-        module, data, write, options.device, options.devices, options.strategy, options.num_nodes, options.precision, finish, flush
-    )
+    module.run_inference = settings
+    try:
+        written, finished, first = run_prediction(
+            module, data, write, options.device, options.devices, options.strategy, options.num_nodes, options.precision, finish, flush
+        )
+    finally:
+        module.run_inference = None
     return [Path(item["output"]) for item in items] + finished if first else written
 
 
@@ -163,7 +173,8 @@ class InferenceOptions:
         shard: this job's :class:`~hsmla_med.engine.prediction.Shard` of the cases.
         num_workers: DataLoader workers that read and preprocess the inputs.
         save_probabilities: also write the class probabilities (volumes: ``<case>.npz``).
-        output_formats: the label map files of a volume (btcv): ``nifti`` (``<case>.nii.gz``)
+        output_formats: the label map files of a volume (tasks whose card declares them,
+            :attr:`~hsmla_med.pipelines.TaskCard.output_formats`): ``nifti`` (``<case>.nii.gz``)
             and/or ``dicom-seg`` (``<case>.seg.dcm``, for DICOM series inputs only). Not recorded
             as shaping the outputs: a format changes which files are written, not their content,
             and a case counts as done when its last format's file exists (the SEG when asked).
@@ -178,7 +189,8 @@ class InferenceOptions:
             (:class:`~hsmla_med.io.dicom.SeriesRules`: MONAI Deploy's format), instead of the
             checkpoint's ``inference.series_selection``; ``series_uid`` overrides both.
         uncertainty: also write a voxel-wise uncertainty map of each volume and the run's review
-            queue (btcv): ``entropy`` or ``mutual-information``
+            queue (tasks whose card declares the kind, :attr:`~hsmla_med.pipelines.TaskCard.uncertainty`):
+            ``entropy`` or ``mutual-information``
             (:mod:`hsmla_med.inference.uncertainty`); ``None`` for none.
         uncertainty_threshold: the uncertainty (normalised, in [0, 1]) above which a voxel counts
             in the review queue's uncertain volume.
@@ -253,12 +265,49 @@ class InferenceOptions:
                 **({"uncertainty": self.uncertainty} if self.uncertainty is not None else {})}
 
 
+@dataclass(frozen=True)
+class BundleParts:
+    """What a MONAI Bundle of a checkpoint (``hsmla-med export --format bundle``) holds that is
+    its task's own; :mod:`hsmla_med.export.bundle` writes the rest around it (the network items,
+    the run, the train config, the metadata's schema and versions). A task whose card declares
+    ``bundle`` returns them from :meth:`Task.bundle`.
+
+    Attributes:
+        imports: the imports of ``configs/inference.json`` beyond the common ones.
+        inference: the window's spatial size -> the items of ``configs/inference.json`` from
+            ``datalist`` to ``postprocessing``, in order: what ``infer`` does, as MONAI config.
+        written: what the run's last log line counts, e.g. ``case(s) segmented; labels``.
+        description: ``configs/metadata.json``'s description.
+        image: the metadata's input ``image`` entry (type, format, modality, channels), to which
+            the window's shape and dtype are added.
+        packages: the packages beyond MONAI and PyTorch that the inference imports, each with the
+            module whose ``__version__`` is its version (``{"pillow": "PIL"}``); ``hsmla-med``
+            is added where ``needs_hsmla``.
+        needs_hsmla: whether ``configs/inference.json`` imports ``hsmla_med``.
+        inputs: the README's words for what the bundle reads.
+        outputs: the README's words for what the bundle writes.
+        recipe: what the training recipe of ``configs/train.json`` sets beyond the checkpoint's
+            recorded sections (a section's keys are merged into it).
+    """
+
+    imports: list[str]
+    inference: Callable[[Sequence[int]], dict]
+    written: str
+    description: str
+    image: dict
+    packages: dict[str, str]
+    needs_hsmla: bool
+    inputs: str
+    outputs: str
+    recipe: dict[str, Any] = field(default_factory=dict)
+
+
 class Task(ABC):
     """One benchmark pipeline.
 
     Class attributes: ``name`` (the ``--task`` value and ``config["task"]``), ``module_class``
-    (its LightningModule) and ``in_channels``; what the help says of it (``inputs``,
-    ``outputs``) is its :data:`~hsmla_med.pipelines.CARDS` entry.
+    (its LightningModule) and ``in_channels``; what the help says of it and what it supports
+    is its card (:attr:`card`, its :data:`~hsmla_med.pipelines.CARDS` entry).
 
     A subclass that does not define one of :data:`MODULE_FUNCTIONS` gets the function of that
     name in its own module (``predict``: the module's ``infer``), so a pipeline module keeps
@@ -267,7 +316,7 @@ class Task(ABC):
 
     MODULE_FUNCTIONS: ClassVar[dict[str, str]] = {
         "datalist": "datalist", "datamodule": "datamodule", "module_config": "module_config", "held_out": "held_out", "predict": "infer",
-        "score_predictions": "score_predictions", "crossval_score": "crossval_score",
+        "score_predictions": "score_predictions", "crossval_score": "crossval_score", "bundle": "bundle",
     }
 
     def __init_subclass__(cls, **kwargs) -> None:
@@ -285,6 +334,11 @@ class Task(ABC):
     input_key: ClassVar[str] = "image"
     #: whether :meth:`predict` applies ``options.postprocessing`` (``postprocessing.json``) to its label maps
     postprocesses: ClassVar[bool] = False
+
+    @property
+    def card(self) -> TaskCard:
+        """What the task declares: its help texts and capabilities."""
+        return CARDS[self.name]
 
     @abstractmethod
     def datalist(self, config: dict) -> Datalist:
@@ -315,6 +369,13 @@ class Task(ABC):
         (``dataset_json``, ``nsd_tolerance``, ``excluded``, ``seriesuids``), ``None`` where not given.
         A task without a pipeline function ``score_predictions`` refuses."""
         raise InputError(f"--predictions with --task {self.name}: this task does not score predictions without a checkpoint")
+
+    def bundle(self, config: dict) -> BundleParts:
+        """``export --format bundle``: the parts of a MONAI Bundle of a checkpoint of this task
+        (``config``: its hyper-parameters) that are the task's own; an
+        :class:`~hsmla_med.errors.InputError` for a checkpoint the bundle cannot run. A task
+        without a pipeline function ``bundle`` (its card declares no ``bundle``) refuses."""
+        raise InputError(f"--format bundle: task {self.name} has no volume or frame output; bundles are written for {', '.join(tasks_with('bundle'))}")
 
     def evaluation_outputs(self, module: GatedModule, output: Path, options: dict) -> None:
         """Before ``evaluate --checkpoint``: set ``module`` up to keep what this task keeps of its

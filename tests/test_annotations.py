@@ -25,7 +25,7 @@ from hsmla_med.data.synthetic.wsi import generate_camelyon16
 from hsmla_med.engine.classification import ClassificationModule
 from hsmla_med.errors import ConfigError
 from hsmla_med.io.annotations import asap_outlines, tumour_regions, write_asap_xml, write_geojson
-from hsmla_med.metrics.pathology import smooth_map
+from hsmla_med.io.smoothing import smooth_map
 from hsmla_med.pipelines import camelyon16
 from hsmla_med.pipelines.task import InferenceOptions
 from tests.test_camelyon16 import DarkIsTumour
@@ -211,7 +211,7 @@ def test_wsi_heatmap_writes_the_regions_beside_the_heatmap(tmp_path, monkeypatch
         return tumour_regions(prob, *args, **kwargs)
 
     finish, written = camelyon16.SlideHeatmaps._finish, []
-    monkeypatch.setattr(camelyon16, "tumour_regions", recording)
+    monkeypatch.setattr(camelyon16.writers, "tumour_regions", recording)
     monkeypatch.setattr(camelyon16.SlideHeatmaps, "_finish", lambda self, slide: written.extend(finish(self, slide)) or written)
     slide = root / "training" / "tumor" / "tumor_001.tif"
     out = tmp_path / "heat"

@@ -19,11 +19,12 @@ from torch import nn
 
 from hsmla_med.cli import main
 from hsmla_med.config import merge_config, task_config
-from hsmla_med.data.asap import Polygon
+from hsmla_med.data.asap import Polygon, rasterise, read_asap_xml
 from hsmla_med.data.synthetic.wsi import generate_camelyon16
 from hsmla_med.engine.classification import ClassificationModule
 from hsmla_med.metrics.pathology import evaluation_mask, lesion_froc, slide_fp_tp
 from hsmla_med.pipelines import camelyon16
+from hsmla_med.pipelines.camelyon16 import data as camelyon16_data
 from hsmla_med.pipelines.task import InferenceOptions
 from tests.conftest import cli_error
 
@@ -313,7 +314,7 @@ def test_wsi_heatmap_submission_scores_as_validation(tmp_path):
         "data_dir": str(root), "cache_dir": str(tmp_path / "cache"), "patch_size": 96, "stride": 96, "batch_size": 32, "num_workers": 0}})
     cases = camelyon16.find_slides(root)[0]
     module = ClassificationModule(camelyon16.module_config(config, {"variant": "b0"}, camelyon16.LABELS), network=SoftDark())
-    items, reader = camelyon16._items(cases, config), camelyon16.ReadPatchd(uint8=True)
+    items, reader = camelyon16_data._items(cases, config), camelyon16.ReadPatchd(uint8=True)
     records = []
     for start in range(0, len(items), 64):
         records.append(module.validation_records(list_data_collate([reader(dict(item)) for item in items[start : start + 64]])))
@@ -342,10 +343,10 @@ def test_synthetic_tumour_slides_have_an_itc_and_a_lesion_under_half_a_patch(tmp
     """The default synthetic slide (4095 x 3071 at 0.972 µm) has an ITC cluster and a lesion that
     covers less than half of a 256-pixel patch, yet is one to detect."""
     root = generate_camelyon16(tmp_path, num_normal=0, num_tumor=1, num_test=0)
-    polygons = camelyon16.read_asap_xml(root / "training" / "lesion_annotations" / "tumor_001.xml")
+    polygons = read_asap_xml(root / "training" / "lesion_annotations" / "tumor_001.xml")
     truth, lesions, downsample = camelyon16.slide_truth(polygons, (4095, 3071), 0.972)
     assert downsample == 8 and truth.max() > lesions >= 2  # an ITC is numbered after the lesions
-    areas = [int(camelyon16.rasterise([p], (4095, 3071), 1).sum()) for p in polygons if p.group != "_2"]
+    areas = [int(rasterise([p], (4095, 3071), 1).sum()) for p in polygons if p.group != "_2"]
     assert min(areas) < 256 * 256 / 2 and sum(a < 256 * 256 / 2 for a in areas) >= 2  # the ITC and the small lesion
 
 
@@ -384,8 +385,6 @@ def test_the_evaluation_mask_is_asaps_and_the_official_mask_tiffs_are_read(tmp_p
     official script on the ASAP-made mask TIFF's level 5 agrees; ours agrees from the XML, from
     --masks (a full pyramid, and one without level 5), and from Ground_Truth/Masks found beside
     the annotations."""
-    from hsmla_med.data.asap import rasterise
-
     subs, notes = _submission(tmp_path)
     level0 = _mask_tiff(tmp_path / "masks" / "tumour_1_Mask.tif", min_size=32)
     official, _ = official_score([level0[::32, ::32][:60, :60] > 0, None], list(EDGE_HITS.values()))

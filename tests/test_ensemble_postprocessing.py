@@ -49,11 +49,13 @@ def _checkpoint(path, task, overrides: dict, labels: list[str], seed: int = 0):
 def test_ensemble_of_frame_modules_is_the_float32_mean_of_the_members(tta):
     a, b = (_module(endovis.TASK, ENDOVIS_TINY, endovis.PROBLEMS["parts"], seed).eval() for seed in (0, 1))
     both = ensemble([a, b])
-    inference = InferenceOptions(tta=tta).apply(a.config["inference"])  # the run's settings, as infer hands them over
+    inference = InferenceOptions(tta=tta).apply(a.config["inference"])
     image = torch.rand(3, 32, 40, generator=torch.Generator().manual_seed(0))
+    for module in (both, a, b):
+        module.run_inference = inference  # the run's settings, as predict_cases hands them over
     with torch.no_grad():
-        got = both.predict_step({"image": image, "inference": inference})["probs"]
-        pa, pb = (m.predict_step({"image": image, "inference": inference})["probs"] for m in (a, b))
+        got = both.predict_step({"image": image})["probs"]
+        pa, pb = (m.predict_step({"image": image})["probs"] for m in (a, b))
         assert not torch.allclose(pa, pb, atol=1e-3)  # the members differ: a mean that is one of them fails
         mean = (pa + pb) / 2
         torch.testing.assert_close(got, mean, rtol=0, atol=1e-7)

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from hsmla_med import ops_reference
 from hsmla_med.nn import functional as HF
 
 
@@ -143,8 +144,8 @@ def test_local_refine_never_touches_inactive_tiles(monkeypatch):
     for t in (q, k, v, qh, kh, vh):
         t[:, :, ~keep] = math.nan
     seen = []
-    original = HF._window_attention
-    monkeypatch.setattr(HF, "_window_attention", lambda q_, *a: seen.append(q_.shape) or original(q_, *a))
+    original = ops_reference._window_attention
+    monkeypatch.setattr(ops_reference, "_window_attention", lambda q_, *a: seen.append(q_.shape) or original(q_, *a))
     r = HF.local_refine(q, k, v, qh, kh, vh, gate, 0.5, block, window)
     assert torch.isfinite(r).all()
     # (softmax and linear terms x heads, active tiles, tokens, d)
@@ -237,7 +238,7 @@ def test_chunked_tile_evaluation_matches(monkeypatch):
     q, k, v, qh, kh, vh = _rand((2, 2, 9, 11, 4), 6)
     gate = torch.rand(2, 3, 3)
     whole = HF.local_refine(q, k, v, qh, kh, vh, gate, 0.3, 4, 5)
-    monkeypatch.setattr(HF, "_CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(ops_reference, "_CHUNK_ELEMENTS", 1)
     torch.testing.assert_close(HF.local_refine(q, k, v, qh, kh, vh, gate, 0.3, 4, 5), whole)
 
 

@@ -4,26 +4,31 @@ each call the task's generator, which deletes a stale cache's files before writi
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
 import pytest
 
 from hsmla_med.config import task_config
-from hsmla_med.pipelines import get_task
+from hsmla_med.pipelines import get_task, tasks_with
 
-GENERATORS = {"btcv": "generate_btcv", "camelyon16": "generate_camelyon16", "endovis": "generate_endovis", "luna16": "generate_luna16"}
+
+def _generator(name: str) -> tuple[object, str]:
+    """The module of the task's datalist and the name there of the synthetic generator it calls
+    (the function it imports from hsmla_med.data.synthetic)."""
+    module = sys.modules[get_task(name).datalist.__module__]
+    (generator,) = [n for n, f in vars(module).items() if callable(f) and getattr(f, "__module__", "").startswith("hsmla_med.data.synthetic.")]
+    return module, generator
 
 
 class _Generated(Exception):
     """Stops datalist once the generator has run (the test needs no data)."""
 
 
-@pytest.mark.parametrize("name", sorted(GENERATORS))
+@pytest.mark.parametrize("name", tasks_with("synthetic"))
 def test_concurrent_datalists_generate_one_at_a_time(tmp_path, monkeypatch, name):
-    import importlib
-
-    module = importlib.import_module(f"hsmla_med.pipelines.{name}")
+    module, attribute = _generator(name)
     spans, roots = [], []
 
     def generator(root, *args, **kwargs):
@@ -33,7 +38,7 @@ def test_concurrent_datalists_generate_one_at_a_time(tmp_path, monkeypatch, name
         spans.append((start, time.monotonic()))
         raise _Generated
 
-    monkeypatch.setattr(module, GENERATORS[name], generator)
+    monkeypatch.setattr(module, attribute, generator)
     config = task_config(name)
     config["data"]["cache_dir"] = str(tmp_path / "cache")
     errors = []

@@ -48,7 +48,7 @@ KiB = 1024
 TARGETS = {75: 64 * KiB, 80: 163 * KiB, 90: 227 * KiB}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 HEAD_DIMS = [32, 128]  # the layer's default and MAX_HEAD_DIM, the most shared memory
-BLOCK, WINDOW = 4, 7  # the layer's default tile and window (configs/model/*.yaml)
+BLOCK, WINDOW = 4, 7  # the layer's default tile and window (hsmla_med.nn.registry.ATTENTION_DEFAULTS)
 KERNELS = {
     "_aggregate_kernel": lambda dtype, d, limit: linear.compile_specs(dtype, d, limit)[0],
     "_apply_kernel": lambda dtype, d, limit: linear.compile_specs(dtype, d, limit)[1],

@@ -119,11 +119,14 @@ def test_an_ensemble_averages_its_members_entropies():
     mutual information is the float64 one of the members' probabilities; identical members: 0."""
     image = torch.as_tensor(phantom((32, 32, 4), np.random.default_rng(0))[0], dtype=torch.float32)[None] / 200
     inference = {**_module(btcv.TASK, TINY, LABELS, 0).config["inference"], "tta": False, "uncertainty": "mutual-information"}
-    batch = {"image": image, "inference": inference}
+    batch = {"image": image}
     for seeds in ((0, 1), (0, 0)):
         members = [_module(btcv.TASK, TINY, LABELS, seed).eval() for seed in seeds]
+        both = ensemble(members)
+        for module in (both, *members):
+            module.run_inference = inference  # the run's settings, as predict_cases hands them over
         with torch.no_grad():
-            out = ensemble(members).predict_step(batch)
+            out = both.predict_step(batch)
             alone = np.stack([m.predict_step(batch)["probs"].double().numpy() for m in members])
         reference = _entropy64(alone.mean(0), 0) - _entropy64(alone, 1).mean(0)
         mi = mutual_information(out["probs"], out["mean_entropy"], dim=0)

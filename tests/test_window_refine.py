@@ -8,6 +8,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hsmla_med import ops_reference
 from hsmla_med.nn import functional as HF
 
 # (features (b, h, *S, d), block, window): partial edge tiles, window above and below block,
@@ -50,7 +51,7 @@ def test_channel_first_feature_views():
 @pytest.mark.parametrize("spatial, block, window", [((10, 13), 4, 7), ((9, 7), 4, 3), ((5, 6, 7), 4, 3), ((3, 4, 5), 2, 5)])
 def test_tables_are_the_tile_schedules(spatial, block, window):
     q_index, k_index, bias, visible, inverse = HF._window_tables(spatial, block, window, torch.device("cpu"))
-    q_flat, k_flat, hidden, _ = HF._tile_tables(spatial, block, window, torch.device("cpu"))
+    q_flat, k_flat, hidden, _ = ops_reference._tile_tables(spatial, block, window, torch.device("cpu"))
     assert torch.equal(q_index, q_flat.flatten()) and torch.equal(k_index, k_flat.flatten())
     assert torch.equal(bias, hidden) and torch.equal(visible, (hidden == 0).float())
     # every token is read back from the one tile row that holds it

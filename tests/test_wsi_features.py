@@ -200,3 +200,22 @@ def test_networks_without_a_final_linear_layer_are_refused(slide, tmp_path):
     assert not (tmp_path / "a" / "h5_files").exists()
     with pytest.raises(ConfigError, match="not the output of its last linear layer 'fc'"):
         penultimate(ScaledAfterLinear(), torch.rand(2, 3, 8, 8))
+
+
+def test_hsmla_features_are_the_input_of_its_last_linear_layer_without_a_hook():
+    """HSMLAClassifier's forward_features / forward_head (timm's split, no hook): the features
+    equal what a hook on its last linear layer sees, and the head of them its logits."""
+    from hsmla_med.nn import HSMLAClassifier
+
+    net = HSMLAClassifier(2, 3, 2, variant="b0").eval()
+    name, layer = final_linear(net)
+    seen = {}
+    handle = layer.register_forward_hook(lambda _module, args, output: seen.update(features=args[0]))
+    images = torch.rand(2, 3, 64, 64)
+    with torch.no_grad():
+        logits = net(images)
+        handle.remove()
+        got_logits, features = penultimate(net, images)
+    assert name == "head.4"
+    torch.testing.assert_close(features, seen["features"], rtol=0, atol=0)
+    torch.testing.assert_close(got_logits, logits, rtol=0, atol=0)

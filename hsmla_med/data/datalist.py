@@ -7,7 +7,7 @@ Three layouts describe the same thing, a list of image/label pairs and the label
   (BTCV's ``dataset_0.json``);
 - nnU-Net v2 (``labels`` ``{"background": 0, ...}``, no lists: ``imagesTr/CASE_0000.nii.gz``
   pairs with ``labelsTr/CASE.nii.gz``; with ``file_ending`` ``.mha``, ``.nrrd``, ... the files of
-  that ending, read through SimpleITK: :mod:`hsmla_med.io.itk`).
+  that format: :mod:`hsmla_med.io.volumes`).
 
 Several input channels: ``channel_names`` (nnU-Net v2, ``{"0": "T1", "1": "T2"}``) or
 ``modality`` (MSD) give their number; a case's image is then the list of its channel files
@@ -26,29 +26,21 @@ so it is cheap), and raises a :class:`~hsmla_med.errors.DataError` naming the fi
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import nibabel as nib
 import numpy as np
 from monai.data import load_decathlon_datalist
 
 from hsmla_med.errors import DataError
-from hsmla_med.io.compressed import check_inflated
-from hsmla_med.io.itk import is_itk_file, itk_header, label_suffix
+# the volume formats' registry; case_name, check_nifti, VOLUME_FILE and VOLUME_FORMATS are also
+# imported from here by the modules that read datasets (hsmla_med.data.checks, .splits, the pipelines)
+from hsmla_med.io.volumes import VOLUME_FILE, VOLUME_FORMATS, case_name, check_nifti, file_ending, file_format, file_stem, image_series, volume_format
 
-__all__ = ["Datalist", "load_datalist", "label_spec", "channel_groups", "find_dataset_json", "read_json", "read_header", "channels_grid", "image_series", "check_affine",
+__all__ = ["Datalist", "load_datalist", "label_spec", "channel_groups", "find_dataset_json", "read_json", "read_header", "channels_grid", "check_affine",
            "case_name", "check_pair", "check_nifti", "VOLUME_FILE", "VOLUME_FORMATS"]
 
 _JSON_NAMES = ("dataset.json", "dataset_0.json")
-# a volume file: NIfTI, or the header of a NIfTI pair (SPM's and FSL's older output: the header
-# in CASE.hdr, the voxels in CASE.img beside it), which names the pair's case; or MetaImage / NRRD
-# (hsmla_med.io.itk: nnU-Net v2's other file_endings for volumes)
-VOLUME_FILE = re.compile(r"\.(nii(\.gz)?|hdr|mha|mhd|nrrd|nhdr)$")
-#: what the readers take, for messages
-VOLUME_FORMATS = "NIfTI (.nii.gz, .nii, .hdr/.img pairs), MetaImage (.mha, .mhd) or NRRD (.nrrd, .nhdr)"
-_CHANNEL_SUFFIX = re.compile(r"_\d{4}$")  # nnU-Net's modality index, CASE_0000
 
 
 @dataclass
@@ -87,13 +79,6 @@ class Datalist:
         """What a module's config keeps of the labels beyond their names (its loss, its label
         maps and its scores depend on them)."""
         return {"ignore_label": self.ignore_label, "regions": self.regions, "regions_class_order": self.regions_class_order}
-
-
-def case_name(path: str | Path | list) -> str:
-    """``img0001`` for ``img0001.nii.gz``; nnU-Net's channel suffix is dropped (``case_0000``);
-    a list of channel files is named by its first."""
-    path = path[0] if isinstance(path, (list, tuple)) else path
-    return _CHANNEL_SUFFIX.sub("", VOLUME_FILE.sub("", Path(path).name))
 
 
 def find_dataset_json(data_dir: str | Path, name: str | None = None) -> Path:
@@ -242,11 +227,11 @@ def channel_groups(files, channels: int) -> list[list[Path]]:
     for file in sorted(Path(f) for f in files):
         groups.setdefault(case_name(file), []).append(file)
     for name, group in groups.items():
-        suffixes = [VOLUME_FILE.sub("", f.name)[len(name):] for f in group]
+        suffixes = [file_stem(f)[len(name):] for f in group]
         expected = [f"_{i:04d}" for i in range(channels)]
         if channels > 1 and suffixes not in (expected, [""]):
             raise DataError(f"{group[0].parent / name}: the case has channel files {', '.join(f.name for f in group)}; the dataset has "
-                            f"{channels} channels, one file each: {name}{expected[0]} to {name}{expected[-1]} ({VOLUME_FILE.search(group[0].name).group(0)})")
+                            f"{channels} channels, one file each: {name}{expected[0]} to {name}{expected[-1]} ({file_ending(group[0])})")
     return list(groups.values())
 
 
@@ -257,7 +242,7 @@ def _file_ending(meta: dict, path: Path) -> str | None:
     ending = meta.get("file_ending")
     if ending is None:
         return None
-    if not isinstance(ending, str) or not VOLUME_FILE.search(ending):
+    if not isinstance(ending, str) or file_format(ending) is None:
         raise DataError(f"{path}: file_ending {ending!r}: hsmla-med reads volumes in {VOLUME_FORMATS} and DICOM series; convert the "
                         "dataset to NIfTI (SimpleITK's ReadImage / WriteImage keep the geometry) and set file_ending to \".nii.gz\"")
     return ending
@@ -266,12 +251,12 @@ def _file_ending(meta: dict, path: Path) -> str | None:
 def _pair_folders(data_dir: Path, path: Path, channels: int = 1, ending: str | None = None) -> list[dict]:
     """nnU-Net v2: ``imagesTr/CASE_0000.nii.gz`` (and ``CASE_0001.nii.gz``, ... with several
     channels) with ``labelsTr/CASE.nii.gz``; with a ``file_ending`` the files of that format
-    only, as nnU-Net lists them (NIfTI: ``.nii.gz``, ``.nii`` and pairs alike)."""
-    wanted = None if ending is None else label_suffix(f"x{ending}")
-    images = [p for p in (data_dir / "imagesTr").glob("*") if VOLUME_FILE.search(p.name) and wanted in (None, label_suffix(p))]
+    only, as nnU-Net lists them (NIfTI: ``.nii.gz``, ``.nii`` and pairs alike: one prediction ending)."""
+    wanted = None if ending is None else file_format(ending).prediction_ending
+    images = [p for p in (data_dir / "imagesTr").glob("*") if (f := file_format(p)) is not None and wanted in (None, f.prediction_ending)]
     cases = []
     for group in channel_groups(images, channels) if channels > 1 else [[p] for p in sorted(images)]:
-        label = data_dir / "labelsTr" / (case_name(group[0]) + VOLUME_FILE.search(group[0].name).group(0))
+        label = data_dir / "labelsTr" / (case_name(group[0]) + file_ending(group[0]))
         if not label.is_file():
             raise DataError(f"{group[0]}: no label file {label} for this image")
         cases.append({"image": [str(p) for p in group] if len(group) > 1 else str(group[0]), "label": str(label)})
@@ -281,69 +266,12 @@ def _pair_folders(data_dir: Path, path: Path, channels: int = 1, ending: str | N
 
 
 def read_header(path: str | Path) -> tuple[tuple[int, ...], np.ndarray]:
-    """Shape and affine of a NIfTI, MetaImage or NRRD file from its header
-    (:func:`~hsmla_med.io.itk.itk_header` for the last two), or of a folder holding one DICOM
-    series from the series' headers (:func:`~hsmla_med.io.dicom.series_geometry`);
+    """Shape and affine of a volume file from its header, or of a folder holding one DICOM series
+    from the series' headers, as its format reads them (:func:`~hsmla_med.io.volumes.volume_format`);
     :class:`DataError` if unreadable or if the affine cannot place voxels (:func:`check_affine`)."""
-    if Path(path).is_dir():
-        from hsmla_med.io.dicom import series_geometry
-
-        shape, affine = series_geometry(image_series(path))
-    elif is_itk_file(path):
-        shape, affine = itk_header(path)
-    else:
-        try:
-            img = nib.load(str(path))
-            shape, affine = tuple(int(s) for s in img.shape), np.asarray(img.affine, dtype=np.float64)
-        except FileNotFoundError:
-            raise DataError(f"{path}: file not found") from None
-        except Exception as err:  # nibabel raises several types for truncated or foreign files
-            raise DataError(f"{path}: cannot read as NIfTI ({err})") from None
-        check_nifti(img, path)
+    shape, affine = volume_format(path).header(path)
     check_affine(affine, path)
     return shape, affine
-
-
-def check_nifti(img, path: str | Path, inflate: bool = False) -> None:
-    """:class:`DataError` unless nibabel read ``path`` as NIfTI (one file or a pair) whose voxel
-    file holds the voxels its header describes. An Analyze 7.5 header (a ``.hdr`` without
-    NIfTI's magic) stores no orientation: nibabel's affine for it assumes a radiological
-    left-right flip, which a label map written back in it would repeat unchecked, so it is
-    refused rather than guessed.
-
-    The voxels (shape x data type, from byte ``vox_offset``): an uncompressed file is checked by
-    its size, before anything is allocated (nibabel allocates the header's size, then reports a
-    short file in two lines, or a MemoryError for a header of far more voxels than the file; bytes
-    after the voxels are left, as nibabel leaves them); a gzip-compressed one, with ``inflate``,
-    by inflating and counting its stream to its end, which must be the voxels' end
-    (:func:`~hsmla_med.io.compressed.check_inflated`: nibabel reports a cut-off stream as zlib's
-    EOFError and reads a damaged one unseen). That costs a decompression: it is done where the
-    voxels are read (:class:`~hsmla_med.data.checks.NiftiReader`,
-    :func:`~hsmla_med.evaluation.read_labels`), not for every header read."""
-    if not isinstance(img, nib.Nifti1Pair):  # Nifti1Image, Nifti2Image and the pairs derive from it
-        raise DataError(f"{path}: an Analyze 7.5 image, not NIfTI: its header has no orientation; convert it to NIfTI "
-                        "with the orientation checked (e.g. FSL's fslchfiletype NIFTI_GZ, then fslreorient2std)")
-    voxels = Path(img.file_map["image"].filename)
-    if not voxels.is_file():  # nibabel reads a pair's header alone and fails only when the voxels are read
-        raise DataError(f"{path}: the NIfTI pair's image file {voxels.name} is missing")
-    proxy = img.dataobj  # what nibabel will read: its offset, data type and shape (the image's header copy has offset 0)
-    offset, size = int(proxy.offset), int(np.prod(proxy.shape)) * proxy.dtype.itemsize
-    shape = f"{' x '.join(map(str, proxy.shape))} {proxy.dtype.name}"
-    if voxels.suffix == ".gz":
-        if inflate:
-            check_inflated(voxels, 0, offset + size, f"its header describes ({offset} before the voxels, then {shape})")
-    elif voxels.suffix not in (".bz2", ".zst") and voxels.stat().st_size < offset + size:  # (nibabel's other compressions: not checked)
-        raise DataError(f"{voxels}: the file is {voxels.stat().st_size} bytes, its header describes {size} bytes of voxels from byte {offset} ({shape})")
-
-
-def image_series(folder: str | Path):
-    """The one DICOM image series of a case's image folder (:class:`~hsmla_med.io.dicom.DicomSeries`)."""
-    from hsmla_med.io.dicom import series_in
-
-    series = series_in(folder)
-    if len(series) != 1:
-        raise DataError(f"{folder}: a case's image folder holds one DICOM series, this one {len(series)}: " + "; ".join(s.line() for s in series))
-    return series[0]
 
 
 def check_affine(affine: np.ndarray, path: str | Path) -> None:

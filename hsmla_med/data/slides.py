@@ -27,8 +27,9 @@ from skimage.morphology import remove_small_holes, remove_small_objects
 
 from hsmla_med.errors import DataError
 
-__all__ = ["open_slide", "slide_mpp", "select_level", "read_region", "read_mask_level", "thumbnail", "tissue_mask", "patch_grid", "coverage"]
+__all__ = ["SLIDE_SUFFIXES", "open_slide", "slide_mpp", "select_level", "read_region", "read_mask_level", "thumbnail", "tissue_mask", "patch_grid", "coverage"]
 
+SLIDE_SUFFIXES = (".tif", ".tiff", ".svs", ".ndpi", ".mrxs", ".scn", ".bif")  # the whole-slide files looked for in a folder
 # scikit-image 0.26 renamed min_size/area_threshold (removes sizes < n) to max_size (removes sizes <= n).
 _SKIMAGE_MAX_SIZE = "max_size" in inspect.signature(remove_small_objects).parameters
 _BAND_PIXELS = 1 << 22  # pixels read per band for the tissue mask: ~16 MB of RGBA

@@ -116,6 +116,11 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
     #: ``wsi-heatmap``, ``wsi-features`` on CUDA; ``--no-cuda-graphs`` sets it False):
     #: :meth:`graphed`
     cuda_graphs: bool = True
+    #: the inference settings of the prediction running now: the checkpoint's with the run's
+    #: options (``InferenceOptions.apply``), held here for the run by the task's ``infer``
+    #: (:func:`~hsmla_med.pipelines.task.predict_cases`) rather than copied into every case;
+    #: ``None`` outside a run (:meth:`inference_settings`: the checkpoint's own)
+    run_inference: dict | None = None
 
     def __init__(self, config: dict, network: nn.Module | None = None, kind: str = "segmentation") -> None:
         super().__init__()
@@ -136,6 +141,10 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.network(x)
+
+    def inference_settings(self) -> dict:
+        """The prediction run's settings (:attr:`run_inference`), else the checkpoint's."""
+        return self.run_inference if self.run_inference is not None else self.config["inference"]
 
     def use_cuda_graphs(self, on: bool) -> None:
         """Set :attr:`cuda_graphs` here and on an ensemble's members (which run their own networks)."""

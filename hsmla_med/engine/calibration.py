@@ -35,12 +35,11 @@ from hsmla_med.defaults import CALIBRATION_SAMPLES as DEFAULT_SAMPLES
 from hsmla_med.errors import ConfigError, DataError, InputError
 from hsmla_med.metrics.calibration import BINS, NLL_FLOOR, calibration_metrics, foreground, reliability
 from hsmla_med.nn import GatedNetwork
+from hsmla_med.tasks import tasks_with
 
-__all__ = ["CALIBRATED_TASKS", "DEFAULT_SAMPLES", "CalibrationSample", "TemperatureScaled", "calibrate", "check_calibratable",
+__all__ = ["DEFAULT_SAMPLES", "CalibrationSample", "TemperatureScaled", "calibrate", "check_calibratable",
            "fit_temperature", "plot_reliability", "with_temperature"]
 
-#: tasks whose validation loop draws a calibration sample (softmax voxels, patches)
-CALIBRATED_TASKS = ("btcv", "camelyon16")
 #: fitted temperatures are kept within [1 / LIMIT, LIMIT]: on separable samples the NLL falls
 #: for ever as T -> 0
 LIMIT = 100.0
@@ -243,11 +242,13 @@ class CalibrationSample:
 
 
 def check_calibratable(config: dict, checkpoint: str | Path) -> None:
-    """Refuse, before any work, a checkpoint whose task draws no calibration sample or whose
-    outputs are sigmoid regions (fitted here on softmax outputs only)."""
+    """Refuse, before any work, a checkpoint whose task draws no calibration sample (its card
+    declares no ``calibration``) or whose outputs are sigmoid regions (fitted here on softmax
+    outputs only)."""
     task = config.get("task") if isinstance(config, dict) else None
-    if task not in CALIBRATED_TASKS:
-        raise InputError(f"--checkpoint {checkpoint}: a {task} checkpoint; calibrate fits the softmax outputs of {', '.join(CALIBRATED_TASKS)} checkpoints")
+    calibrated = tasks_with("calibration")
+    if task not in calibrated:
+        raise InputError(f"--checkpoint {checkpoint}: a {task} checkpoint; calibrate fits the softmax outputs of {', '.join(calibrated)} checkpoints")
     if config.get("regions"):
         raise InputError(f"--checkpoint {checkpoint}: its network predicts overlapping regions (sigmoid outputs); calibrate fits softmax outputs only")
 
@@ -314,7 +315,7 @@ def calibrate(task, module, datamodule, trainer_cfg: dict, checkpoint: str | Pat
         "replaced_temperature": replaced,
         "samples": before["samples"],
         "foreground_samples": before["foreground_samples"],
-        "sampling": f"uniform over the validation {'voxels of each preprocessed volume' if task.name == 'btcv' else 'patches'} "
+        "sampling": f"uniform over the validation {task.card.calibration} "
                     f"(ignore label left out), at most {sample.limit}",
         "bins": BINS,
         "before": before,

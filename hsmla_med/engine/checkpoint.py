@@ -24,6 +24,7 @@ from typing import Any
 
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from hsmla_med.engine.onnx_runtime import onnx_metadata, onnx_network
 from hsmla_med.errors import DataError
 from hsmla_med.io import atomic_path
 
@@ -203,7 +204,7 @@ def exported_file(path: str | Path) -> Path | None:
     """The file behind ``infer --checkpoint PATH`` when ``PATH`` is an exported network: a
     bundle folder (its ``models/model.ts``), a TorchScript archive (a zip with ``code/``, which
     ``torch.save`` checkpoints lack) or an ONNX model (``*.onnx``, which onnxruntime reads:
-    :mod:`hsmla_med.export.runtime`); ``None`` for anything else."""
+    :mod:`.onnx_runtime`); ``None`` for anything else."""
     path = Path(path)
     if path.suffix.lower() == ".onnx" and path.is_file():
         return path
@@ -239,8 +240,6 @@ def load_exported(path: str | Path, module_class, task: str | None = None, infer
     if ts is None:
         raise DataError(f"{path}: not a TorchScript file of hsmla-med export")
     if ts.suffix.lower() == ".onnx":
-        from hsmla_med.export.runtime import onnx_network
-
         network, meta = onnx_network(ts)
         kind, carrier = "an ONNX model", "metadata"
     else:
@@ -304,8 +303,6 @@ def written_task(path: str | Path) -> str | None:
         config = read_hparams(path)
         return config.get("task") if isinstance(config, dict) else None
     if ts.suffix.lower() == ".onnx":
-        from hsmla_med.export.runtime import onnx_metadata
-
         meta = onnx_metadata(ts)
     else:
         try:

@@ -214,12 +214,14 @@ def final_linear(network: nn.Module, source: str = "the network") -> tuple[str, 
 
 def penultimate(network: nn.Module, images: torch.Tensor, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """A classifier's logits ``(B, classes)`` on ``images`` and its penultimate activations
-    ``(B, D)``: the input of its final linear layer (:func:`final_linear`), taken by a forward
-    hook (no network exposes it alike: HSMLA's head, MONAI's DenseNet and ResNet each end
-    differently), as computed (under autocast, in its dtype).
+    ``(B, D)``: the input of its final linear layer (:func:`final_linear`), as computed (under
+    autocast, in its dtype). A network with timm's ``forward_features`` / ``forward_head``
+    split (:class:`~hsmla_med.nn.HSMLAClassifier`) gives them by those methods; any other
+    (MONAI's DenseNet and ResNet each end differently, and expose neither) through a forward
+    hook on that layer.
 
-    ``check``: compare the logits with that layer's output (on the host; once per network is
-    enough, and a CUDA graph cannot hold it).
+    ``check``: for a hooked network, compare the logits with that layer's output (on the host;
+    once per network is enough, and a CUDA graph cannot hold it).
 
     Raises:
         ConfigError: when the logits are not that layer's output (a layer after it changes
@@ -228,6 +230,9 @@ def penultimate(network: nn.Module, images: torch.Tensor, check: bool = True) ->
     if isinstance(network, TemperatureScaled):  # a calibrated network: its features are the wrapped one's
         logits, features = penultimate(network.network, images, check)
         return network.scale(logits), features
+    if hasattr(network, "forward_features") and hasattr(network, "forward_head"):
+        features = network.forward_features(images)
+        return network.forward_head(features), features.flatten(1)
     name, layer = final_linear(network)
     seen: dict[str, torch.Tensor] = {}
     handle = layer.register_forward_hook(lambda _module, args, output: seen.update(features=args[0], output=output))

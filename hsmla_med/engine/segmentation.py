@@ -16,12 +16,11 @@ from monai.transforms import Compose
 from torch import nn
 
 from hsmla_med.data.checks import source_file
-from hsmla_med.data.datalist import case_name
 from hsmla_med.engine.base import GatedModule, item_keys, plain
 from hsmla_med.evaluation import DEFAULT_NSD_TOLERANCE, score_prediction
-from hsmla_med.inference.geometry import labels_in_input_geometry, write_labels, write_probabilities
+from hsmla_med.inference.geometry import labels_in_input_geometry, write_probabilities
 from hsmla_med.inference.sliding import accumulation_device, predict_volume
-from hsmla_med.io.itk import label_suffix
+from hsmla_med.io.volumes import case_name, prediction_path, write_labels
 from hsmla_med.metrics import frame_reference_scores, frame_scores, summarize, summarize_frames
 from hsmla_med.metrics.summary import summarize_cases
 
@@ -139,23 +138,25 @@ class SegmentationModule(GatedModule):
 
     def predict_step(self, batch: dict, batch_idx: int = 0) -> dict:
         """One case of :class:`~hsmla_med.engine.prediction.PredictionDataModule`: ``image``
-        ``(C, *spatial)`` and ``inference`` (the run's settings) -> the case with ``probs``
-        ``(classes, *spatial)``, float32 on the CPU, where the task's writer maps them back;
-        with ``inference["uncertainty"]`` ``mutual-information`` also ``mean_entropy``
-        ``(*spatial)``, the mean of the mirrored copies' entropies (an ensemble averages it over
-        its members as it averages ``probs``)."""
+        ``(C, *spatial)`` -> the case with ``probs`` ``(classes, *spatial)``, float32 on the
+        CPU, where the task's writer maps them back, predicted with the run's settings
+        (:meth:`inference_settings`); with their ``uncertainty`` ``mutual-information`` also
+        ``mean_entropy`` ``(*spatial)``, the mean of the mirrored copies' entropies (an ensemble
+        averages it over its members as it averages ``probs``)."""
         image = plain(batch["image"])[None]
-        if batch["inference"].get("uncertainty") == "mutual-information":
-            probs, entropy = self.predict_probabilities(image, batch["inference"], mean_entropy=True)
+        inference = self.inference_settings()
+        if inference.get("uncertainty") == "mutual-information":
+            probs, entropy = self.predict_probabilities(image, inference, mean_entropy=True)
             return {**batch, "probs": probs[0].float().cpu(), "mean_entropy": entropy[0].float().cpu()}
-        probs = self.predict_probabilities(image, batch["inference"])[0]
+        probs = self.predict_probabilities(image, inference)[0]
         return {**batch, "probs": probs.float().cpu()}
 
     def save_validation(self, folder: str | Path | None, probabilities: bool = False) -> None:
         """Have validation write each case's label map in its original geometry, as ``infer``
-        does, to ``folder/<case>.nii.gz`` (a MetaImage or NRRD image's: ``.mha`` / ``.nrrd``;
-        ``None``: write nothing), and with ``probabilities`` its class probabilities as nnU-Net keeps them (``<case>.npz``, key ``probabilities``,
-        float16, classes first)."""
+        does, to ``folder/<case>.nii.gz`` (a MetaImage or NRRD image's: ``.mha`` / ``.nrrd``, as
+        :func:`~hsmla_med.io.volumes.prediction_path` names it; ``None``: write nothing), and with
+        ``probabilities`` its class probabilities as nnU-Net keeps them (``<case>.npz``, key
+        ``probabilities``, float16, classes first)."""
         self.validation_output = None if folder is None else Path(folder)
         self.validation_probabilities = probabilities and folder is not None
         if self.validation_output is not None:
@@ -191,7 +192,7 @@ class SegmentationModule(GatedModule):
             name = case_name(source)
             if probabilities is not None:
                 write_probabilities(self.validation_output / f"{name}.npz", probabilities)
-            prediction_file = str(write_labels(self.validation_output / f"{name}{label_suffix(source)}", labels, source))
+            prediction_file = str(write_labels(prediction_path(self.validation_output, source, name), labels, source))
         classes = range(1, len(self.label_names))
         scored = dict(zip(classes, self.regions, strict=True)) if self.regions else classes  # regions: scored as regions
         case = score_prediction(label_file, labels, scored, self._nsd_tolerance(), prediction_file, source, self.label_names,

@@ -40,11 +40,11 @@ from torch import nn
 
 from hsmla_med.engine.checkpoint import EXPORT_META, FORMAT_VERSION, quiet_torchscript, read_hparams
 from hsmla_med.errors import InputError
-from hsmla_med.export.runtime import METADATA_KEY
+from hsmla_med.engine.onnx_runtime import METADATA_KEY
 from hsmla_med.io import atomic_path, write_json
 
 __all__ = [
-    "FORMATS", "EXPORT_BACKEND", "TOLERANCE", "OPSET", "BUNDLE_TASKS", "load_checkpoint", "deployable_network",
+    "FORMATS", "EXPORT_BACKEND", "TOLERANCE", "OPSET", "load_checkpoint", "deployable_network",
     "export_onnx", "export_torchscript", "write_bundle", "export", "input_size", "parity_inputs",
 ]
 
@@ -57,8 +57,6 @@ EXPORT_BACKEND = "dense"
 TOLERANCE = 1e-4
 #: ONNX opset of the exported graphs (>= 17: LayerNormalization; 18: the dynamo exporter's own)
 OPSET = 18
-#: tasks with a volume or frame output, for which a MONAI Bundle is written
-BUNDLE_TASKS = ("btcv", "endovis")
 #: batch sizes of the parity check (1 and 3: the exported batch axis is dynamic)
 PARITY_BATCHES = (1, 3)
 #: the largest batch an ONNX graph is exported for
@@ -68,11 +66,11 @@ MAX_BATCH = 4096
 def load_checkpoint(path: str | Path):
     """``(task, module)`` of a checkpoint written by ``train``: the task named by its
     hyper-parameters, the module in eval mode on the CPU (``weights_only=True``)."""
-    from hsmla_med.pipelines import TASKS, get_task
+    from hsmla_med.pipelines import CARDS, get_task
 
     config = read_hparams(path)
     name = config.get("task") if isinstance(config, dict) else None
-    if name not in TASKS:
+    if name not in CARDS:
         raise InputError(f"--checkpoint {path}: not an hsmla-med checkpoint of a known task (task {name!r})")
     task = get_task(name)
     module, _ = task.load(path)
@@ -447,16 +445,11 @@ def write_bundle(task, module, output: str | Path, size: Sequence[int] | None = 
     """A MONAI Bundle of ``module`` in ``output``: ``configs/metadata.json``,
     ``configs/inference.json``, ``models/model.ts``, ``models/model.pt`` (the network's state
     dict), ``docs/README.md`` (:mod:`hsmla_med.export.bundle`). Returns the written paths and the
-    TorchScript parity report."""
+    TorchScript parity report; refused, before anything is written, for a task without a bundle
+    or a model its bundle cannot run (:meth:`~hsmla_med.pipelines.task.Task.bundle`)."""
     from hsmla_med.export import bundle
 
-    if task.name not in BUNDLE_TASKS:
-        raise InputError(f"--format bundle: task {task.name} has no volume or frame output; bundles are written for {', '.join(BUNDLE_TASKS)}")
-    if task.name == "btcv" and (module.config.get("regions") or module.config["in_channels"] > 1):
-        # the bundle's inference.json reads one file per case and takes the argmax
-        raise InputError("--format bundle: the bundle reads one single-channel file per case and takes the argmax; this model takes "
-                         f"{module.config['in_channels']} channel(s){' and predicts regions' if module.config.get('regions') else ''}: "
-                         "use --format torchscript or onnx with hsmla-med infer")
+    task.bundle(module.config)  # its refusals, before the network is traced; write_configs takes the parts after the parity check
     output = Path(output)
     size = input_size(module, size)
     meta = export_metadata(module, size, checkpoint)

@@ -5,19 +5,11 @@ The bundle's network is the TorchScript file ``models/model.ts``, run by MONAI's
 ``models/model.pt`` (the state dict) and the config item ``network_def_hsmla`` rebuild the
 PyTorch network where ``hsmla_med`` is installed.
 
-The transforms are those of ``hsmla-med infer``, each written once: for BTCV the config items of
-:func:`hsmla_med.pipelines.btcv.preprocessing_items` (RAS orientation, resampling to the
-checkpoint's spacing, foreground crop, intensity normalisation), which training and ``infer``
-instantiate too, after loading; then the sliding window
-(:func:`hsmla_med.inference.sliding.predict_volume`: ``SliceInferer`` for a 2D network, Gaussian
-blending), softmax, ``Invertd`` of every class's probability and the argmax (what
-:func:`hsmla_med.pipelines.btcv.labels_in_input_geometry` computes), saved as uint8 NIfTI in the
-input's geometry. With ``ct_zscore``, ``ct_window`` or ``zscore`` intensities it needs MONAI alone; the Otsu
-kinds (``zscore_foreground``, ``percentile``) have no MONAI equivalent and name ``hsmla_med``'s
-transforms. EndoVis: the part of the frame that ``infer`` segments, by the function ``infer``
-calls (:func:`hsmla_med.pipelines.endovis.inference_box`, so the bundle needs ``hsmla_med``),
-resized to the network's size (area), the probabilities resized back (bilinear) and padded with
-background outside it, saved as PNG.
+The transforms are those of ``hsmla-med infer``, each written once, by the task's pipeline
+(:meth:`~hsmla_med.pipelines.task.Task.bundle`, for the tasks whose card declares ``bundle``):
+the pipeline gives what is its own (the transforms as MONAI config items, the metadata's
+description and input, the README's inputs and outputs, the packages its items import), this
+module the rest around it (:class:`~hsmla_med.pipelines.task.BundleParts`).
 """
 
 from __future__ import annotations
@@ -31,7 +23,8 @@ import numpy
 import torch
 
 from hsmla_med.io import atomic_path
-from hsmla_med.pipelines.btcv import UNCROPPED_BACKGROUND, preprocessing_items
+from hsmla_med.pipelines import get_task
+from hsmla_med.pipelines.task import BundleParts
 
 __all__ = ["write_configs", "inference_config", "train_config", "recipe", "metadata", "LOGGING_CONF"]
 
@@ -55,9 +48,9 @@ def _network_def(config: dict, calibrated: bool = True) -> dict:
     return network
 
 
-def _common(config: dict, size, extra_imports: list[str] | None = None) -> dict:
+def _common(config: dict, extra_imports: list[str]) -> dict:
     return {
-        "imports": list(dict.fromkeys(["$import glob", "$import logging", "$import os", "$import numpy", "$import torch", *(extra_imports or [])])),
+        "imports": list(dict.fromkeys(["$import glob", "$import logging", "$import os", "$import numpy", "$import torch", *extra_imports])),
         "bundle_root": ".",
         "output_dir": "$@bundle_root + '/eval'",
         "dataset_dir": "$@bundle_root + '/data'",
@@ -74,103 +67,19 @@ def _common(config: dict, size, extra_imports: list[str] | None = None) -> dict:
     }
 
 
-def _btcv(config: dict, size) -> dict:
-    """BTCV volumes as :func:`hsmla_med.pipelines.btcv.infer`: loading, then the items of
-    :func:`~hsmla_med.pipelines.btcv.preprocessing_items` (the definition training and ``infer``
-    instantiate), the sliding window, ``Invertd`` and the argmax."""
-    data, inference = config["data"], config["inference"]
-    imports, items = preprocessing_items(data)
-    if config["spatial_dims"] == 2:
-        inferer = {"_target_": "SliceInferer", "spatial_dim": 2, "roi_size": list(size), "sw_batch_size": int(inference["sw_batch_size"]) * int(inference["slab"]),
-                   "overlap": float(inference["overlap"]), "mode": "gaussian"}
-    else:
-        inferer = {"_target_": "SlidingWindowInferer", "roi_size": list(size), "sw_batch_size": int(inference["sw_batch_size"]),
-                   "overlap": float(inference["overlap"]), "mode": "gaussian"}
-    return {
-        **_common(config, size, imports),
-        "datalist": "$list(sorted(glob.glob(@dataset_dir + '/*.nii.gz') + glob.glob(@dataset_dir + '/*.nii')))",
-        "preprocessing": {
-            "_target_": "Compose",
-            "transforms": [
-                {"_target_": "LoadImaged", "keys": "image", "ensure_channel_first": True, "image_only": True},
-                *items,
-            ],
-        },
-        "dataset": {"_target_": "Dataset", "data": "$[{'image': i} for i in @datalist]", "transform": "@preprocessing"},
-        "inferer": inferer,
-        "postprocessing": {
-            "_target_": "Compose",
-            "transforms": [
-                {"_target_": "Activationsd", "keys": "pred", "softmax": True},
-                # every class's probability back to the input's grid, then the argmax; the
-                # background shifted around Invertd so that it is 1 outside the foreground crop
-                {"_target_": "Lambdad", "keys": "pred", "func": f"$lambda p: torch.cat([p[:1] - {UNCROPPED_BACKGROUND!r}, p[1:]])"},
-                {"_target_": "Invertd", "keys": "pred", "transform": "@preprocessing", "orig_keys": "image", "nearest_interp": False, "to_tensor": True},
-                {"_target_": "Lambdad", "keys": "pred", "func": f"$lambda p: torch.cat([p[:1] + {UNCROPPED_BACKGROUND!r}, p[1:]])"},
-                {"_target_": "AsDiscreted", "keys": "pred", "argmax": True},
-                {"_target_": "SaveImaged", "keys": "pred", "output_dir": "@output_dir", "output_postfix": "", "output_ext": ".nii.gz",
-                 "output_dtype": "$numpy.uint8", "resample": False, "separate_folder": False, "squeeze_end_dims": True, "print_log": False},
-            ],
-        },
-        "initialize": ["$monai.utils.set_determinism(seed=0)", "$torch.set_grad_enabled(False)"],
-        "run": _run("case(s) segmented; labels"),
-    }
-
-
-def _run(written: str) -> list[str]:
-    """``run`` of an inference config: every item through the network and postprocessing, then
-    one line (configs/logging.conf prints it) saying what was written where."""
-    return ["$[@postprocessing(@predict(item)) for item in @dataset]",
-            f"$logging.getLogger('bundle').info('%d {written} in %s', len(@datalist), os.path.abspath(@output_dir))"]
-
-
-def _endovis(config: dict, size) -> dict:
-    """EndoVis frames as :func:`hsmla_med.pipelines.endovis.infer` with ``--crop auto``: the
-    training crop for frames large enough for it, frames of exactly the crop's size and of
-    other sizes whole (:func:`hsmla_med.pipelines.endovis.inference_box`); area resize to the
-    network's size; probabilities resized back bilinearly and placed in the frame with
-    background outside the box; one PNG per frame, named as ``infer`` names them."""
-    crop = None if config["data"]["crop"] is None else [int(v) for v in config["data"]["crop"]]
-    h, w = (int(v) for v in size)
-    return {
-        **_common(config, size, ["$import functools", "$import re", "$from PIL import Image as PILImage", "$from hsmla_med.pipelines.endovis import inference_box"]),
-        "datalist": "$sorted(p for p in glob.glob(@dataset_dir + '/**/*.png', recursive=True) if 'ground_truth' not in p and not os.path.basename(p).startswith('.'))",
-        # (top, left, height, width) of the part of a frame of shape (H, W) that is segmented: the
-        # function infer calls, so that the rule is written once
-        "box": f"$functools.partial(inference_box, crop={crop!r}, mode='auto')",
-        "read": "$lambda f: torch.from_numpy(numpy.asarray(PILImage.open(f).convert('RGB')).transpose(2, 0, 1).copy()).float().div_(255.0)",
-        "cut": "$lambda d, x, b: {**d, 'shape': tuple(x.shape[1:]), 'box': b, 'image': x[:, b[0]:b[0] + b[2], b[1]:b[1] + b[3]]}",
-        "load": "$lambda d: (lambda x: @cut(d, x, @box(x.shape[1:], path=d['image'])))(@read(d['image']))",
-        "preprocessing": {
-            "_target_": "Compose",
-            "transforms": [
-                "@load",
-                {"_target_": "Resized", "keys": "image", "spatial_size": [h, w], "mode": "area"},
-                {"_target_": "EnsureTyped", "keys": "image", "dtype": "$torch.float32", "track_meta": False},
-            ],
-        },
-        "dataset": {"_target_": "Dataset", "data": "$[{'image': i, 'frame': i} for i in @datalist]", "transform": "@preprocessing"},
-        # the window is the whole resized frame
-        "inferer": {"_target_": "SimpleInferer"},
-        "output_path": ("$lambda f: os.path.join(@output_dir, *([os.path.basename(os.path.dirname(os.path.dirname(f)))] "
-                        "if os.path.basename(os.path.dirname(f)) == 'left_frames' and re.match(r'^instrument_dataset_(\\d+)$', "
-                        "os.path.basename(os.path.dirname(os.path.dirname(f)))) else []), os.path.splitext(os.path.basename(f))[0] + '.png')"),
-        "mask": ("$lambda d: torch.nn.functional.pad(torch.nn.functional.interpolate(d['pred'][None].float(), size=d['box'][2:], mode='bilinear', "
-                 "align_corners=False).argmax(1)[0].to(torch.uint8), (d['box'][1], d['shape'][1] - d['box'][1] - d['box'][3], d['box'][0], "
-                 "d['shape'][0] - d['box'][0] - d['box'][2]))"),
-        "save": "$lambda d: (os.makedirs(os.path.dirname(@output_path(d['frame'])), exist_ok=True), PILImage.fromarray(@mask(d).numpy()).save(@output_path(d['frame'])))",
-        "postprocessing": {
-            "_target_": "Compose",
-            "transforms": [{"_target_": "Activationsd", "keys": "pred", "softmax": True}, "@save"],
-        },
-        "initialize": ["$monai.utils.set_determinism(seed=0)", "$torch.set_grad_enabled(False)"],
-        "run": _run("frame(s) segmented; masks"),
-    }
-
-
 def inference_config(task: str, config: dict, size) -> dict:
-    """``configs/inference.json`` of a bundle of ``task``'s module ``config``."""
-    return {"btcv": _btcv, "endovis": _endovis}[task](config, size)
+    """``configs/inference.json`` of a bundle of ``task``'s module ``config``: the task's items
+    (:meth:`~hsmla_med.pipelines.task.Task.bundle`) between the common ones and the run, which
+    sends every item through the network and postprocessing, then logs one line (configs/logging.conf
+    prints it) saying what was written where."""
+    parts = get_task(task).bundle(config)
+    return {
+        **_common(config, parts.imports),
+        **parts.inference(size),
+        "initialize": ["$monai.utils.set_determinism(seed=0)", "$torch.set_grad_enabled(False)"],
+        "run": ["$[@postprocessing(@predict(item)) for item in @dataset]",
+                f"$logging.getLogger('bundle').info('%d {parts.written} in %s', len(@datalist), os.path.abspath(@output_dir))"],
+    }
 
 
 def train_config(task: str, config: dict) -> dict:
@@ -205,19 +114,18 @@ def train_config(task: str, config: dict) -> dict:
 def recipe(task: str, config: dict) -> dict:
     """The checkpoint's training recipe as a config of ``hsmla-med train --config``: its
     network, optimiser, loss and the data and inference settings it recorded (those the task's
-    config has), for BTCV the mode and the window as the training crop. What a checkpoint does
-    not record (steps, batch size, augmentation, seed) keeps the task's defaults."""
+    config has), and what the task's bundle adds (:attr:`~hsmla_med.pipelines.task.BundleParts.recipe`;
+    BTCV: the mode and the window as the training crop). What a checkpoint does not record
+    (steps, batch size, augmentation, seed) keeps the task's defaults."""
     from hsmla_med.config import task_config
 
     defaults = task_config(task)
     known = lambda section: {k: copy.deepcopy(v) for k, v in config[section].items() if k in defaults[section]}  # noqa: E731
-    data = known("data")
-    if task == "btcv":
-        dims = config["spatial_dims"]
-        data[f"roi_size_{dims}d"] = list(config["inference"]["roi_size"])
-    out = {"task": task, "model": copy.deepcopy(config["network"]), "optim": known("optim"), "loss": known("loss"), "data": data,
+    out = {"task": task, "model": copy.deepcopy(config["network"]), "optim": known("optim"), "loss": known("loss"), "data": known("data"),
            "inference": known("inference")}
-    return {**out, "mode": f"{config['spatial_dims']}d"} if task == "btcv" else out
+    for key, value in get_task(task).bundle(config).recipe.items():
+        out[key] = {**out[key], **value} if isinstance(out.get(key), dict) else value
+    return out
 
 
 #: configs/logging.conf, the Model Zoo bundles' own: INFO and above to stdout, which
@@ -247,21 +155,13 @@ format=%(asctime)s - %(name)s - %(levelname)s - %(message)s
 
 
 def metadata(task: str, config: dict, size) -> dict:
-    """``configs/metadata.json`` (MONAI's meta schema 20240725)."""
+    """``configs/metadata.json`` (MONAI's meta schema 20240725): the task's description and
+    input (:meth:`~hsmla_med.pipelines.task.Task.bundle`), a segmentation of its labels out."""
+    parts = get_task(task).bundle(config)
     labels = list(config["label_names"])
     channels = {str(i): name for i, name in enumerate(labels)}
     spatial_dims = config["spatial_dims"]
-    if task == "btcv":
-        description = ("HSMLA segmentation of CT/MRI volumes (NIfTI), trained with hsmla-med on task btcv; "
-                       f"{'slice-wise 2D' if spatial_dims == 2 else '3D'} network, sliding-window inference, labels written in each input's geometry.")
-        image = {"type": "image", "format": "hounsfield" if config["data"]["intensity"]["kind"] == "ct_window" else "magnitude", "modality": "CT" if config["data"]["intensity"]["kind"] == "ct_window" else "MR",
-                 "num_channels": config["in_channels"], "channel_def": {"0": "image"}}
-        out_type, out_format = "image", "segmentation"
-    else:
-        description = "HSMLA segmentation of surgical instrument frames (EndoVis 2017 PNG), trained with hsmla-med on task endovis."
-        image = {"type": "image", "format": "RGB", "modality": "regular", "num_channels": config["in_channels"], "channel_def": {"0": "R", "1": "G", "2": "B"}}
-        out_type, out_format = "image", "segmentation"
-    image.update(spatial_shape=list(size), dtype="float32", value_range=[], is_patch_data=True)
+    image = {**parts.image, "spatial_shape": list(size), "dtype": "float32", "value_range": [], "is_patch_data": True}
     return {
         "schema": SCHEMA,
         "version": BUNDLE_VERSION,
@@ -269,56 +169,41 @@ def metadata(task: str, config: dict, size) -> dict:
         "monai_version": monai.__version__,
         "pytorch_version": torch.__version__.split("+")[0],
         "numpy_version": numpy.__version__,
-        "required_packages_version": _required(task, config),
+        "required_packages_version": _required(parts),
         "name": f"hsmla_{task}_segmentation",
         "task": f"{task} segmentation",
-        "description": description,
+        "description": parts.description,
         "authors": "hsmla-med",
         "copyright": "see the training data's licence",
         "network_data_format": {
             "inputs": {"image": image},
-            "outputs": {"pred": {"type": out_type, "format": out_format, "num_channels": len(labels), "spatial_shape": list(size),
+            "outputs": {"pred": {"type": "image", "format": "segmentation", "num_channels": len(labels), "spatial_shape": list(size),
                                  "dtype": "float32", "value_range": [], "is_patch_data": True, "channel_def": channels}},
         },
         "hsmla_med": {"task": task, "label_names": labels, "spatial_dims": spatial_dims, "data": config["data"], "inference": config["inference"]},
     }
 
 
-def _required(task: str, config: dict) -> dict:
-    """Packages beyond MONAI and PyTorch that the bundle's inference needs."""
-    import hsmla_med
-
-    ours = {"hsmla-med": getattr(hsmla_med, "__version__", "")}
-    if task == "endovis":  # the crop rule is hsmla_med's inference_box
-        return {"pillow": _version("PIL"), **ours}
-    packages = {"nibabel": _version("nibabel")}
-    return {**packages, **ours} if _needs_hsmla(task, config) else packages
-
-
-def _needs_hsmla(task: str, config: dict) -> bool:
-    """Whether the bundle's inference imports ``hsmla_med``: EndoVis's crop rule and the Otsu
-    intensity kinds do; BTCV with ``ct_window`` or ``zscore`` runs with MONAI alone."""
-    return task == "endovis" or config["data"]["intensity"]["kind"] not in ("ct_window", "zscore")
-
-
-def _version(module: str) -> str:
+def _required(parts: BundleParts) -> dict:
+    """Packages beyond MONAI and PyTorch that the bundle's inference needs, with their versions."""
     from importlib import import_module
 
-    return str(getattr(import_module(module), "__version__", ""))
+    import hsmla_med
+
+    packages = {name: str(getattr(import_module(module), "__version__", "")) for name, module in parts.packages.items()}
+    return {**packages, "hsmla-med": getattr(hsmla_med, "__version__", "")} if parts.needs_hsmla else packages
 
 
 def _readme(task: str, config: dict, size) -> str:
+    parts = get_task(task).bundle(config)
     labels = ", ".join(f"{i} {n}" for i, n in enumerate(config["label_names"]))
-    inputs = "a folder of NIfTI volumes (`*.nii.gz`, `*.nii`)" if task == "btcv" else "a folder of PNG frames (searched recursively; label folders skipped)"
-    outputs = ("`OUT/<case>.nii.gz`, uint8 labels in each input's shape and affine" if task == "btcv"
-               else "`OUT/<path relative to IN>.png`, uint8 class index at each frame's size, background outside the crop")
     return f"""# HSMLA {task} segmentation (exported by `hsmla-med export --format bundle`)
 
 Labels: {labels}.
 
 ## Run
 
-From this folder, with MONAI and PyTorch installed{' and `hsmla_med` (its transforms are named in the config)' if _needs_hsmla(task, config) else ' (no `hsmla_med` needed)'}:
+From this folder, with MONAI and PyTorch installed{' and `hsmla_med` (its transforms are named in the config)' if parts.needs_hsmla else ' (no `hsmla_med` needed)'}:
 
 ```bash
 python -m monai.bundle run --config_file configs/inference.json --meta_file configs/metadata.json \\
@@ -333,7 +218,7 @@ recipe, `configs/train.json#recipe`; `--train_args "['--max-steps', '500']"` pas
 python -m monai.bundle run --config_file configs/train.json --meta_file configs/metadata.json --dataset_dir DATA --output_dir RUN
 ```
 
-Inputs: {inputs}. Outputs: {outputs}. From another folder add `--bundle_root PATH/TO/BUNDLE`.
+Inputs: {parts.inputs}. Outputs: {parts.outputs}. From another folder add `--bundle_root PATH/TO/BUNDLE`.
 `--device "$torch.device('cpu')"` forces the CPU.
 
 ## Files

@@ -20,6 +20,10 @@ predicts as it would alone (its own sliding-window size and network; the run's s
 
 Members must agree on what the average is taken over (:data:`AGREE`): task, label set, spatial
 dimensions, input channels and data preparation (the first member's preparation feeds all).
+
+The members are the engine's task modules (:class:`~hsmla_med.engine.base.GatedModule`), taken
+by what they have (``config``, ``network``, ``predict_step``, ``predict_probabilities``) and not
+by their class: the engine builds on inference, so inference imports nothing of it.
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ from functools import cache
 import torch
 from torch import nn
 
-from hsmla_med.engine.base import GatedModule
 from hsmla_med.errors import InputError
 
 __all__ = ["AGREE", "MEAN_KEYS", "MeanProbabilities", "ensemble", "is_ensemble"]
@@ -57,7 +60,7 @@ class MeanProbabilities(nn.Module):
         return torch.log(total / len(self.members))
 
 
-def _config(members: Sequence[GatedModule]) -> dict:
+def _config(members: Sequence[nn.Module]) -> dict:
     """The first member's hyper-parameters; its ``split`` (the fold a checkpoint trained on,
     :func:`~hsmla_med.data.splits.fold_cases`) with every member's training cases in ``train``
     and only the cases none trained on in ``val``: an ensemble of folds has seen every case that
@@ -76,7 +79,7 @@ class _Ensemble:
     """Mixed in before a task module's class (:func:`ensemble`): the module of the first member's
     hyper-parameters whose predictions are the members' mean."""
 
-    def __init__(self, members: Sequence[GatedModule]) -> None:
+    def __init__(self, members: Sequence[nn.Module]) -> None:
         super().__init__(_config(members), network=MeanProbabilities([m.network for m in members]))
         # a tuple, not a ModuleList: their networks are registered once, under self.network, so the
         # state dict holds each weight once and moving this module moves every member's network
@@ -84,7 +87,7 @@ class _Ensemble:
         self.checkpoint_path = [getattr(m, "checkpoint_path", None) for m in members]
         self.eval()
 
-    def _member_inference(self, member: GatedModule, inference: dict) -> dict:
+    def _member_inference(self, member: nn.Module, inference: dict) -> dict:
         """``member``'s own inference settings with the run's choices: the entries where the
         run's ``inference`` differs from the ensemble's (the first member's) settings."""
         own = self.config["inference"]
@@ -96,8 +99,11 @@ class _Ensemble:
         once per member). ``alpha`` is ``None`` when a member has none (a network without gates)."""
         total: dict | None = None
         for member in self.members:
-            mine = {**batch, "inference": self._member_inference(member, batch["inference"])} if "inference" in batch else batch
-            out = member.predict_step(mine, batch_idx)
+            before, member.run_inference = member.run_inference, self._member_inference(member, self.inference_settings())
+            try:
+                out = member.predict_step(batch, batch_idx)
+            finally:
+                member.run_inference = before
             if total is None:
                 total = {**out, **{k: out[k].float() for k in MEAN_KEYS if out.get(k) is not None}}
             else:
@@ -116,7 +122,7 @@ class _Ensemble:
 
 
 @cache
-def _ensemble_class(module_class: type[GatedModule]) -> type[GatedModule]:
+def _ensemble_class(module_class: type[nn.Module]) -> type[nn.Module]:
     return type(f"Ensemble{module_class.__name__}", (_Ensemble, module_class), {"__doc__": _Ensemble.__doc__})
 
 
@@ -124,7 +130,7 @@ def is_ensemble(module: nn.Module) -> bool:
     return isinstance(module, _Ensemble)
 
 
-def _name(module: GatedModule, index: int) -> str:
+def _name(module: nn.Module, index: int) -> str:
     return str(getattr(module, "checkpoint_path", None) or f"member {index}")
 
 
@@ -133,7 +139,7 @@ def _agreed(config: dict, key: str):
     return {k: v for k, v in value.items() if k not in _DATA_ASIDE} if key == "data" and isinstance(value, dict) else value
 
 
-def check_members(members: Sequence[GatedModule]) -> None:
+def check_members(members: Sequence[nn.Module]) -> None:
     """Refuse members that disagree on an :data:`AGREE` entry (or are of different module
     classes) with one :class:`~hsmla_med.errors.InputError` naming both checkpoints and both values."""
     first = members[0]
@@ -148,7 +154,7 @@ def check_members(members: Sequence[GatedModule]) -> None:
                              "an ensemble's members are modules of one kind")
 
 
-def ensemble(members: Sequence[GatedModule]) -> GatedModule:
+def ensemble(members: Sequence[nn.Module]) -> nn.Module:
     """One module whose predictions are the float32 mean of ``members``' probabilities (see the
     module docstring); a single member is returned as it is. Members must agree
     (:func:`check_members`). Its ``members`` are the modules, in order (the provenance of its

@@ -11,9 +11,9 @@ resampler, so :func:`separable_resample` is written here; every other inverse, a
 inverse that is not axis-aligned or not linear, is MONAI's own.
 
 :func:`labels_in_input_geometry` brings class probabilities back one class at a time and takes
-their argmax there; ``infer`` writes the result (:func:`write_labels`,
-:func:`write_probabilities`) and validation scores it against the original label file, so both
-see the same label maps.
+their argmax there; ``infer`` writes the result (the label map in its input's format:
+:func:`~hsmla_med.io.volumes.write_labels`; the probabilities: :func:`write_probabilities`) and
+validation scores it against the original label file, so both see the same label maps.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from collections.abc import Hashable
 from copy import deepcopy
 from pathlib import Path
 
-import nibabel as nib
 import numpy as np
 import torch
 from monai.data import MetaTensor
@@ -33,10 +32,8 @@ from monai.transforms.utils import allow_missing_keys_mode
 from monai.utils import TraceKeys
 
 from hsmla_med.io import atomic_path
-from hsmla_med.io.itk import is_itk_file, itk_header, write_itk
 
-__all__ = ["UNCROPPED_BACKGROUND", "invert", "separable_resample", "labels_in_input_geometry", "write_labels", "write_uncertainty",
-           "write_probabilities"]
+__all__ = ["UNCROPPED_BACKGROUND", "invert", "separable_resample", "labels_in_input_geometry", "write_probabilities"]
 
 AXIS_TOLERANCE = 1e-6  # off-diagonal voxel-map entries below this count as axis-aligned
 # The background's probability outside the foreground crop (nnU-Net's rule; MONAI's inverse of
@@ -170,68 +167,6 @@ def labels_in_input_geometry(probs: torch.Tensor, image: MetaTensor, transform: 
             labels[p > best] = c
             torch.maximum(best, p, out=best)
     return labels.numpy(), stack
-
-
-# The header fields that place the voxels in the world: qform (quaternion, offsets, voxel sizes,
-# qfac in pixdim[0]) and sform (three rows), each with its code, and the units.
-_GEOMETRY_FIELDS = ("quatern_b", "quatern_c", "quatern_d", "qoffset_x", "qoffset_y", "qoffset_z",
-                    "srow_x", "srow_y", "srow_z", "qform_code", "sform_code", "xyzt_units")
-
-
-def write_labels(path: Path, labels: np.ndarray, reference: Path | np.ndarray) -> Path:
-    """Write a uint8 label volume in the reference image's geometry, atomically. ``reference``:
-    a NIfTI file, whose qform and sform matrices and codes are copied field by field, so a form
-    whose code is 0 (unknown) stays undeclared and a code 2 (aligned) stays 2, and every reader
-    picks the same affine for both files (nibabel: sform if its code is set, else qform, else
-    the voxel sizes alone); or a DICOM series (its folder) or its RAS affine, which has no NIfTI
-    header to copy: the affine becomes qform and sform, code 1 (scanner). A ``path`` ending in
-    ``.mha`` or ``.nrrd`` is written in that format on the grid of ``reference``, a MetaImage or
-    NRRD file (:func:`~hsmla_med.io.itk.write_itk`)."""
-    if is_itk_file(path):
-        return write_itk(path, labels.astype(np.uint8, copy=False), reference)
-    with atomic_path(path) as tmp:
-        nib.save(_in_geometry(labels, reference), str(tmp))
-    return path
-
-
-def write_uncertainty(path: Path, uncertainty: np.ndarray, reference: Path | np.ndarray) -> Path:
-    """Write an uncertainty map (float, :mod:`hsmla_med.inference.uncertainty`) in the
-    reference's geometry as :func:`write_labels` writes a label map, atomically: stored as
-    16-bit integers with the NIfTI scale factor (``scl_slope``, ``scl_inter``; nibabel picks them
-    from the map's range), which every NIfTI reader applies. NIfTI-1 has no float16 type, and 16
-    bits over the map's range are finer than float16 in [0, 1] (steps of ~1.5e-5, float16's
-    ~5e-4 near 1) at half the size of float32."""
-    img = _in_geometry(np.asarray(uncertainty, dtype=np.float32), reference)
-    img.set_data_dtype(np.uint16)
-    with atomic_path(path) as tmp:
-        nib.save(img, str(tmp))
-    return path
-
-
-def _in_geometry(data: np.ndarray, reference: Path | np.ndarray) -> nib.Nifti1Image:
-    """``data`` as a NIfTI image with the reference's geometry (see :func:`write_labels`; a
-    MetaImage or NRRD reference by its RAS affine, as a series)."""
-    if not isinstance(reference, np.ndarray) and is_itk_file(reference):
-        reference = itk_header(reference)[1]
-    if isinstance(reference, np.ndarray) or Path(reference).is_dir():
-        if not isinstance(reference, np.ndarray):
-            from hsmla_med.data.datalist import image_series
-            from hsmla_med.io.dicom import series_geometry
-
-            reference = series_geometry(image_series(reference))[1]
-        img = nib.Nifti1Image(data, reference)
-        img.set_qform(reference, code=1)
-        img.set_sform(reference, code=1)
-    else:
-        ref = nib.load(str(reference)).header
-        img = nib.Nifti1Image(data, None)  # no affine: the header's fields below are kept on save
-        header = img.header
-        for name in _GEOMETRY_FIELDS:
-            header[name] = ref[name]
-        pixdim = header["pixdim"].copy()
-        pixdim[:4] = ref["pixdim"][:4]  # qfac and voxel sizes; the time step of a 4D input is not ours
-        header["pixdim"] = pixdim
-    return img
 
 
 def write_probabilities(path: Path, probabilities: np.ndarray) -> Path:

@@ -42,7 +42,7 @@ from monai.transforms import KeepLargestConnectedComponent
 
 # (private helpers of the folder evaluator, reused so pairing, geometry checks, label values and
 # the dataset JSON's classes are read exactly as evaluate --predictions reads them)
-from hsmla_med.evaluation import _dataset_labels, _foreground, check_geometry, pair_files, read_labels
+from hsmla_med.evaluation.segmentation import _dataset_labels, _foreground, check_geometry, pair_files, read_labels
 from hsmla_med.errors import DataError
 from hsmla_med.io import write_json
 from hsmla_med.metrics.summary import _nanmean

@@ -29,6 +29,7 @@ import numpy as np
 from skimage.measure import find_contours, label, regionprops
 
 from hsmla_med.io.atomic import atomic_path
+from hsmla_med.io.smoothing import smooth_map
 
 __all__ = ["Region", "tumour_regions", "asap_outlines", "write_geojson", "write_asap_xml", "TUMOUR_COLOUR"]
 
@@ -108,7 +109,7 @@ def tumour_regions(
 ) -> list[Region]:
     """The tumour regions of a slide's probability map, as polygons in level-0 pixels.
 
-    The map is smoothed over its tissue cells (:func:`~hsmla_med.metrics.pathology.smooth_map`)
+    The map is smoothed over its tissue cells (:func:`~hsmla_med.io.smoothing.smooth_map`)
     and thresholded; each 8-connected region (scikit-image's ``label``, as the official FROC
     counts lesions) becomes one :class:`Region` whose outline follows the edges of its cells
     (grid cell ``(row, col)`` covers ``x`` in ``[col * step, (col + 1) * step)``), with a hole
@@ -134,9 +135,6 @@ def tumour_regions(
     Returns:
         The regions, the most probable (``max_probability``) first.
     """
-    # imported here: the metrics load MONAI (seconds), which the synthetic slides' ASAP writer does without
-    from hsmla_med.metrics.pathology import smooth_map
-
     prob = np.asarray(prob_map, dtype=np.float64)
     width, height = level0_size
     if prob.ndim != 2 or not all((n - 1) * step < side <= n * step for n, side in zip(prob.shape, (height, width))):

@@ -30,11 +30,15 @@ from hsmla_med.errors import DataError
 from hsmla_med.io.atomic import atomic_path
 from hsmla_med.io.compressed import check_inflated
 
-__all__ = ["ITK_FILE", "ITKFileReader", "check_metaimage", "data_file", "header_reader", "image_affine", "is_itk_file", "itk_header", "label_suffix", "ras_affine", "read_itk", "write_itk"]
+__all__ = ["ITK_FILE", "ITKFileReader", "METAIMAGE_ENDINGS", "NRRD_ENDINGS", "check_metaimage", "data_file", "header_reader", "image_affine",
+           "is_itk_file", "itk_header", "ras_affine", "read_itk", "write_itk"]
 
-#: the file names SimpleITK reads here: MetaImage and NRRD, one file or a header
-ITK_FILE = re.compile(r"\.(mha|mhd|nrrd|nhdr)$")
-_METAIMAGE = (".mha", ".mhd")
+#: the endings of MetaImage and NRRD files: one file, or a header whose voxels are in a file
+#: it names; defined here for this module's reader, and the formats' of :mod:`hsmla_med.io.volumes`
+METAIMAGE_ENDINGS = (".mha", ".mhd")
+NRRD_ENDINGS = (".nrrd", ".nhdr")
+#: the file names SimpleITK reads here
+ITK_FILE = re.compile("(" + "|".join(re.escape(e) for e in METAIMAGE_ENDINGS + NRRD_ENDINGS) + ")$")
 _HEADER_BYTES = 1 << 16  # a MetaImage header is text lines before the voxels; real ones are under 2 kB
 _ELEMENT_BYTES = {"MET_UCHAR": 1, "MET_CHAR": 1, "MET_USHORT": 2, "MET_SHORT": 2, "MET_UINT": 4, "MET_INT": 4,
                   "MET_FLOAT": 4, "MET_ULONG": 8, "MET_LONG": 8, "MET_ULONG_LONG": 8, "MET_LONG_LONG": 8, "MET_DOUBLE": 8}
@@ -138,14 +142,14 @@ def header_reader(path: str | Path, inflate: bool = False):
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: file not found")
-    if path.suffix in _METAIMAGE:
+    if path.suffix in METAIMAGE_ENDINGS:
         check_metaimage(path, inflate)
     reader = sitk.ImageFileReader()
     reader.SetFileName(str(path))
     try:
         reader.ReadImageInformation()
     except RuntimeError as err:
-        raise DataError(f"{path}: cannot read as {'MetaImage' if path.suffix in _METAIMAGE else 'NRRD'} ({_last_line(err)})") from None
+        raise DataError(f"{path}: cannot read as {'MetaImage' if path.suffix in METAIMAGE_ENDINGS else 'NRRD'} ({_last_line(err)})") from None
     if reader.GetDimension() != 3:
         raise DataError(f"{path}: a volume has three dimensions, this image has {reader.GetDimension()} ({' x '.join(map(str, reader.GetSize()))})")
     if reader.GetNumberOfComponents() != 1:
@@ -213,14 +217,6 @@ class ITKFileReader(ImageReader):
         meta = {"affine": affines[0], "original_affine": affines[0].copy(), "spatial_shape": np.array(volumes[0].shape),
                 "original_channel_dim": float("nan") if len(img) == 1 else 0, "space": "RAS", "filename_or_obj": str(img[0])}
         return volume, meta
-
-
-def label_suffix(source: str | os.PathLike) -> str:
-    """The file ending of a label map predicted for ``source`` in its own format, as nnU-Net
-    writes predictions in the dataset's ``file_ending``: ``.mha`` for MetaImage (one file, also for
-    an ``.mhd`` header), ``.nrrd`` for NRRD, ``.nii.gz`` for anything else."""
-    suffix = Path(source).suffix
-    return ".mha" if suffix in _METAIMAGE else ".nrrd" if suffix in (".nrrd", ".nhdr") else ".nii.gz"
 
 
 def write_itk(path: str | Path, data: np.ndarray, reference: str | Path) -> Path:

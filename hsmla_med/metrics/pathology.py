@@ -37,7 +37,10 @@ import torch
 from monai.apps.pathology.utils import compute_isolated_tumor_cells, compute_multi_instance_mask
 from monai.metrics import compute_froc_score, compute_roc_auc
 from monai.transforms import ProbNMS
-from scipy.ndimage import gaussian_filter
+
+# the slide score smooths as the tumour outlines do: one definition, below the metrics in io;
+# named in __all__ as one of the metrics' functions too
+from hsmla_med.io.smoothing import smooth_map
 
 __all__ = ["FP_RATES", "OFFICIAL_MPP", "OFFICIAL_LEVEL", "auc", "detect_lesions", "evaluation_geometry", "evaluation_mask", "lesion_froc",
            "slide_fp_tp", "slide_score", "smooth_map"]
@@ -93,33 +96,6 @@ def slide_score(prob_map: np.ndarray, sigma: float = 1.0) -> float:
     """
     smoothed = smooth_map(prob_map, sigma)
     return float(np.nanmax(smoothed)) if not np.isnan(smoothed).all() else 0.0
-
-
-def smooth_map(prob_map: np.ndarray, sigma: float = 1.0) -> np.ndarray:
-    """A probability map Gaussian-smoothed over its valid cells (normalised convolution).
-
-    The zero-filled map and the validity mask are smoothed separately and divided, so each
-    valid cell becomes a Gaussian-weighted mean over the valid cells around it: missing patches,
-    inside the map or beyond its edge, count as neither tumour nor normal.
-
-    Args:
-        prob_map: ``(H, W)`` patch probabilities on the patch grid, NaN where there is no patch.
-        sigma: Gaussian standard deviation in grid cells; 0 returns the map unchanged.
-
-    Returns:
-        ``(H, W)`` float64, NaN where ``prob_map`` is NaN.
-    """
-    prob_map = np.asarray(prob_map, dtype=np.float64)
-    if prob_map.ndim != 2:
-        raise ValueError(f"prob_map must be 2D (H, W), got shape {prob_map.shape}")
-    if sigma < 0:
-        raise ValueError(f"sigma must be >= 0, got {sigma}")
-    valid = ~np.isnan(prob_map)
-    # mode="constant": cells beyond the map's edge are treated like missing patches
-    values = gaussian_filter(np.where(valid, prob_map, 0.0), sigma, mode="constant")
-    weights = gaussian_filter(valid.astype(np.float64), sigma, mode="constant")
-    with np.errstate(invalid="ignore", divide="ignore"):  # divided everywhere; weights vanish only far from valid cells
-        return np.where(valid, values / weights, np.nan)
 
 
 def detect_lesions(prob_map: np.ndarray, threshold: float = 0.5, radius: int = 2) -> np.ndarray:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from monai.networks.layers.factories import Norm
 from torch.nn.utils.fusion import fuse_conv_bn_eval
 
+from hsmla_med import kernels
 from hsmla_med.nn.attention import HSMLA
 from hsmla_med.nn.conv import conv_type
 from hsmla_med.nn.functional import building_graph
@@ -72,11 +71,6 @@ class ChannelLayerNorm(nn.LayerNorm):
         return F.layer_norm(x.movedim(1, -1), self.normalized_shape, self.weight, self.bias, self.eps).movedim(-1, 1)
 
 
-def _kernels():
-    """:mod:`hsmla_med.kernels`, imported at the first use (it imports :mod:`hsmla_med.nn.functional`)."""
-    return importlib.import_module("hsmla_med.kernels")
-
-
 class ConvNormAct(nn.Sequential):
     """Convolution ('same' padding, so odd sizes give ``ceil(size / stride)``), BatchNorm, Hardswish.
 
@@ -136,7 +130,7 @@ class ConvNormAct(nn.Sequential):
             y = conv(x)
             # at inference on the CPU, norm and activation in one C kernel, in place on the fresh
             # convolution output (None where it does not take the map: the modules below)
-            fused = None if self.training or building_graph() else _kernels().instance_norm_act_cpu(
+            fused = None if self.training or building_graph() else kernels.instance_norm_act_cpu(
                 y, norm.weight, norm.bias, norm.eps, hardswish=isinstance(act, nn.Hardswish), out=y
             )
             return fused if fused is not None else act(norm(y))

@@ -4,21 +4,21 @@ The layer asks once per call (and :meth:`~hsmla_med.nn.HSMLA.gate` once for itse
 rule of the choice is here, and each choice is logged at DEBUG level on the ``hsmla_med``
 logger with its reason.
 
-This is the one place where :mod:`hsmla_med.nn` uses :mod:`hsmla_med.kernels`, through its
-public names only. The kernels import their references from :mod:`hsmla_med.nn.functional`,
-so the package is imported at the first choice rather than when :mod:`hsmla_med.nn` loads
-(importing it here at load time would be an import cycle).
+This is the one place where :mod:`hsmla_med.nn` chooses among the attention kernels of
+:mod:`hsmla_med.kernels`, through that package's public names only. The kernels import nothing
+of :mod:`hsmla_med.nn` (their references are :mod:`hsmla_med.ops_reference`, which
+:mod:`hsmla_med.nn.functional` imports too): the arrow runs from the networks down.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 from typing import NamedTuple
 
 import torch
 
+from hsmla_med import kernels
 from hsmla_med.nn import functional as HF
 
 __all__ = ["BACKENDS", "BackendChoice", "select_backend"]
@@ -33,15 +33,6 @@ __all__ = ["BACKENDS", "BackendChoice", "select_backend"]
 BACKENDS = ("auto", "reference", "triton", "cpu", "dense")
 
 log = logging.getLogger("hsmla_med")
-_kernels = None
-
-
-def _kernel_api():
-    """:mod:`hsmla_med.kernels`, imported at the first use."""
-    global _kernels
-    if _kernels is None:
-        _kernels = importlib.import_module("hsmla_med.kernels")
-    return _kernels
 
 
 class BackendChoice(NamedTuple):
@@ -80,10 +71,9 @@ class BackendChoice(NamedTuple):
         attention is the reference itself: there is no C kernel for it, its PyTorch operations
         trace as they are, and the op would only add its dispatch, ~25 us per call.)"""
         if self.backend == "reference":
-            return HF.linear_attention, (_kernel_api().local_refine_op if self.as_op else HF.local_refine)
+            return HF.linear_attention, (kernels.local_refine_op if self.as_op else HF.local_refine)
         if self.backend == "dense":
             return HF.linear_attention, HF.dense_local_refine
-        kernels = _kernel_api()
         if self.interpreter:
             return kernels.linear_attention, kernels.local_refine
         if self.backend == "cpu":
@@ -104,14 +94,13 @@ class BackendChoice(NamedTuple):
         function runs without the op. The other backends compose their two ops
         (:meth:`ops`)."""
         if self.backend == "triton":
-            kernels = _kernel_api()
             return kernels.attention if self.interpreter else kernels.attention_op
         return functools.partial(HF.attend, *self.ops())
 
     def gate_op(self):
         """The registered block gate on the ``cpu`` backend (the C gate; it returns ``None`` for
         maps that are not whole tiles, which the PyTorch gate then takes), else ``None``."""
-        return _kernel_api().block_gate_op if self.backend == "cpu" else None
+        return kernels.block_gate_op if self.backend == "cpu" else None
 
 
 # What the kernels take depends on the machine (a built library, triton, CUDA) and not on tensor
@@ -119,12 +108,12 @@ class BackendChoice(NamedTuple):
 # (tracing into them would meet ctypes, file-system checks and lru_caches, and break the graph).
 @torch.compiler.assume_constant_result
 def _cpu_problem(device: torch.device, dtype: torch.dtype, channels_last: bool) -> str | None:
-    return _kernel_api().cpu_kernel_unsupported(device, dtype, channels_last)
+    return kernels.cpu_kernel_unsupported(device, dtype, channels_last)
 
 
 @torch.compiler.assume_constant_result
 def _triton_problem(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    return _kernel_api().triton_unsupported(device, dtype, head_dim)
+    return kernels.triton_unsupported(device, dtype, head_dim)
 
 
 def _refuse(requested: str, problem: str) -> RuntimeError:

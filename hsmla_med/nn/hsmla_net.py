@@ -369,7 +369,10 @@ class HSMLAClassifier(GatedNetwork):
         dropout: dropout before the last linear layer.
         **attention: keyword arguments for every HSMLA layer.
 
-    ``forward``: ``(batch, in_channels, *spatial)`` -> logits ``(batch, out_channels)``.
+    ``forward``: ``(batch, in_channels, *spatial)`` -> logits ``(batch, out_channels)``, which
+    is ``forward_head(forward_features(x))`` (timm's split): ``forward_features`` gives the
+    penultimate activations ``(batch, hidden)``, the input of the last linear layer (the patch
+    features ``wsi-features`` writes), ``forward_head`` that layer.
     """
 
     def __init__(
@@ -394,7 +397,15 @@ class HSMLAClassifier(GatedNetwork):
         )
         self._channels_last()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         x = self._check_input(x)
-        features = self.backbone(x)[-1]
-        return self.head(features.flatten(2).mean(dim=2))
+        pooled = self.backbone(x)[-1].flatten(2).mean(dim=2)
+        for layer in self.head[:-1]:
+            pooled = layer(pooled)
+        return pooled
+
+    def forward_head(self, features: torch.Tensor) -> torch.Tensor:
+        return self.head[-1](features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,18 +32,17 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 
-# (private helpers of the dataset JSON reader, reused so both read `labels` and file names alike)
-from hsmla_med.data.datalist import VOLUME_FILE, VOLUME_FORMATS, case_name, check_nifti, label_spec, read_header, read_json
+# (private helpers of the dataset JSON reader, reused so both read `labels` alike)
+from hsmla_med.data.datalist import label_spec, read_header, read_json
 from hsmla_med.errors import DataError, InputError
 from hsmla_med.io import is_temporary
-from hsmla_med.io.itk import is_itk_file, read_itk
+from hsmla_med.io.volumes import DICOM_SEG, VOLUME_FORMATS, case_name, file_format, file_stem, image_series, volume_format
 from hsmla_med.metrics.summary import absent_class, case_metrics, summarize_cases, write_reports
 
 __all__ = ["DEFAULT_NSD_TOLERANCE", "check_nsd_tolerance", "evaluate_folder", "pair_files", "check_geometry", "read_labels", "score_prediction"]
 
 log = logging.getLogger("hsmla_med")
 
-_SEG = re.compile(r"(\.seg)?\.dcm$", re.IGNORECASE)  # a DICOM SEG label map: X.seg.dcm or X.dcm
 _AFFINE_ATOL = 1e-3  # mm, as hsmla_med.data.datalist.check_pair compares an image with its label
 DEFAULT_NSD_TOLERANCE = 2.0  # mm: --nsd-tolerance and inference.nsd_tolerance when not given
 
@@ -59,10 +57,10 @@ def _label_files(folder: Path, option: str, seg: bool = False) -> dict[str, Path
     files: dict[str, Path] = {}
     segs: dict[str, Path] = {}
     for path in sorted(folder.iterdir()):
-        pattern = VOLUME_FILE if VOLUME_FILE.search(path.name) else _SEG if seg and _SEG.search(path.name) else None
-        if pattern is not None and path.is_file() and not is_temporary(path):
-            found = files if pattern is VOLUME_FILE else segs
-            stem = pattern.sub("", path.name)
+        kind = file_format(path, seg)
+        if kind is not None and path.is_file() and not is_temporary(path):
+            found = files if kind.volume_file else segs
+            stem = file_stem(path, seg)
             if stem in found:
                 raise DataError(f"{path}: {found[stem].name} has the same name in {option} {folder}")
             found[stem] = path
@@ -79,7 +77,7 @@ def _image_names(meta: dict) -> dict[str, str]:
     for entry in [e for entries in lists if isinstance(entries, list) for e in entries]:
         image = entry.get("image") if isinstance(entry, dict) else None  # (a list: a case's channel files, named by the first)
         if (isinstance(image, str) or isinstance(image, list) and image and isinstance(image[0], str)) and isinstance(entry.get("label"), str):
-            aliases[VOLUME_FILE.sub("", Path(entry["label"]).name)] = case_name(image)
+            aliases[file_stem(entry["label"])] = case_name(image)
     return aliases
 
 
@@ -139,18 +137,9 @@ def check_geometry(pairs: list[tuple[Path, Path]], grids: dict[Path, tuple] | No
 
 
 def read_labels(path: Path) -> np.ndarray:
-    """A label map as non-negative integers (3D); :class:`DataError` for other values."""
-    if is_itk_file(path):
-        data = read_itk(path)[0]
-    else:
-        try:
-            img = nib.load(str(path))
-            check_nifti(img, path, inflate=True)  # a cut-off, damaged or short file, before its voxels are allocated
-            data = np.asanyarray(img.dataobj)
-        except DataError:
-            raise
-        except Exception as err:  # nibabel raises several types for truncated or foreign files
-            raise DataError(f"{path}: cannot read as NIfTI ({err})") from None
+    """A label map as non-negative integers (3D), read by its format
+    (:func:`~hsmla_med.io.volumes.volume_format`); :class:`DataError` for other values."""
+    data = volume_format(path).read(path)[0]
     data = data.reshape(data.shape[:3])
     if not np.issubdtype(data.dtype, np.integer):
         if not np.all(np.isfinite(data)) or np.any(data != np.round(data)):
@@ -181,12 +170,8 @@ def score_prediction(reference: Path, prediction: np.ndarray, classes: Sequence[
     from hsmla_med.io.dicom_seg import is_seg_file
 
     if is_seg_file(reference):
-        from hsmla_med.data.datalist import image_series
-        from hsmla_med.io.dicom import series_geometry
-        from hsmla_med.io.dicom_seg import read_seg
-
-        series = image_series(image)
-        affine, truth = series_geometry(series)[1], read_seg(reference, series.files, label_names).astype(np.int64)
+        truth, affine = DICOM_SEG.read(reference, image_series(image).files, label_names)
+        truth = truth.astype(np.int64)
     else:
         _, affine = read_header(reference)
         truth = read_labels(reference)
@@ -235,7 +220,7 @@ def _dataset_labels(dataset_json: Path) -> tuple[_DatasetLabels, dict[str, str]]
 def _seg_series(pairs: list[tuple[Path, Path]], folder: Path) -> dict[Path, list[Path]]:
     """Each DICOM SEG among ``pairs`` -> the sorted files of the image series it references,
     found under ``folder``; :class:`DataError` naming a SEG whose series is not there."""
-    segs = [path for pair in pairs for path in pair if _SEG.search(path.name)]
+    segs = [path for pair in pairs for path in pair if file_format(path, seg=True) is DICOM_SEG]
     if not segs:
         return {}
     from hsmla_med.io.dicom import find_series
@@ -253,20 +238,16 @@ def _seg_series(pairs: list[tuple[Path, Path]], folder: Path) -> dict[Path, list
 
 def _seg_grids(sources: dict[Path, list[Path]]) -> dict[Path, tuple]:
     """``(shape, affine)`` of each SEG's series, as the series' NIfTI has them (SimpleITK's grid),
-    from the series' headers (:func:`~hsmla_med.io.dicom.series_geometry`)."""
-    from hsmla_med.io.dicom import series_geometry
-
-    return {seg: series_geometry(files) for seg, files in sources.items()}
+    from the series' headers (:meth:`~hsmla_med.io.volumes.DicomSeg.grid`)."""
+    return {seg: DICOM_SEG.grid(files) for seg, files in sources.items()}
 
 
 def _read_label_map(path: Path, sources: dict[Path, list[Path]], names: dict[int, str] | None) -> np.ndarray:
-    """A NIfTI label map (:func:`read_labels`), or a DICOM SEG on its series' grid, its segments
+    """A label map file (:func:`read_labels`), or a DICOM SEG on its series' grid, its segments
     valued by ``names``."""
     if path not in sources:
         return read_labels(path)
-    from hsmla_med.io.dicom_seg import read_seg
-
-    return read_seg(path, sources[path], ["background"] + [names[k] for k in sorted(names)]).astype(np.int64)
+    return DICOM_SEG.read(path, sources[path], ["background"] + [names[k] for k in sorted(names)])[0].astype(np.int64)
 
 
 def evaluate_folder(predictions: str | Path, labels: str | Path, dataset_json: str | Path | None = None,
@@ -294,7 +275,7 @@ def evaluate_folder(predictions: str | Path, labels: str | Path, dataset_json: s
     spec, aliases = _dataset_labels(Path(dataset_json)) if dataset_json is not None else (None, {})
     names = spec.names if spec is not None else None
     pairs = pair_files(predictions, labels, aliases, seg=True)
-    seg = next((path for pair in pairs for path in pair if _SEG.search(path.name)), None)
+    seg = next((path for pair in pairs for path in pair if file_format(path, seg=True) is DICOM_SEG), None)
     if seg is not None and names is None:
         raise InputError(f"{seg}: --dataset-json is needed with DICOM SEG files: its labels give the segments their label values")
     sources = _seg_series(pairs, Path(dicom) if dicom is not None else labels)

@@ -3,6 +3,10 @@
 ``model.ts`` goes through (transforms, sliding window, inversion, writers), rebuilt from the
 hyper-parameters the model carries (:func:`hsmla_med.engine.checkpoint.load_exported`).
 
+It is the engine's, beside the TorchScript reader of :mod:`.checkpoint`, rather than a part of
+:mod:`hsmla_med.export`, which writes the models: export builds on the engine (it loads
+checkpoints through it), so the engine reads exported models without importing export.
+
 onnxruntime is not a dependency of hsmla-med (the ``test`` extra installs it): without it an
 ONNX model is refused with one line saying so.
 """
