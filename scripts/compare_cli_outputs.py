@@ -29,7 +29,7 @@ VOLATILE = {"seconds", "time", "elapsed", "duration", "wall_s", "started", "fini
             "seconds_per_case", "throughput", "timestamp", "epoch_seconds"}
 # files that record the run itself (logs, timings, caches)
 SKIPPED_SUFFIXES = (".log", ".tmp")
-SKIPPED_NAMES = {"events.out.tfevents", "hparams.yaml"}
+SKIPPED_NAMES = {"events.out.tfevents", "hparams.yaml", "report.html"}  # the HTML report embeds timings
 
 
 def _commands(out: Path) -> list[list[str]]:
@@ -81,7 +81,39 @@ def _clean(value):
     return value
 
 
+def _tensors(value):
+    """A loaded checkpoint or state dict as comparable plain data (tensors as bytes and shape)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return (str(value.dtype), tuple(value.shape), value.detach().cpu().contiguous().numpy().tobytes())
+    if isinstance(value, dict):
+        return {k: _tensors(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_tensors(v) for v in value]
+    return value
+
+
 def _content(path: Path):
+    """What a file holds, as it should compare: serialised models by their weights and code (their
+    zip archives differ run to run), TIFFs by pixels and tags less the OME UUID (random per file)."""
+    if path.suffix in (".ckpt", ".pt"):
+        import torch
+
+        return _tensors(torch.load(path, map_location="cpu", weights_only=False))
+    if path.suffix == ".ts":
+        import torch
+
+        model = torch.jit.load(str(path), map_location="cpu")
+        return _tensors(model.state_dict()), model.code
+    if path.suffix in (".tif", ".tiff"):
+        import re
+
+        import tifffile
+
+        with tifffile.TiffFile(path) as tif:
+            return [(page.asarray().tobytes(), {t.name: re.sub(r"urn:uuid:[0-9a-f-]+", "", str(t.value)) for t in page.tags.values()})
+                    for page in tif.pages]
     if path.suffix == ".json":
         try:
             return _clean(json.loads(path.read_text()))
