@@ -305,7 +305,7 @@ def test_a_failed_background_write_fails_the_run_and_marks_nothing_done(slides, 
     def full_disk(*args, **kwargs):
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(camelyon16, "write_pyramidal_tiff", full_disk)
+    monkeypatch.setattr(camelyon16.writers, "write_pyramidal_tiff", full_disk)
     module = ClassificationModule(camelyon16.module_config(_config(slides), {"variant": "b0"}, camelyon16.LABELS), network=DarkIsTumour())
     slide = next((slides / "data" / "testing" / "images").glob("*.tif"))
     with pytest.raises(OSError, match="No space left"):

@@ -251,7 +251,7 @@ def test_infer_on_a_series_equals_infer_on_its_nifti_conversion(tmp_path, orient
 def test_infer_item_keeps_the_sorted_source_files(tmp_path):
     files = write_series(tmp_path / "s", _volume())
     (series,) = find_series(tmp_path / "s")
-    item = btcv._case(series, tmp_path / "out", {})
+    item = btcv._case(series, tmp_path / "out")
     assert item["dicom_files"] == [str(f) for f in series.files] and sorted(item["dicom_files"]) == sorted(map(str, files))
     assert item["output"] == tmp_path / "out" / "P-01_20240102_3_CT-abdomen.nii.gz"
 
@@ -262,7 +262,7 @@ def test_a_dicom_file_named_img_is_its_series_not_a_nifti_pair(tmp_path):
     files = write_series(tmp_path / "s", _volume())
     named = files[0].rename(files[0].with_suffix(".img"))
     (series,) = find_series(tmp_path / "s")
-    item = btcv._case(named, tmp_path / "out", {})
+    item = btcv._case(named, tmp_path / "out")
     assert item["dicom_files"] == [str(f) for f in series.files] and str(named) in item["dicom_files"]
 
 
