@@ -170,8 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="The task's validation metrics of a checkpoint (--task, --checkpoint) on the validation cases ("
                        + "; ".join(f"{n}: {card.metrics}" for n, card in CARDS.items()) + "); writes OUTPUT/metrics.json. "
                        "Or, with --predictions DIR --labels DIR, scores label maps from any tool (ours, nnU-Net's, MONAI's) against the "
-                       "reference label maps of the same file names, as nnU-Net's compute_metrics_on_folder does, plus HD95 and NSD in mm "
-                       "and bootstrap 95%% intervals; writes summary.json and metrics_per_case.csv into --output (default: DIR).")
+                       "reference label maps of the same file names (with --dataset-json also by the image its lists name beside each "
+                       "label: imgNNNN with labelNNNN), the pairs there are, as nnU-Net's compute_metrics_on_folder does, plus HD95 and "
+                       "NSD in mm and bootstrap 95% intervals; writes summary.json and metrics_per_case.csv into --output (default: DIR).")
     _add_task_options(p, required=False, help=f"; default with --checkpoint: the task it was trained for; with --predictions: {task_name(PREDICTIONS_TASK)}")
     p.add_argument("--checkpoint", nargs="+", metavar="CKPT", help="a checkpoint written by train; several: their ensemble (probabilities "
                    "averaged as infer does), which has trained on every member's training cases")
@@ -180,7 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "label maps; luna16 a submission CSV (or the folder infer wrote it in); camelyon16 a folder of lesion CSVs and the slide CSV; endovis a folder of mask PNGs")
     p.add_argument("--labels", metavar="L", help="with --predictions, the reference: btcv a folder of label maps (same file names, same shape "
                    "and affine); luna16 annotations.csv (or a LUNA16 folder, whose CSVs are found there); camelyon16 the folder of annotation XMLs; endovis the dataset folder")
-    p.add_argument("--dataset-json", metavar="F", help="btcv, with --predictions: dataset.json naming the classes ('labels'; default: the label values found)")
+    p.add_argument("--dataset-json", metavar="F", help="btcv, with --predictions: dataset.json naming the classes ('labels'; default: the label "
+                   "values found) and pairing each label with the image its lists name beside it (a prediction is named after its image: "
+                   "imgNNNN.nii.gz scores against labelNNNN.nii.gz)")
     p.add_argument("--dicom", metavar="DIR", help="btcv, with --predictions: the folder under which the image series that DICOM SEG files "
                    "(.dcm, among the predictions or labels) reference are found, by Series Instance UID, at any depth (default: the --labels folder); "
                    "a SEG's segments take the label values of their names in --dataset-json")
@@ -218,6 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
                    f"validation voxels or patches (default {CALIBRATION_SAMPLES})")
     p.add_argument("--allow-training-cases", action="store_true", help="calibrate on validation cases the checkpoint trained on (refused by default)")
     _add_trainer_options(p)
+
+    p = sub.add_parser("report", help="a self-contained HTML page of a run, evaluation or calibration folder",
+                       description="Writes one HTML file (images inlined, no network needed) of a folder that train, evaluate, calibrate, "
+                       "cross-validate, infer or wsi-heatmap wrote: scores, training curves, the per-case table (sortable, worst mean Dice "
+                       "first) with box plots per class, slide overlays, FROC, calibration, the gate's share of refined tiles, the "
+                       "configuration and plan, and provenance. train, evaluate, calibrate and cross-validate write it by themselves.")
+    p.add_argument("folder", metavar="RUN_OR_EVAL_DIR", help="the folder to report on")
+    p.add_argument("--output", metavar="FILE", help="the HTML file (default: RUN_OR_EVAL_DIR/report.html)")
 
     p = sub.add_parser("wsi-heatmap", help="tumour heatmaps of whole slides (CAMELYON16 checkpoint)", description="Streams the tissue patches of each slide through the classifier and writes <slide>_heatmap.tif (pyramidal, OpenSlide/QuPath), <slide>_overlay.png, <slide>_gates.png, the predicted tumour regions as <slide>.geojson (QuPath: drag onto the slide) and <slide>.xml (ASAP: Load in the Annotations panel; ASAP loads it by itself from beside the slide file) (inference.region_threshold and region_sigma of the training config), the CAMELYON16 submission lesions/<slide>.csv and slides.csv, and <slide>.json into OUTPUT. Slides this checkpoint already did with the same options are skipped, so an interrupted run resumes; OUTPUT holding heatmaps of another checkpoint or other options is refused unless --overwrite.")
     _add_slide_options(p, "folder for the heatmaps")
@@ -314,6 +325,7 @@ def _train(config: dict, resume: bool = False) -> dict:
             log.info("\n".join(plan_lines(cases.plan, cases.plan["kept"], config, f"{cases.plan['fingerprint']}; {output / PLANS_FILE}")))
     summary = fit(module, task.datamodule(config, cases), output, config["trainer"], resume=resume)
     _print_summary(task, summary, output)
+    _write_html_report(output)
     return summary
 
 
@@ -344,6 +356,7 @@ def _cross_validate(args) -> dict:
         print(f"\ncross-validation of {len(report['folds'])} fold(s) in {report['seconds']:.0f} s; pooled validation: "
               + ", ".join(f"{k} {v:.4f}" for k, v in means.items() if isinstance(v, (int, float)) and k not in _COUNTS)
               + f"\n  report: {Path(config['output']) / 'crossval.json'}")
+        _write_html_report(Path(config["output"]))
     return report
 
 
@@ -352,6 +365,27 @@ def _print_summary(task, summary: dict | None, output: Path) -> None:
         return
     print("\n" + "\n".join(task.summary_lines(summary)))
     print(f"metrics: {output / 'metrics.json'}")
+
+
+def _html_report(args) -> Path:
+    from hsmla_med.report import write_report
+
+    path = write_report(Path(args.folder), Path(args.output) if args.output else None)
+    print(f"report: {path}")
+    return path
+
+
+def _write_html_report(folder: Path) -> None:
+    """``folder/report.html`` at the end of a command, by the first process; one that cannot be
+    written is a warning, not a failure: the command's results are already on disk."""
+    from hsmla_med.errors import InputError
+    from hsmla_med.report import write_report
+
+    if _first_process():
+        try:
+            print(f"report: {write_report(folder)}")
+        except InputError as err:
+            log.warning("warning: no report.html: %s", err)
 
 
 def _device(name: str) -> str:
@@ -590,6 +624,7 @@ def _evaluate_predictions(args) -> dict:
     options = {k: getattr(args, k) for k in ("dataset_json", "nsd_tolerance", "excluded", "seriesuids", "data_dir", "problem", "dicom", "masks")}
     summary = task.score_predictions(predictions, labels, output, options)
     print("\n".join(task.score_lines(summary, output)))
+    _write_html_report(output)
     return summary
 
 
@@ -652,6 +687,7 @@ def _evaluate(args) -> dict:
     _print_summary(task, summary, output)
     if reports:
         print(f"per case: {', '.join(map(str, reports))}")
+    _write_html_report(output)
     return summary
 
 
@@ -677,6 +713,7 @@ def _calibrate(args) -> dict | None:
         print(f"temperature {', '.join(f'{t:.4g}' for t in record['temperature'])} from {record['samples']} validation samples; "
               + "; ".join(f"{k} {fmt(before[k])} -> {fmt(after[k])}" for k in ("ece", "ece_foreground", "brier", "nll")))
         print(f"calibrated checkpoint: {output / Path(args.checkpoint).name}; {output / 'calibration.json'}, {output / 'reliability.png'}")
+        _write_html_report(output)
     return record
 
 
@@ -702,13 +739,19 @@ def _demo(args) -> int:
         task = get_task(name)
         cases = task.datalist(config)
         module, _ = task.load(output / "best.ckpt")
-        written = [p for item in task.held_out(cases) for p in task.predict(module, item, output / "predictions", InferenceOptions(overwrite=True))]
+        predictions = output / "predictions"
+        for item in task.held_out(cases):
+            task.predict(module, item, predictions, InferenceOptions(overwrite=True))
+        # every file written, not only what marks a case done (a slide's heatmap, overlay and regions too)
+        written = sorted(str(p.relative_to(predictions)) for p in predictions.rglob("*") if p.is_file() and not p.relative_to(predictions).parts[0].startswith("."))
         metric = module.monitor
+        # a score over slides says so: its items (patches) are not what it averages
+        held = f"{summary['slides']} held-out synthetic slides" if "slides" in summary else f"{summary['cases']} held-out synthetic items"
         report.append(
-            f"{name}: {metric} {summary[metric]:.4f} on {summary['cases']} held-out synthetic items, "
+            f"{name}: {metric} {summary[metric]:.4f} on {held}, "
             f"{time.perf_counter() - started:.0f} s\n  checkpoints: {output / 'best.ckpt'}, {output / 'last.ckpt'}\n"
             f"  metrics: {output / 'metrics.json'}, curve: {output / 'training_curve.png'}\n"
-            f"  outputs: {', '.join(str(p) for p in written)}"
+            f"  outputs in {predictions}: {', '.join(written)}"
         )
     print("\n" + "\n".join(report))
     return 0
@@ -817,6 +860,7 @@ def main(argv: list[str] | None = None) -> int:
         "wsi-features": lambda: _wsi(args, features=True),
         "export": lambda: _export(args),
         "calibrate": lambda: _calibrate(args),
+        "report": lambda: _html_report(args),
         "bench": lambda: _bench(args),
         "demo": lambda: _demo(args),
     }

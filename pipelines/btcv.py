@@ -333,9 +333,10 @@ def infer(
             written.append(write_labels(prediction_path(output, source, case["name"]), labels, reference))
         if seg and labels.any():  # last: it marks the case done
             written.append(DICOM_SEG.write_labels(case["output"], labels, case["dicom_files"], module.label_names, algorithm))
-        elif seg:
-            options.progress(f"{source.name}: no foreground class predicted, no DICOM SEG written (a SEG holds at least one segment)")
-        options.progress(f"{source.name}: {'x'.join(map(str, shape[:3]))} voxels -> {', '.join(map(str, written))}")
+        named = f"DICOM series {case['name']} ({source})" if "dicom_files" in case else source.name  # a series' folder is no case name
+        if seg and not labels.any():
+            options.progress(f"{named}: no foreground class predicted, no DICOM SEG written (a SEG holds at least one segment)")
+        options.progress(f"{named}: {'x'.join(map(str, shape[:3]))} voxels -> {', '.join(map(str, written))}")
         return written
 
     def review_queue() -> list[Path]:

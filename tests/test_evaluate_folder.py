@@ -8,6 +8,7 @@ import csv
 import json
 import math
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ import torch
 from monai.metrics import compute_hausdorff_distance
 
 from hsmla_med.cli import main
+from hsmla_med.errors import DataError
 from tests.conftest import cli_error, write_nifti
 from tests.test_summary import nnunet_case
 
@@ -155,17 +157,28 @@ def test_affine_mismatch_one_line_exit_2(tmp_path, capsys):
     assert not (predictions / "summary.json").exists()
 
 
-def test_missing_and_unmatched_predictions_listed(tmp_path, capsys):
+def test_the_pairs_there_are_are_scored_and_the_others_listed(tmp_path, capsys):
+    """As nnU-Net's compute_metrics_on_folder: labels without a prediction (a model's validation
+    fold against every label) and predictions without a label (test volumes) are left out, each
+    kind listed in one warning; nothing paired is one line saying how files pair."""
+    from hsmla_med.evaluation import pair_files
+
     predictions, labels, arrays = _folders(tmp_path, cases=3)
     (predictions / "case_001.nii.gz").unlink()
     (predictions / "case_002.nii.gz").unlink()
-    line = cli_error(capsys, ["evaluate", "--predictions", str(predictions), "--labels", str(labels)])
-    assert "no prediction for 2 of 3 label maps" in line and "case_001.nii.gz, case_002.nii.gz" in line
-    (labels / "case_001.nii.gz").unlink()
-    (labels / "case_002.nii.gz").unlink()
     write_nifti(predictions / "extra.nii.gz", arrays["case_000.nii.gz"][1], AFFINE)
+    assert main(["evaluate", "--predictions", str(predictions), "--labels", str(labels)]) == 0
+    err = capsys.readouterr().err
+    assert "scoring 1 of the 3 label maps" in err and "case_001.nii.gz, case_002.nii.gz" in err
+    assert "1 prediction(s)" in err and "extra.nii.gz" in err and "not scored" in err
+    summary = json.loads((predictions / "summary.json").read_text())
+    assert [Path(c["reference_file"]).name for c in summary["metric_per_case"]] == ["case_000.nii.gz"]
+    # post-processing's choice pairs strictly: every file or nothing
+    with pytest.raises(DataError, match="no prediction for 2 of 3 label maps"):
+        pair_files(predictions, labels)
+    (predictions / "case_000.nii.gz").rename(predictions / "img0000.nii.gz")
     line = cli_error(capsys, ["evaluate", "--predictions", str(predictions), "--labels", str(labels)])
-    assert "no label map for 1 prediction(s)" in line and "extra.nii.gz" in line
+    assert "none of its 2 prediction(s) pairs with a label map" in line and "--dataset-json" in line
 
 
 def test_bad_options_and_values(tmp_path, capsys):

@@ -214,3 +214,17 @@ def test_reports_written_with_null_for_nan(tmp_path):
     assert len(rows) == 9 and rows[1]["name"] == "spleen" and rows[1]["case"] == "case0.nii.gz"
     assert float(rows[1]["Dice"]) == 0 and rows[2]["Dice"] == "nan"
     assert int(rows[0]["TP"]) == loaded["metric_per_case"][0]["metrics"]["1"]["TP"]
+
+
+def test_one_case_has_no_interval_rather_than_one_of_zero_width():
+    """A bootstrap of one case resamples that case every time: its zero-width interval would read
+    as certainty, so the bounds are null and the summary says why; two cases get intervals."""
+    rng = np.random.default_rng(0)
+    ref = rng.integers(0, 3, (12, 12, 4))
+    case = {"reference_file": "a", "prediction_file": "a", "metrics": case_metrics(ref, ref, [1, 2], [1.0, 1.0, 1.0], 2.0)}
+    one = summarize_cases([case], [1, 2], draws=50)
+    assert all(bounds == [None, None] for per_class in one["ci95"]["mean"].values() for bounds in per_class.values())
+    assert all(bounds == [None, None] for bounds in one["ci95"]["foreground_mean"].values())
+    assert "one case" in one["bootstrap"]["note"] and one["mean"]["1"]["Dice"] == 1.0
+    two = summarize_cases([case, case], [1, 2], draws=50)
+    assert two["ci95"]["mean"]["1"]["Dice"] == [1.0, 1.0] and "note" not in two["bootstrap"]

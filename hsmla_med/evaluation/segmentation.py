@@ -81,11 +81,16 @@ def _image_names(meta: dict) -> dict[str, str]:
     return aliases
 
 
-def pair_files(predictions: Path, labels: Path, aliases: dict[str, str] | None = None, seg: bool = False) -> list[tuple[Path, Path]]:
+def pair_files(predictions: Path, labels: Path, aliases: dict[str, str] | None = None, seg: bool = False,
+               partial: bool = False) -> list[tuple[Path, Path]]:
     """``(reference, prediction)`` pairs by file name (or by the reference's image name in
-    ``aliases``), in the references' order, DICOM SEG files (``.dcm``) among them with ``seg``;
-    :class:`DataError` listing the references without a prediction, or the predictions without a
-    reference."""
+    ``aliases``), in the references' order, DICOM SEG files (``.dcm``) among them with ``seg``.
+
+    ``partial``: the pairs there are, as nnU-Net's ``compute_metrics_on_folder`` scores the
+    predictions it finds (a model's predictions of its validation fold against a folder of every
+    label; test volumes predicted without labels): the label maps without a prediction and the
+    predictions without a label map are left out, each kind listed in one warning. Otherwise, and
+    when nothing pairs, a :class:`DataError` lists them, saying how files pair."""
     references = _label_files(labels, "--labels", seg)
     found = _label_files(predictions, "--predictions", seg)
     pairs, missing = [], []
@@ -96,10 +101,22 @@ def pair_files(predictions: Path, labels: Path, aliases: dict[str, str] | None =
             missing.append(reference.name)
         else:
             pairs.append((reference, match))
+    how = "predictions pair with labels by file name" + ("" if aliases else ", or with --dataset-json by the image its lists name beside each label "
+                                                          "(imgNNNN with labelNNNN)")
+    if not pairs:
+        raise DataError(f"--predictions {predictions}: none of its {len(found)} prediction(s) pairs with a label map in {labels} ({how})")
+    unmatched = sorted(set(found.values()) - {p for _, p in pairs})
+    if partial:
+        if missing:
+            log.warning("scoring %d of the %d label maps in %s: %d have no prediction in %s: %s", len(pairs), len(references), labels,
+                        len(missing), predictions, _listing(missing))
+        if unmatched:
+            log.warning("%d prediction(s) in %s have no label map in %s, not scored: %s", len(unmatched), predictions, labels,
+                        _listing([p.name for p in unmatched]))
+        return pairs
     if missing:
         raise DataError(f"--predictions {predictions}: no prediction for {len(missing)} of {len(references)} label maps in "
-                        f"{labels}: {_listing(missing)} (predictions pair with labels by file name)")
-    unmatched = sorted(set(found.values()) - {p for _, p in pairs})
+                        f"{labels}: {_listing(missing)} ({how})")
     if unmatched:
         raise DataError(f"--labels {labels}: no label map for {len(unmatched)} prediction(s) in {predictions}: "
                         f"{_listing([p.name for p in unmatched])}")
@@ -274,7 +291,7 @@ def evaluate_folder(predictions: str | Path, labels: str | Path, dataset_json: s
     check_nsd_tolerance(nsd_tolerance, "--nsd-tolerance")
     spec, aliases = _dataset_labels(Path(dataset_json)) if dataset_json is not None else (None, {})
     names = spec.names if spec is not None else None
-    pairs = pair_files(predictions, labels, aliases, seg=True)
+    pairs = pair_files(predictions, labels, aliases, seg=True, partial=True)
     seg = next((path for pair in pairs for path in pair if file_format(path, seg=True) is DICOM_SEG), None)
     if seg is not None and names is None:
         raise InputError(f"{seg}: --dataset-json is needed with DICOM SEG files: its labels give the segments their label values")

@@ -25,7 +25,8 @@ make the whole foreground mean NaN). NaN is written as JSON ``null``.
 
 ``ci95``: percentile bootstrap of those means: cases are resampled with replacement (all classes
 of a case together), ``draws`` times with a seeded generator, and each draw's means are computed
-by the same rules.
+by the same rules. Of one case every draw is that case, an interval of zero width that would
+read as certainty: the bounds are then ``null`` and ``bootstrap`` says why.
 """
 
 from __future__ import annotations
@@ -192,6 +193,8 @@ def summarize_cases(cases: Sequence[dict], labels: Sequence[int], label_names: d
     class_means = _nanmean(table, axis=0)  # (classes, metrics)
     foreground = _nanmean(class_means, axis=0)
     intervals = {m: bootstrap_means(table[:, :, names.index(m)], draws, seed, confidence) for m in SCORES}
+    if len(cases) < 2:  # a bootstrap of one case has zero width: no interval rather than a false one
+        intervals = {m: (np.full_like(lo, np.nan), np.full_like(fg, np.nan)) for m, (lo, fg) in intervals.items()}
     keys = [str(k) for k in labels]
     return {
         "metric_per_case": [
@@ -206,7 +209,8 @@ def summarize_cases(cases: Sequence[dict], labels: Sequence[int], label_names: d
             "mean": {key: {m: [_json(b) for b in intervals[m][0][i]] for m in SCORES} for i, key in enumerate(keys)},
             "foreground_mean": {m: [_json(b) for b in intervals[m][1]] for m in SCORES},
         },
-        "bootstrap": {"draws": draws, "seed": seed, "confidence": confidence, "method": "percentile, cases resampled with replacement"},
+        "bootstrap": {"draws": draws, "seed": seed, "confidence": confidence, "method": "percentile, cases resampled with replacement",
+                      **({"note": "one case: no interval (every resample is that case)"} if len(cases) < 2 else {})},
         **extra,
     }
 

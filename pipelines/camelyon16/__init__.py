@@ -49,9 +49,10 @@ def module_config(config: dict, model: dict, label_names: list[str], in_channels
     return hparams(config, model, label_names, 2, in_channels, dict(config["inference"]), data)
 
 
-def held_out(cases: Datalist) -> list[str]:
-    """The slides ``demo`` writes heatmaps of after training: the test slides."""
-    return [c["slide"] for c in cases.test]
+def held_out(cases: Datalist) -> list[list[str]]:
+    """The slides ``demo`` writes heatmaps of after training: the test slides, as one input
+    list, so that they share one slide CSV."""
+    return [[c["slide"] for c in cases.test]]
 
 
 def infer(module: ClassificationModule, inputs: str | Path | Iterable[str | Path], output: str | Path,
