@@ -73,6 +73,9 @@ def _add_training_options(p: argparse.ArgumentParser, output: str) -> None:
     steps.add_argument("--max-epochs", type=int, help="epochs to train instead of steps")
     p.add_argument("--output", help=output)
     p.add_argument("--seed", type=int, help="random seed (config: seed; the splits file, once made, keeps its folds)")
+    p.add_argument("--logger", choices=["csv", "tensorboard", "mlflow"], help="Lightning's loggers: csv (OUTPUT/logs, always), also tensorboard "
+                   "(OUTPUT/tensorboard; pip install tensorboard) or mlflow (MLFLOW_TRACKING_URI, else OUTPUT/mlruns; pip install mlflow) "
+                   "(config: trainer.logger)")
     _add_trainer_options(p)
 
 
@@ -285,7 +288,7 @@ def _config(args) -> dict:
         trainer["max_steps"], trainer["max_epochs"] = args.max_steps, None
     if getattr(args, "max_epochs", None) is not None:
         trainer["max_epochs"], trainer["max_steps"] = args.max_epochs, None
-    for key in ("accelerator", "devices", "num_nodes", "strategy", "precision"):
+    for key in ("accelerator", "devices", "num_nodes", "strategy", "precision", "logger"):
         value = getattr(args, key, None)
         if value is not None:
             trainer[key] = int(value) if key == "devices" and str(value).isdigit() else value

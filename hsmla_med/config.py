@@ -309,6 +309,7 @@ _CHECKS = {
     "trainer.devices": _devices,
     "trainer.num_nodes": _number(1, integer=True),
     "trainer.strategy": _string,
+    "trainer.logger": _choice("csv", "tensorboard", "mlflow"),
     "trainer.precision": _choice("auto", "32-true", "32", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true"),
     "data.folds": _number(2, integer=True),
     "data.splits_file": _optional_string,

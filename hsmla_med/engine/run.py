@@ -3,6 +3,7 @@ validated), resume, evaluation, and checkpoint loading with ``weights_only=True`
 
 from __future__ import annotations
 
+import os
 import logging
 from pathlib import Path
 
@@ -54,12 +55,34 @@ def _precision(trainer_cfg: dict) -> str:
     return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
 
 
-def _loggers(output: Path) -> list:
-    """CSV always, TensorBoard when installed. Each run gets a new ``version_N`` folder, so a
-    resumed run adds its rows beside the earlier ones instead of replacing them."""
+#: ``trainer.logger`` / ``--logger``: where the curves go besides the CSV, with what installs it
+LOGGERS = {"csv": (), "tensorboard": ("tensorboard", "tensorboardX"), "mlflow": ("mlflow",)}  # name -> the modules, any of which serves
+
+
+def _check_logger(name: str) -> None:
+    """Refuse, before any work, a logger that is not one of :data:`LOGGERS` or not installed
+    (one line with the command that installs it: TensorBoard and MLflow are optional extras)."""
+    if name not in LOGGERS:
+        raise ConfigError(f"--logger {name}: one of {', '.join(LOGGERS)}")
+    needed = LOGGERS[name]
+    if needed and not any(module_available(m) for m in needed):
+        raise ConfigError(f"--logger {name}: {needed[0]} is not installed; pip install {needed[0]} (or pip install -e '.[{name}]')")
+
+
+def _loggers(output: Path, name: str = "csv") -> list:
+    """Lightning's CSV logger always (``OUTPUT/logs``: the curve, ``metrics.csv`` and the report
+    read it), and TensorBoard's (``OUTPUT/tensorboard``) or MLflow's (the tracking server of
+    ``MLFLOW_TRACKING_URI``, else a file store in ``OUTPUT/mlruns``) when ``name`` asks. Each run
+    gets a new ``version_N`` folder, so a resumed run adds its rows beside the earlier ones
+    instead of replacing them."""
     loggers = [CSVLogger(output, name="logs")]
-    if module_available("tensorboard") or module_available("tensorboardX"):
+    if name == "tensorboard":
         loggers.append(TensorBoardLogger(output, name="tensorboard", version=loggers[0].version))
+    elif name == "mlflow":
+        from lightning.pytorch.loggers import MLFlowLogger
+
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or (Path(output).resolve() / "mlruns").as_uri()
+        loggers.append(MLFlowLogger(experiment_name="hsmla-med", run_name=Path(output).name, tracking_uri=uri))
     return loggers
 
 
@@ -79,6 +102,7 @@ def check_trainer_config(trainer_cfg: dict) -> None:
     line each)."""
     _choice(trainer_cfg, "strategy", STRATEGIES)
     _choice(trainer_cfg, "precision", PRECISIONS)
+    _check_logger(trainer_cfg.get("logger", "csv"))
     check_cpu_processes(trainer_cfg.get("accelerator", "auto"), trainer_cfg.get("devices", "auto"))
     check_launcher(trainer_cfg.get("num_nodes", 1))
 
@@ -152,7 +176,7 @@ def fit(module: L.LightningModule, datamodule: L.LightningDataModule, output: st
     )
     # no monitor: the one "top-1" checkpoint is rewritten at every validation
     last_checkpoint = ModelCheckpoint(dirpath=output, filename="last", save_top_k=1, enable_version_counter=False, save_on_train_epoch_end=False)
-    loggers = _loggers(output)
+    loggers = _loggers(output, trainer_cfg.get("logger", "csv"))
     # the curve of a resumed run includes the rows of the runs it continues
     version = loggers[0].version
     logs = [output / "logs" / f"version_{v}" / "metrics.csv" for v in (range(version + 1) if resume else [version])]

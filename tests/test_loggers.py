@@ -1,0 +1,36 @@
+"""``train --logger csv|tensorboard|mlflow`` (issue 53, item 2): Lightning's loggers; the CSV one
+always (the curve and the report read it); TensorBoard and MLflow optional extras, refused in one
+line with the command that installs them, before any data is read."""
+
+from __future__ import annotations
+
+import pytest
+
+from hsmla_med.cli import main
+from hsmla_med.engine import run
+from tests.conftest import cli_error, make_dataset, tiny_yaml
+
+
+def test_tensorboard_logs_beside_the_csv(tmp_path):
+    pytest.importorskip("tensorboardX")
+    data = make_dataset(tmp_path / "data", cases=2)
+    out = tmp_path / "run"
+    assert main(["train", "--task", "btcv", "--data-dir", str(data), "--config", str(tiny_yaml(tmp_path / "tiny.yaml")),
+                 "--max-steps", "2", "--logger", "tensorboard", "--output", str(out)]) == 0
+    assert list((out / "tensorboard" / "version_0").glob("events.out.tfevents.*"))
+    assert (out / "logs" / "version_0" / "metrics.csv").is_file()
+
+
+@pytest.mark.parametrize("name, package", [("tensorboard", "tensorboard"), ("mlflow", "mlflow")])
+def test_a_logger_not_installed_is_one_line_with_its_install_command(tmp_path, capsys, monkeypatch, name, package):
+    monkeypatch.setattr(run, "module_available", lambda module: False)
+    line = cli_error(capsys, ["train", "--task", "btcv", "--data-dir", str(tmp_path / "nowhere"), "--logger", name, "--output", str(tmp_path / "run")])
+    assert f"--logger {name}" in line and f"pip install {package}" in line and "nowhere" not in line  # before the data is looked at
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_config_logger_is_checked(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text("trainer:\n  logger: wandb\n")
+    line = cli_error(capsys, ["train", "--task", "btcv", "--config", str(config), "--output", str(tmp_path / "run")])
+    assert "trainer.logger" in line and "tensorboard" in line
