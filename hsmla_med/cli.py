@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import shlex
 import sys
 import time
 import warnings
@@ -370,6 +371,9 @@ def _print_summary(task, summary: dict | None, output: Path) -> None:
     print(f"metrics: {output / 'metrics.json'}")
 
 
+_COMMAND_LINE: list[str] = []  # the arguments of the running command (main's), for command.json
+
+
 def _html_report(args) -> Path:
     from hsmla_med.report import write_report
 
@@ -379,16 +383,29 @@ def _html_report(args) -> Path:
 
 
 def _write_html_report(folder: Path) -> None:
-    """``folder/report.html`` at the end of a command, by the first process; one that cannot be
-    written is a warning, not a failure: the command's results are already on disk."""
+    """``folder/command.json`` (the command line and the versions that ran it: the report's
+    provenance) and ``folder/report.html`` at the end of a command, by the first process; a report
+    that cannot be written is a warning, not a failure: the command's results are already on disk."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
     from hsmla_med.errors import InputError
+    from hsmla_med.io import write_json
     from hsmla_med.report import write_report
 
-    if _first_process():
+    if not _first_process():
+        return
+    versions = {"python": platform.python_version()}
+    for package in ("hsmla-med", "torch", "monai", "lightning", "numpy"):
         try:
-            print(f"report: {write_report(folder)}")
-        except InputError as err:
-            log.warning("warning: no report.html: %s", err)
+            versions[package] = version(package)
+        except PackageNotFoundError:
+            versions[package] = None
+    write_json(folder / "command.json", {"command": shlex.join(["hsmla-med", *_COMMAND_LINE]), "versions": versions})
+    try:
+        print(f"report: {write_report(folder)}")
+    except InputError as err:
+        log.warning("warning: no report.html: %s", err)
 
 
 def _device(name: str) -> str:
@@ -831,6 +848,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.args = extra
+    _COMMAND_LINE[:] = sys.argv[1:] if argv is None else argv  # as command.json records it
     # a line at a time into a pipe (| tee) as into a terminal: block-buffered, stdout would hold
     # the per-case lines back until exit, behind the log lines on stderr that followed them
     if callable(getattr(sys.stdout, "reconfigure", None)):  # (a notebook's stream has no buffering to set)

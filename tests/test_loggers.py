@@ -4,6 +4,9 @@ line with the command that installs them, before any data is read."""
 
 from __future__ import annotations
 
+import html
+import json
+
 import pytest
 
 from hsmla_med.cli import main
@@ -19,6 +22,10 @@ def test_tensorboard_logs_beside_the_csv(tmp_path):
                  "--max-steps", "2", "--logger", "tensorboard", "--output", str(out)]) == 0
     assert list((out / "tensorboard" / "version_0").glob("events.out.tfevents.*"))
     assert (out / "logs" / "version_0" / "metrics.csv").is_file()
+    # the report's provenance: the command line and the versions that ran it
+    recorded = json.loads((out / "command.json").read_text())
+    assert recorded["command"].startswith("hsmla-med train --task btcv") and "--logger tensorboard" in recorded["command"]
+    assert recorded["versions"]["torch"] and recorded["command"] in html.unescape((out / "report.html").read_text())
 
 
 @pytest.mark.parametrize("name, package", [("tensorboard", "tensorboard"), ("mlflow", "mlflow")])

@@ -35,7 +35,8 @@ __all__ = ["CaseTable", "Folder", "LOOKED_FOR", "MEAN_DICE", "PROVENANCE", "case
 
 #: the JSON documents read, by path relative to the folder
 PROVENANCE = "provenance.json"  # of infer's and wsi-heatmap's outputs
-JSON_FILES = ("metrics.json", "summary.json", "calibration.json", "crossval.json", "crossval/summary.json", PROVENANCE, "plans.json")
+JSON_FILES = ("metrics.json", "summary.json", "calibration.json", "crossval.json", "crossval/summary.json", PROVENANCE, "plans.json",
+              "command.json")  # command.json: the command line and versions of train, evaluate, calibrate, cross-validate
 #: single figures, looked for in the folder itself
 FIGURES = ("training_curve.png", "reliability.png", "froc.png")
 #: per-slide figures, looked for in the folder and its subfolders
