@@ -121,6 +121,11 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
     #: (:func:`~hsmla_med.pipelines.task.predict_cases`) rather than copied into every case;
     #: ``None`` outside a run (:meth:`inference_settings`: the checkpoint's own)
     run_inference: dict | None = None
+    #: keep the first validated item as a picture (``validation_sample``: image, reference,
+    #: prediction) for a TensorBoard or MLflow logger (:class:`~hsmla_med.engine.callbacks.LogSampleImages`);
+    #: tasks whose items have a picture set it in their ``validation_records``
+    log_samples: bool = False
+    validation_sample = None
 
     def __init__(self, config: dict, network: nn.Module | None = None, kind: str = "segmentation") -> None:
         super().__init__()

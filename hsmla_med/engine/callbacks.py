@@ -231,3 +231,22 @@ def plot_curve(path: Path, loss: list[tuple[int, float]], score: list[tuple[int,
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=100)
     plt.close(fig)
+
+
+class LogSampleImages(L.Callback):
+    """After each validation, the module's ``validation_sample`` (its first validated item: image,
+    reference and prediction, :func:`~hsmla_med.io.overlays.sample_panels`) to the run's
+    TensorBoard or MLflow logger, at the step it was taken: what those loggers show as sample
+    predictions. Lightning's loggers log scalars only; images go through each one's experiment."""
+
+    def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        sample, module.validation_sample = getattr(module, "validation_sample", None), None
+        if sample is None or not trainer.is_global_zero:
+            return
+        from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger
+
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_image("validation/sample", sample, trainer.global_step, dataformats="HWC")
+            elif isinstance(logger, MLFlowLogger):
+                logger.experiment.log_image(logger.run_id, sample, f"validation/sample_step{trainer.global_step:07d}.png")

@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning_utilities.core.imports import module_available
 
-from hsmla_med.engine.callbacks import MetricsWriter, StepProgressBar, ValidateFinalStep
+from hsmla_med.engine.callbacks import LogSampleImages, MetricsWriter, StepProgressBar, ValidateFinalStep
 from hsmla_med.engine.checkpoint import AtomicCheckpointIO, exported_file, load_exported, read_checkpoint, read_hparams
 from hsmla_med.engine.distributed import ShareCPUs, check_cpu_processes, check_launcher, start_up_deadline
 from hsmla_med.errors import ConfigError, DataError, InputError
@@ -181,6 +181,9 @@ def fit(module: L.LightningModule, datamodule: L.LightningDataModule, output: st
     version = loggers[0].version
     logs = [output / "logs" / f"version_{v}" / "metrics.csv" for v in (range(version + 1) if resume else [version])]
     callbacks = [ValidateFinalStep(), MetricsWriter(output, logs), best_checkpoint, last_checkpoint]
+    if trainer_cfg.get("logger", "csv") != "csv":  # sample predictions as images where the logger shows them
+        module.log_samples = True
+        callbacks.append(LogSampleImages())
     trainer = build_trainer(trainer_cfg, output, callbacks, loggers)
     with start_up_deadline(trainer):
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resume else None, weights_only=True)

@@ -20,6 +20,7 @@ from hsmla_med.engine.base import GatedModule, item_keys, plain
 from hsmla_med.evaluation import DEFAULT_NSD_TOLERANCE, score_prediction
 from hsmla_med.inference.geometry import labels_in_input_geometry, write_probabilities
 from hsmla_med.inference.sliding import accumulation_device, predict_volume
+from hsmla_med.io.overlays import sample_panels
 from hsmla_med.io.volumes import case_name, prediction_path, write_labels
 from hsmla_med.metrics import frame_reference_scores, frame_scores, summarize, summarize_frames
 from hsmla_med.metrics.summary import summarize_cases
@@ -164,6 +165,9 @@ class SegmentationModule(GatedModule):
 
     def validation_records(self, batch: dict) -> list[dict]:
         probs = self.predict_probabilities(plain(batch["image"])).float().cpu()
+        if self.log_samples and self.validation_sample is None:  # on the network's grid, as it saw the volume
+            self.validation_sample = sample_panels(plain(batch["image"])[0].cpu().numpy(), plain(batch["label"])[0, 0].cpu().numpy(),
+                                                   probs[0].argmax(0).numpy())
         if self.calibration_sample is not None and not self.regions:  # softmax voxels on the network's grid, as the labels are
             self.calibration_sample.add_maps(probs, plain(batch["label"]).cpu(), item_keys(batch), self.ignore_label)
         transform = self._validation_transform()
@@ -266,6 +270,9 @@ class FrameSegmentationModule(SegmentationModule):
         truth = plain(batch["label"]).cpu()
         boxes = batch.get("box", torch.tensor([[0, 0, *truth.shape[-2:]]] * len(truth)))
         pred = torch.stack([self.labels_in_frame(p, b, truth.shape[-2:]) for p, b in zip(probs, boxes)])[:, None].cpu()
+        if self.log_samples and self.validation_sample is None:  # on the frame's grid, as scored
+            frame = torch.nn.functional.interpolate(plain(batch["image"])[:1].float().cpu(), size=truth.shape[-2:], mode="bilinear")
+            self.validation_sample = sample_panels(frame[0].numpy(), truth[0, 0].numpy(), pred[0, 0].numpy())
         dice, iou = frame_scores(pred, truth, len(self.label_names))
         frame_dice, frame_iou = frame_reference_scores(pred, truth, len(self.label_names))
         return [{"key": k, "dice": d, "iou": i, "frame_dice": fd, "frame_iou": fi}

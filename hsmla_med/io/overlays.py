@@ -29,7 +29,7 @@ from PIL import Image
 
 from hsmla_med.io.atomic import atomic_path
 
-__all__ = ["class_colour", "gate_overlay", "heatmap_overlay", "label_overlay"]
+__all__ = ["class_colour", "gate_overlay", "heatmap_overlay", "label_overlay", "sample_panels"]
 
 DPI = 100
 # long side of the drawn thumbnail in pixels: small thumbnails are enlarged so that the colour
@@ -180,3 +180,32 @@ def label_overlay(path, image: np.ndarray, labels: np.ndarray, names: Sequence[s
     centres = (np.arange(1, classes + 1) - 0.5) / classes
     room = 0.5 + CHAR_WIDTH * max(len(n) for n in names[1:])  # the class names and the bar label, not cut off
     return _overlay(path, np.repeat(grey[..., None], 3, axis=2), values, title, alpha, cmap, "class", centres, list(names[1:]), room)
+
+
+def sample_panels(image: np.ndarray, truth: np.ndarray, prediction: np.ndarray, alpha: float = 0.5) -> np.ndarray:
+    """A validation sample as a logger shows it: the image, its reference and the prediction side
+    by side, the classes drawn in :func:`class_colour` over the grey image.
+
+    Args:
+        image: ``(C, H, W)`` or ``(C, H, W, D)`` network input (the first channel is drawn; RGB
+            frames in colour).
+        truth, prediction: ``(H, W)`` or ``(H, W, D)`` integer label maps on the same grid; of a
+            volume the slice with the most reference foreground is drawn (the middle one without).
+
+    Returns:
+        uint8 ``(H, 3 W, 3)``.
+    """
+    image, truth, prediction = np.asarray(image, np.float64), np.asarray(truth), np.asarray(prediction)
+    if truth.ndim == 3:
+        slice_ = int(np.argmax((truth > 0).sum(axis=(0, 1)))) if truth.any() else truth.shape[2] // 2
+        image, truth, prediction = image[..., slice_], truth[..., slice_], prediction[..., slice_]
+    channels = image[:3] if image.shape[0] == 3 else image[:1].repeat(3, axis=0)
+    low, high = channels.min(), channels.max()
+    base = np.rint(255 * (channels - low) / ((high - low) or 1.0)).transpose(1, 2, 0)
+    panels = [base]
+    for labels in (truth, prediction):
+        painted = base.copy()
+        for value in np.unique(labels[labels > 0]):
+            painted[labels == value] = (1 - alpha) * painted[labels == value] + alpha * np.array(class_colour(int(value)))
+        panels.append(painted)
+    return np.concatenate(panels, axis=1).astype(np.uint8)
