@@ -288,7 +288,7 @@ def test_evaluate_predictions_writes_the_summary_and_prints_cpm(tmp_path, capsys
     assert summary["bootstrap"]["draws"] == 1000 and summary["bootstrap"]["seed"] == 0
     assert summary["bootstrap"]["froc"]["1"]["low"] <= 2 / 3 <= summary["bootstrap"]["froc"]["1"]["high"]
     assert (out / "froc.png").read_bytes()[:4] == b"\x89PNG"
-    assert sorted(p.name for p in out.iterdir()) == ["froc.png", "summary.json"]  # nothing temporary left
+    assert sorted(p.name for p in out.iterdir()) == ["command.json", "froc.png", "report.html", "summary.json"]  # nothing temporary left
 
 
 def test_without_seriesuids_the_annotations_scans_are_scored_with_a_warning(tmp_path, capsys):
