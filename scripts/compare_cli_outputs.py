@@ -100,7 +100,7 @@ def _content(path: Path):
     if path.suffix in (".ckpt", ".pt"):
         import torch
 
-        return _tensors(torch.load(path, map_location="cpu", weights_only=False))
+        return _tensors(torch.load(path, map_location="cpu", weights_only=True))
     if path.suffix == ".ts":
         import torch
 
