@@ -4,8 +4,8 @@ nodules in world millimetres).
 What is specific to the benchmark lives here: the dataset (LUNA16 as distributed, ``subsetK/*.mhd``
 folders with ``annotations.csv`` and ``annotations_excluded.csv`` in ``CSVFILES/`` or
 ``evaluationScript/annotations/``, or the synthetic default in the same layout), nodule spheres
-rendered as segmentation targets, the submission CSV of ``infer`` and its scoring by the
-official rules (:func:`score_submission`).
+rendered as segmentation targets, the submission CSV of ``infer`` and the files of its scoring by
+the official rules (:mod:`hsmla_med.evaluation.detection`).
 
 The model is an HSMLA segmentation network, slice-wise by default (``mode: 2d``): axial slices
 after resampling to ``data.spacing``, predicted slice by slice into a probability volume. It is
@@ -29,16 +29,7 @@ import torch
 from monai.transforms import Compose, DeleteItemsd, EnsureTyped, Orientationd, ScaleIntensityRanged, Spacingd
 
 from hsmla_med.data.datalist import Datalist
-from hsmla_med.data.luna16 import (
-    SUBMISSION_COLUMNS,
-    LoadScand,
-    NoduleMaskd,
-    find_scans,
-    read_annotations,
-    read_seriesuids,
-    read_submission,
-    voxel_to_lps,
-)
+from hsmla_med.data.luna16 import SUBMISSION_COLUMNS, LoadScand, NoduleMaskd, find_scans, read_findings, voxel_to_lps
 from hsmla_med.data.splits import fold_cases, other_dataset
 from hsmla_med.data.synthetic.luna16 import generate_luna16
 from hsmla_med.data.volume_crops import crop_and_augment, roi_size, spatial_dims
@@ -46,14 +37,14 @@ from hsmla_med.engine.base import hparams
 from hsmla_med.engine.datamodule import CaseDataModule
 from hsmla_med.engine.detection import DetectionModule, scan_candidates
 from hsmla_med.errors import ConfigError, DataError, InputError
-from hsmla_med.io import atomic_path, write_json
+from hsmla_med.evaluation.detection import score_submission_files
+from hsmla_med.io import atomic_path
 from hsmla_med.io.dicom import DicomSeries, SeriesRules, find_series, is_dicom_file, select_series, series_of
-from hsmla_med.metrics.detection import FP_RATES, MAX_MARKS, froc_band, froc_curve, nodule_froc, submission_froc, submission_matches
 from hsmla_med.pipelines.task import InferenceOptions, Task, input_files, predict_cases, synthetic_root
 
 __all__ = [
     "TASK", "LABELS", "datalist", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer",
-    "read_findings", "hu_window", "score_submission", "score_predictions", "crossval_score",
+    "hu_window", "score_predictions", "crossval_score",
 ]
 
 log = logging.getLogger("hsmla_med")
@@ -62,42 +53,6 @@ LABELS = ["background", "nodule"]
 SUBSET = re.compile(r"subset\d+")  # LUNA16's official folds: subset0 .. subset9
 SUBMISSION = "submission.csv"
 CANDIDATES = "candidates"  # one CSV per scan, merged into SUBMISSION
-
-
-CSV_FOLDERS = (".", "CSVFILES", "evaluationScript/annotations")  # where LUNA16's CSVs may lie, in this order
-
-
-def _csv(root: Path, name: str) -> Path | None:
-    """``name`` at the top of the dataset, in ``CSVFILES/`` or in ``evaluationScript/annotations/``
-    (the distribution keeps annotations.csv in the first two, annotations_excluded.csv and
-    seriesuids.csv in the last)."""
-    for folder in CSV_FOLDERS:
-        if (root / folder / name).is_file():
-            return root / folder / name
-    return None
-
-
-def _places(name: str) -> str:
-    return ", ".join(f"{folder}/{name}".removeprefix("./") for folder in CSV_FOLDERS)
-
-
-def read_findings(root: Path, scans: dict[str, Path | None]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """The nodules and the excluded findings of the scans under ``root`` (``{seriesuid: scan
-    file}``; ``None``: a series scored without its scan); a nodule outside its scan is skipped,
-    with a warning for the scan (:func:`~hsmla_med.data.luna16.read_annotations`). Without
-    ``annotations_excluded.csv`` every finding outside ``annotations.csv`` counts as a false
-    positive, so its absence is a warning naming where it was looked for."""
-    notes = _csv(root, "annotations.csv")
-    if notes is None:
-        raise DataError(f"{root}: annotations.csv not found ({_places('annotations.csv')})")
-    excluded_csv = _csv(root, "annotations_excluded.csv")
-    if excluded_csv is None:
-        log.warning(
-            "%s: no annotations_excluded.csv (looked for %s): candidates on irrelevant findings will count as "
-            "false positives and CPM will be lower than the official evaluation's", root, _places("annotations_excluded.csv"),
-        )
-    excluded = read_annotations(excluded_csv, scans, excluded=True) if excluded_csv else {}
-    return read_annotations(notes, scans, scans={uid: path for uid, path in scans.items() if path is not None}), excluded
 
 
 def hu_window(data: dict) -> tuple[float, float]:
@@ -278,17 +233,6 @@ def _write_csv(path: Path, rows: list[list]) -> None:
         writer.writerows(rows)
 
 
-def score_submission(submission: str | Path, root: str | Path) -> dict:
-    """Score a submission CSV against a LUNA16 folder by the official script's rules
-    (:func:`~hsmla_med.metrics.detection.submission_froc`): its annotations, excluded findings
-    and the scans of ``seriesuids.csv`` (the scans found under ``root`` without one)."""
-    root = Path(root)
-    uids_csv = _csv(root, "seriesuids.csv")
-    uids = read_seriesuids(uids_csv) if uids_csv else list(find_scans(root))
-    nodules, excluded = read_findings(root, dict.fromkeys(uids))
-    return submission_froc(read_submission(submission), nodules, excluded, uids)
-
-
 def crossval_score(folds: list[tuple[Datalist, Path]], output: Path, config: dict) -> dict:
     """Every fold's validation submission merged into ``output/submission.csv`` and scored as
     one by the official rules against the dataset's CSVs, the false positives counted over
@@ -311,110 +255,12 @@ def score_predictions(predictions: Path, labels: Path, output: Path, options: di
     """``evaluate --task luna16 --predictions submission.csv --labels annotations.csv
     [--excluded annotations_excluded.csv] [--seriesuids seriesuids.csv]``: any LUNA16 submission
     (``seriesuid,coordX,coordY,coordZ,probability``, LPS mm) scored as the official script
-    scores it, with its bootstrap band (:mod:`hsmla_med.metrics.detection`).
-
-    ``predictions`` may be ``infer``'s output folder (its submission.csv), ``labels`` a LUNA16
-    folder (its annotations.csv, and annotations_excluded.csv and seriesuids.csv unless given).
-    The scans are those of ``seriesuids.csv``; without it, those of the annotations, with a
-    warning: the script divides the false positives by all the scans listed there, normal
-    scans included. A nodule outside its scan, which no submission can hit, is refused naming
-    the CSV's line, where the scans are known (:func:`_label_scans`; ``options["skip_outside"]``:
-    skipped with a warning, as training skips it). Writes ``output/summary.json`` (and
-    ``froc.png``) and returns the summary. ``options["seed"]`` (default 0) seeds the bootstrap.
+    scores it (:func:`~hsmla_med.evaluation.detection.score_submission_files`, which writes
+    ``output/summary.json`` and ``froc.png``). ``predictions`` may be ``infer``'s output folder
+    (its submission.csv), ``labels`` a LUNA16 folder.
     """
     submission = Path(predictions) / SUBMISSION if Path(predictions).is_dir() else Path(predictions)
-    notes, excluded_csv, uids_csv = _label_files(Path(labels), options)
-    candidates = read_submission(submission)  # every file is read before any warning
-    nodules = read_annotations(notes, rendered=False, scans=_label_scans(Path(labels), notes, options),
-                               refuse_outside=not options.get("skip_outside"))
-    excluded = read_annotations(excluded_csv, excluded=True) if excluded_csv else {}
-    uids, source = (read_seriesuids(uids_csv), str(uids_csv)) if uids_csv else (list(nodules), f"the series of {notes}")
-    if excluded_csv is None:
-        log.warning("no --excluded annotations_excluded.csv: candidates on irrelevant findings count as false positives "
-                    "(the official evaluation ignores them)")
-    if uids_csv is None:
-        log.warning("no --seriesuids: scoring the %d scan(s) of %s; the official script counts false positives over every "
-                    "scan of seriesuids.csv, so scans without nodules are missing here", len(uids), notes.name)
-    scanned = set(uids)
-    matches = submission_matches(candidates, nodules, excluded, uids)
-    summary = {
-        "task": "luna16",
-        "predictions": str(submission),
-        "labels": str(notes),
-        "excluded": str(excluded_csv) if excluded_csv else None,
-        "scans_from": source,
-        **nodule_froc(matches),
-        "max_marks_per_scan": MAX_MARKS,
-        "rows_not_scored": sum(len(v) for uid, v in candidates.items() if uid not in scanned),
-        "bootstrap": froc_band(matches, seed=options.get("seed") or 0),
-        "metric_per_case": [
-            {"seriesuid": uid, "nodules": len(m.nodule_probs), "TP": int(np.count_nonzero(~np.isnan(m.nodule_probs))),
-             "FP": len(m.fp_probs), "ignored": m.ignored}
-            for uid, m in zip(uids, matches)
-        ],
-    }
-    write_json(Path(output) / "summary.json", summary)
-    _plot_froc(matches, summary["bootstrap"], Path(output) / "froc.png")
-    return summary
-
-
-def _label_files(labels: Path, options: dict) -> tuple[Path, Path | None, Path | None]:
-    """annotations.csv, annotations_excluded.csv and seriesuids.csv: ``--labels`` itself or, for
-    a LUNA16 folder, the files found there (:data:`CSV_FOLDERS`); ``--excluded`` and
-    ``--seriesuids`` take precedence."""
-    given = {name: Path(options[key]) if options.get(key) else None
-             for key, name in (("excluded", "annotations_excluded.csv"), ("seriesuids", "seriesuids.csv"))}
-    for option, path in (("--excluded", given["annotations_excluded.csv"]), ("--seriesuids", given["seriesuids.csv"])):
-        if path is not None and not path.is_file():
-            raise DataError(f"{option} {path}: file not found")
-    if not labels.is_dir():
-        return labels, given["annotations_excluded.csv"], given["seriesuids.csv"]
-    notes = _csv(labels, "annotations.csv")
-    if notes is None:
-        raise DataError(f"--labels {labels}: annotations.csv not found ({_places('annotations.csv')})")
-    found = {name: given[name] or _csv(labels, name) for name in given}
-    return notes, found["annotations_excluded.csv"], found["seriesuids.csv"]
-
-
-def _label_scans(labels: Path, notes: Path, options: dict) -> dict[str, Path] | None:
-    """The scans whose geometry the annotations are checked against: those of ``--data-dir``,
-    else those of the LUNA16 folder that ``--labels`` is, or holds ``annotations.csv`` where the
-    distribution does (``CSVFILES/``, ``evaluationScript/annotations/``); ``None`` where there
-    are none (a CSV alone is scored as it is)."""
-    if options.get("data_dir"):
-        return find_scans(options["data_dir"])
-    places = [Path(folder).parts for folder in CSV_FOLDERS[1:]]
-    root = labels if labels.is_dir() else next((notes.parents[len(p)] for p in places if notes.parent.parts[-len(p):] == p), None)
-    return find_scans(root) if root is not None and any(root.rglob("*.mhd")) else None
-
-
-def _plot_froc(matches: list, band: dict, path: Path) -> None:
-    """The FROC curve on the script's axes (log2 false positives per scan, 1/8 .. 8) with the
-    bootstrap band at the seven rates; nothing without any nodule."""
-    curve = froc_curve(matches)
-    if curve is None:
-        return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rates = [r for r in FP_RATES if band["froc"][str(r)]["low"] is not None]
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    grid = np.linspace(FP_RATES[0], FP_RATES[-1], 10001)  # as the script draws it: flat beyond the curve's ends
-    ax.plot(grid, np.interp(grid, *curve), color="b", lw=2, label="FROC")
-    ax.fill_between(rates, [band["froc"][str(r)]["low"] for r in rates], [band["froc"][str(r)]["high"] for r in rates],
-                    color="b", alpha=0.15, label=f"{band['confidence']:.0%} bootstrap band")
-    ax.set(xlim=(FP_RATES[0], FP_RATES[-1]), ylim=(0, 1), xlabel="Average number of false positives per scan",
-           ylabel="Sensitivity")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(FP_RATES, [f"{r:g}" for r in FP_RATES])
-    ax.grid(True, which="both")
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
+    return score_submission_files(submission, Path(labels), Path(output), options, task=TASK.name)
 
 
 class NoduleModule(DetectionModule):

@@ -27,8 +27,8 @@ from hsmla_med.data.luna16 import (
 )
 from hsmla_med.data.synthetic.luna16 import generate_luna16
 from hsmla_med.errors import DataError
+from hsmla_med.evaluation.detection import score_submission
 from hsmla_med.metrics.detection import extract_candidates, match_candidates, nodule_froc
-from hsmla_med.pipelines import luna16
 
 TINY = {
     "data": {"roi_size_2d": [48, 48], "num_workers": 0, "synthetic": {"num_scans": 4, "shape": [56, 56, 20], "seed": 3}},
@@ -174,7 +174,7 @@ def test_synthetic_folder_is_laid_out_as_distributed_with_its_quirks(cache):
         writer = csv.writer(f)
         writer.writerow(["seriesuid", "coordX", "coordY", "coordZ", "probability"])
         writer.writerows([c["seriesuid"], c["coordX"], c["coordY"], c["coordZ"], 0.5 + 0.4 * int(c["class"])] for c in candidates)
-    result = luna16.score_submission(submission, root)
+    result = score_submission(submission, root)
     assert result["false_positives"] == 0 and result["detected"] == result["nodules"] == sum(map(len, nodules.values()))
     assert result["ignored"] >= 4 and result["cpm"] == pytest.approx(1.0)
 
@@ -257,7 +257,7 @@ def test_train_infer_evaluate_and_demo_through_the_cli(tmp_path, cache, capsys):
 
     # a candidate on an excluded finding (a -1 row, in no nodule) is neither a true nor a false
     # positive; the same candidate far from every finding is a false positive
-    before = luna16.score_submission(submission, scans)
+    before = score_submission(submission, scans)
     evaluation = scans / "evaluationScript" / "annotations"
     nodules = read_annotations(evaluation / "annotations.csv", find_scans(scans))
     excluded = read_annotations(evaluation / "annotations_excluded.csv", find_scans(scans), excluded=True)
@@ -267,8 +267,8 @@ def test_train_infer_evaluate_and_demo_through_the_cli(tmp_path, cache, capsys):
         extra = tmp_path / f"extra{shift:g}.csv"
         extra.write_text(submission.read_text() + ",".join(map(str, [uid, *(point + shift), 0.999])) + "\n")
         counts = lambda r: {k: r[k] for k in ("nodules", "detected", "false_positives", "ignored")}  # noqa: E731
-        assert counts(luna16.score_submission(extra, scans)) == {**counts(before), added: before[added] + 1}
-    assert luna16.score_submission(tmp_path / "extra0.csv", scans)["cpm"] == pytest.approx(before["cpm"])
+        assert counts(score_submission(extra, scans)) == {**counts(before), added: before[added] + 1}
+    assert score_submission(tmp_path / "extra0.csv", scans)["cpm"] == pytest.approx(before["cpm"])
 
     assert main(["demo", "--task", "luna16", "--config", str(user), "--output", str(tmp_path / "demo"), "--max-steps", "2"]) == 0
     assert "luna16: cpm" in capsys.readouterr().out

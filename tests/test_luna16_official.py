@@ -18,6 +18,7 @@ from hsmla_med.cli import main
 from hsmla_med.config import merge_config, task_config
 from hsmla_med.data.luna16 import find_scans, read_annotations
 from hsmla_med.errors import ConfigError, DataError
+from hsmla_med.evaluation.detection import score_submission
 from hsmla_med.metrics import detection
 from hsmla_med.pipelines import luna16
 from hsmla_med.pipelines.task import InferenceOptions
@@ -88,7 +89,7 @@ def test_hand_made_submission_scored_as_the_official_script(tmp_path):
     """
     root = _distributed(tmp_path / "LUNA16")
     submission = _write(tmp_path / "submission.csv", SUBMISSION)
-    result = luna16.score_submission(submission, root)
+    result = score_submission(submission, root)
     expected = {"0.125": 0.4, "0.25": 0.4, "0.5": 0.4, "1": 0.6, "2": 0.6, "4": 0.6, "8": 0.6}
     assert result["froc"] == pytest.approx(expected)
     assert result["cpm"] == pytest.approx(3.6 / 7)

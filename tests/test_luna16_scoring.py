@@ -13,6 +13,7 @@ import pytest
 
 from hsmla_med.cli import main
 from hsmla_med.data.luna16 import read_annotations, read_seriesuids, read_submission
+from hsmla_med.evaluation.detection import score_submission
 from hsmla_med.metrics import detection
 from hsmla_med.pipelines import luna16
 
@@ -325,7 +326,7 @@ def test_infer_submission_scored_against_the_dataset_folder(tmp_path, capsys):
     luna16.infer(module, root, tmp_path / "pred", InferenceOptions(progress=lambda _: None))
     assert main(["evaluate", "--task", "luna16", "--predictions", str(tmp_path / "pred"), "--labels", str(root)]) == 0
     summary = json.loads((tmp_path / "pred" / "summary.json").read_text())
-    reference = luna16.score_submission(tmp_path / "pred" / "submission.csv", root)
+    reference = score_submission(tmp_path / "pred" / "submission.csv", root)
     assert {k: summary[k] for k in reference} == reference
     assert summary["excluded"].endswith("annotations_excluded.csv") and summary["scans_from"].endswith("seriesuids.csv")
     assert "no --" not in capsys.readouterr().err

@@ -49,6 +49,7 @@ __all__ = [
     "INSTRUMENT_TYPES",
     "PART_VALUES",
     "VIDEO_FOLDER",
+    "VIDEO_PREFIX",
     "LoadFramed",
     "crop_box",
     "empty_truth_videos",
@@ -82,6 +83,7 @@ PROBLEMS = {  # class names per task, index = label value
 _FRAMES, _LABELS = "left_frames", "ground_truth"
 EMPTY_TRUTH = "every ground-truth frame is empty (or ground_truth/ holds no labels)"  # the warning about such a video
 VIDEO_FOLDER = re.compile(r"^instrument_dataset_(\d+)$")  # one video of the challenge
+VIDEO_PREFIX = "instrument_dataset_"  # the video folders, instrument_dataset_K: the case IDs of the splits
 
 
 def _open(path: Path) -> Image.Image:
@@ -324,7 +326,7 @@ def empty_truth_videos(videos: Sequence[dict], problem: str) -> dict[int, Path]:
     Labels are read frame by frame up to the first frame with an instrument, which in a
     labelled video is nearly always its first. Callers warn about each video
     (:data:`EMPTY_TRUTH`) and leave it out of their Dice/IoU means: see
-    ``pipelines.endovis.score_predictions`` for why.
+    :func:`~hsmla_med.evaluation.frames.score_frames` for why.
     """
     empty = {}
     for video in videos:

@@ -39,8 +39,12 @@ from hsmla_med.metrics.detection import affine_points
 
 __all__ = [
     "COLUMNS",
+    "CSV_FOLDERS",
     "Geometry",
     "find_scans",
+    "find_csv",
+    "csv_places",
+    "read_findings",
     "read_geometry",
     "read_annotations",
     "read_seriesuids",
@@ -57,6 +61,7 @@ log = logging.getLogger("hsmla_med")
 COLUMNS = ("seriesuid", "coordX", "coordY", "coordZ", "diameter_mm")
 SUBMISSION_COLUMNS = (*COLUMNS[:4], "probability")
 LUNG_MASKS = "seg-lungs-LUNA16"  # the distribution's lung segmentations: .mhd files that are not scans
+CSV_FOLDERS = (".", "CSVFILES", "evaluationScript/annotations")  # where LUNA16's CSVs may lie, in this order
 LPS_TO_RAS = np.array([-1.0, -1.0, 1.0])
 
 
@@ -112,6 +117,21 @@ def find_scans(root: str | Path) -> dict[str, Path]:
     if not scans:
         raise DataError(f"{root}: no MetaImage scans (*.mhd) found")
     return scans
+
+
+def find_csv(root: Path, name: str) -> Path | None:
+    """``name`` at the top of the dataset, in ``CSVFILES/`` or in ``evaluationScript/annotations/``
+    (the distribution keeps annotations.csv in the first two, annotations_excluded.csv and
+    seriesuids.csv in the last)."""
+    for folder in CSV_FOLDERS:
+        if (root / folder / name).is_file():
+            return root / folder / name
+    return None
+
+
+def csv_places(name: str) -> str:
+    """Where :func:`find_csv` looks for ``name``, in its order, for the messages that it is not there."""
+    return ", ".join(f"{folder}/{name}".removeprefix("./") for folder in CSV_FOLDERS)
 
 
 @contextmanager
@@ -218,6 +238,25 @@ def read_annotations(
     if scans is not None:
         found = {uid: _inside(path, uid, rows, scans[uid], refuse_outside) if uid in scans else rows for uid, rows in found.items()}
     return _arrays(found, len(COLUMNS) - 1)
+
+
+def read_findings(root: Path, scans: dict[str, Path | None]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The nodules and the excluded findings of the scans under ``root`` (``{seriesuid: scan
+    file}``; ``None``: a series scored without its scan); a nodule outside its scan is skipped,
+    with a warning for the scan (:func:`read_annotations`). Without
+    ``annotations_excluded.csv`` every finding outside ``annotations.csv`` counts as a false
+    positive, so its absence is a warning naming where it was looked for."""
+    notes = find_csv(root, "annotations.csv")
+    if notes is None:
+        raise DataError(f"{root}: annotations.csv not found ({csv_places('annotations.csv')})")
+    excluded_csv = find_csv(root, "annotations_excluded.csv")
+    if excluded_csv is None:
+        log.warning(
+            "%s: no annotations_excluded.csv (looked for %s): candidates on irrelevant findings will count as "
+            "false positives and CPM will be lower than the official evaluation's", root, csv_places("annotations_excluded.csv"),
+        )
+    excluded = read_annotations(excluded_csv, scans, excluded=True) if excluded_csv else {}
+    return read_annotations(notes, scans, scans={uid: path for uid, path in scans.items() if path is not None}), excluded
 
 
 def read_submission(path: str | Path) -> dict[str, np.ndarray]:
