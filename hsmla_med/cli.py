@@ -229,8 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="a self-contained HTML page of a run, evaluation or calibration folder",
                        description="Writes one HTML file (images inlined, no network needed) of a folder that train, evaluate, calibrate, "
                        "cross-validate, infer or wsi-heatmap wrote: scores, training curves, the per-case table (sortable, worst mean Dice "
-                       "first) with box plots per class, slide overlays, FROC, calibration, the gate's share of refined tiles, the "
-                       "configuration and plan, and provenance. train, evaluate, calibrate and cross-validate write it by themselves.")
+                       "first) with box plots per class, the worst cases as pictures (volumes through their largest error, frames with both "
+                       "outlines, missed nodules), slide overlays, FROC, calibration, the uncertainty review queue, the share of tiles each "
+                       "gated layer refined, the configuration and plan, and provenance. train, evaluate, calibrate and cross-validate write it by themselves.")
     p.add_argument("folder", metavar="RUN_OR_EVAL_DIR", help="the folder to report on")
     p.add_argument("--output", metavar="FILE", help="the HTML file (default: RUN_OR_EVAL_DIR/report.html)")
 

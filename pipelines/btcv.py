@@ -33,6 +33,7 @@ from hsmla_med.evaluation import DEFAULT_NSD_TOLERANCE, check_nsd_tolerance
 from hsmla_med.inference import geometry
 from hsmla_med.inference.ensemble import is_ensemble
 from hsmla_med.inference.geometry import UNCROPPED_BACKGROUND, write_probabilities
+from hsmla_med.defaults import REVIEW_QUEUE, UNCERTAINTY_MAPS, uncertainty_map_path
 from hsmla_med.inference.uncertainty import case_row, uncertainty_map, write_review_queue
 from hsmla_med.metrics.summary import write_reports
 from hsmla_med.inference.postprocessing import apply_postprocessing
@@ -46,8 +47,6 @@ from hsmla_med.pipelines.task import BundleParts, InferenceOptions, Task, input_
 __all__ = ["TASK", "datalist", "check_config", "preprocessing_items", "UNCROPPED_BACKGROUND", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer", "bundle", "score_predictions", "crossval_score"]
 
 OTSU_MARGIN = 2  # voxels around the Otsu foreground that the crop keeps
-UNCERTAINTY = "uncertainty"  # infer --uncertainty: the maps' folder under OUTPUT (evaluate --predictions OUTPUT pairs every NIfTI there)
-REVIEW_QUEUE = "uncertainty.csv"  # infer --uncertainty: OUTPUT's review queue
 
 
 def datalist(config: dict) -> Datalist:
@@ -327,7 +326,7 @@ def infer(
         if probabilities is not None:
             written.append(write_probabilities(output / f"{case['name']}.npz", probabilities))
         if uncertainty is not None:
-            written.append(NIFTI.write_map(output / UNCERTAINTY / f"{case['name']}_uncertainty.nii.gz", uncertainty, reference))
+            written.append(NIFTI.write_map(uncertainty_map_path(output, case["name"]), uncertainty, reference))
             write_json(_row_path(output, case["name"]), case_row(case["name"], uncertainty, labels, affine, options.uncertainty_threshold))
         if "nifti" in options.output_formats:
             written.append(write_labels(prediction_path(output, source, case["name"]), labels, reference))
@@ -350,7 +349,7 @@ def infer(
 
 
 def _row_path(output: Path, name: str) -> Path:
-    return output / UNCERTAINTY / f"{name}.json"
+    return output / UNCERTAINTY_MAPS / f"{name}.json"
 
 
 def _check_uncertainty(module: SegmentationModule, options: InferenceOptions) -> None:

@@ -22,6 +22,7 @@ import lightning as L
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from hsmla_med.data.datalist import Datalist
+from hsmla_med.defaults import GATE_REFINED
 from hsmla_med.engine.base import GatedModule
 from hsmla_med.engine.distributed import check_launcher
 from hsmla_med.engine.prediction import PredictionDataModule, Shard, claim_outputs, model_record, output_folder, run_prediction
@@ -462,4 +463,6 @@ class Task(ABC):
         per_class = [k for k in titles if f"{k}_per_class" in summary]
         for name in summary[f"{per_class[0]}_per_class"] if per_class else []:
             lines.append(f"  {name:<26} " + "   ".join(f"{titles[k]} {fmt(summary[f'{k}_per_class'][name])}" for k in per_class))
+        if summary.get(GATE_REFINED):
+            lines.append("tiles refined per gated layer: " + ", ".join(f"{name} {share:.2f}" for name, share in summary[GATE_REFINED].items()))
         return lines

@@ -110,6 +110,12 @@ def test_short_run_outputs_and_resume(tmp_path, dataset):
     assert set(metrics) >= {"dice", "hd95", "dice_per_class", "hd95_per_class", "epoch", "step"}
     assert set(metrics["dice_per_class"]) == {"disc", "bar"}
     assert metrics["step"] == 3 and metrics == {**summary, "epoch": metrics["epoch"], "step": 3}
+    # the share of tiles each gated layer refined over the validation, a column each in metrics.csv
+    shares = metrics["gate_refined_per_layer"]
+    assert set(shares) == set(SegmentationModule(btcv.module_config(config, model_config("b0"), cases.label_names)).network.hsmla_layers())
+    assert all(0 <= v <= 1 for v in shares.values())
+    with (out / "metrics.csv").open() as f:
+        assert {f"gate_refined_per_layer_{name}" for name in shares} <= set(next(csv.reader(f)))
     ckpt = torch.load(out / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 3 and ckpt["optimizer_states"] and ckpt["lr_schedulers"]
 

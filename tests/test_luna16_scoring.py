@@ -46,11 +46,12 @@ X,0,0,0,0.99
 # 1/4 the curve rises to 2/3 (the script's np.interp takes the last point at that rate); beyond:
 # 2/3. CPM = (1/3 + 6 * 2/3) / 7 = 13/21.
 EXPECTED = {"0.125": 1 / 3, "0.25": 2 / 3, "0.5": 2 / 3, "1": 2 / 3, "2": 2 / 3, "4": 2 / 3, "8": 2 / 3}
+# per scan: the counts, the missed nodules (Q's N3, as annotations.csv gives it) and no scan file (CSVs alone)
 EXPECTED_SCANS = [
-    {"seriesuid": "P", "nodules": 2, "TP": 2, "FP": 1, "ignored": 1},
-    {"seriesuid": "Q", "nodules": 1, "TP": 0, "FP": 2, "ignored": 1},
-    {"seriesuid": "R", "nodules": 0, "TP": 0, "FP": 1, "ignored": 0},
-    {"seriesuid": "S", "nodules": 0, "TP": 0, "FP": 0, "ignored": 0},
+    {"seriesuid": "P", "nodules": 2, "TP": 2, "FP": 1, "ignored": 1, "missed": [], "scan_file": None},
+    {"seriesuid": "Q", "nodules": 1, "TP": 0, "FP": 2, "ignored": 1, "missed": [[0, 0, 0, 6]], "scan_file": None},
+    {"seriesuid": "R", "nodules": 0, "TP": 0, "FP": 1, "ignored": 0, "missed": [], "scan_file": None},
+    {"seriesuid": "S", "nodules": 0, "TP": 0, "FP": 0, "ignored": 0, "missed": [], "scan_file": None},
 ]
 
 

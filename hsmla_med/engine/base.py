@@ -15,6 +15,7 @@ from monai.data import MetaTensor
 from torch import nn
 
 from hsmla_med.config import build_network
+from hsmla_med.defaults import GATE_REFINED
 from hsmla_med.engine.calibration import CalibrationSample, with_temperature
 from hsmla_med.engine.schedule import WarmupCosine
 from hsmla_med.inference.cuda_graph import GraphedCallable, weights_version
@@ -143,6 +144,7 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
         self.records: list[dict] | None = None  # the last validation's records, all processes'
         self.summary: dict | None = None  # the last validation's metrics
         self.calibrated_tau: dict[str, float] | None = None
+        self._refined: dict[str, list] | None = None  # per HSMLA layer [tiles refined, tiles] of the running validation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.network(x)
@@ -166,7 +168,8 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
         runners = self.__dict__.setdefault("_graph_runners", {})
         runner = runners.get(fn)
         if runner is None:
-            runner = runners[fn] = GraphedCallable(fn, version=lambda: weights_version(self.network), state=lambda: gate_snapshot(self.network))
+            runner = runners[fn] = GraphedCallable(fn, version=lambda: weights_version(self.network), state=lambda: gate_snapshot(self.network),
+                                                   after=self._count_refined)
         fitting = self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING
         runner.enabled = self.cuda_graphs and not fitting and not self.training
         return runner
@@ -234,8 +237,34 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
             if batch is not None:
                 self.calibrated_tau = calibrate_tau(self.network, batch.to(self.device), target)
         self._records = []
+        self._refined = {} if isinstance(self.network, GatedNetwork) else None
         if self.calibration_sample is not None:
             self.calibration_sample.clear()
+
+    def _count_refined(self) -> None:
+        """After each network call of a validation (:meth:`graphed`): add each gated layer's
+        tiles refined and tiles to the running count (device tensors: no host read here)."""
+        if self._refined is None:
+            return
+        for name, layer in self.network.hsmla_layers().items():
+            refined = layer.last_refined()
+            if refined is not None:
+                count = self._refined.setdefault(name, [0, 0])
+                count[0], count[1] = count[0] + refined[0], count[1] + refined[1]
+
+    def refined_per_layer(self) -> dict[str, float]:
+        """The share of tiles each gated HSMLA layer refined over the last validation's network
+        calls (every window, patch batch or frame; all processes'), by layer name; empty
+        without gates (``routing`` ``off`` or ``all``, or no HSMLA layer)."""
+        names = sorted(self._refined or {})
+        if not names:
+            return {}
+        counts = torch.stack([torch.as_tensor(self._refined[n][i], dtype=torch.float64, device=self.device)
+                              for n in names for i in (0, 1)])
+        if self._trainer is not None and self.trainer.world_size > 1:
+            counts = self.trainer.strategy.reduce(counts, reduce_op="sum")
+        counts = counts.view(-1, 2).tolist()
+        return {name: refined / tiles for name, (refined, tiles) in zip(names, counts, strict=True)}
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._records.extend(self.validation_records(batch))
@@ -244,6 +273,10 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
         self.records = self.collect_records(self._records)
         self._records = []
         self.summary = self.summarize_records(self.records)
+        refined = self.refined_per_layer()
+        self._refined = None
+        if refined:
+            self.summary[GATE_REFINED] = refined
         if self.calibration_sample is not None:
             self.calibration_sample.gather()
             self.summary.update(self.calibration_sample.metrics())

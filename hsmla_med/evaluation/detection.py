@@ -64,8 +64,8 @@ def score_submission_files(submission: Path, labels: Path, output: Path, options
     """
     notes, excluded_csv, uids_csv = label_files(Path(labels), options)
     candidates = read_submission(submission)  # every file is read before any warning
-    nodules = read_annotations(notes, rendered=False, scans=label_scans(Path(labels), notes, options),
-                               refuse_outside=not options.get("skip_outside"))
+    scans = label_scans(Path(labels), notes, options)
+    nodules = read_annotations(notes, rendered=False, scans=scans, refuse_outside=not options.get("skip_outside"))
     excluded = read_annotations(excluded_csv, excluded=True) if excluded_csv else {}
     uids, source = (read_seriesuids(uids_csv), str(uids_csv)) if uids_csv else (list(nodules), f"the series of {notes}")
     if excluded_csv is None:
@@ -86,15 +86,20 @@ def score_submission_files(submission: Path, labels: Path, output: Path, options
         "max_marks_per_scan": MAX_MARKS,
         "rows_not_scored": sum(len(v) for uid, v in candidates.items() if uid not in scanned),
         "bootstrap": froc_band(matches, seed=options.get("seed") or 0),
-        "metric_per_case": [
-            {"seriesuid": uid, "nodules": len(m.nodule_probs), "TP": int(np.count_nonzero(~np.isnan(m.nodule_probs))),
-             "FP": len(m.fp_probs), "ignored": m.ignored}
-            for uid, m in zip(uids, matches)
-        ],
+        "metric_per_case": [_scan_row(uid, m, nodules.get(uid), (scans or {}).get(uid)) for uid, m in zip(uids, matches)],
     }
     write_json(Path(output) / "summary.json", summary)
     plot_froc(matches, summary["bootstrap"], Path(output) / "froc.png")
     return summary
+
+
+def _scan_row(uid: str, match, nodules: np.ndarray | None, scan: Path | None) -> dict:
+    """A scan's row of ``metric_per_case``: its counts, the nodules no candidate hit (``missed``:
+    x, y, z, diameter in LPS mm, as annotations.csv gives them) and its file where known (the
+    report's crops of the missed nodules)."""
+    missed = [] if nodules is None else nodules[np.isnan(match.nodule_probs)].tolist()
+    return {"seriesuid": uid, "nodules": len(match.nodule_probs), "TP": int(np.count_nonzero(~np.isnan(match.nodule_probs))),
+            "FP": len(match.fp_probs), "ignored": match.ignored, "missed": missed, "scan_file": None if scan is None else str(scan)}
 
 
 def label_files(labels: Path, options: dict) -> tuple[Path, Path | None, Path | None]:

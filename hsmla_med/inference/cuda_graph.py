@@ -112,11 +112,13 @@ class GraphedCallable:
         enabled: ``False`` always runs ``fn`` (``--no-cuda-graphs``).
         state: called after a capture, returns the function that restores the module state
             the captured call left (e.g. :func:`hsmla_med.nn.gate_snapshot` of the network).
+        after: called after every call, replayed or eager, once the modules describe it (e.g.
+            to count the tiles the gates refined).
     """
 
     def __init__(self, fn: Callable, version: Callable[[], Any] | None = None, enabled: bool = True,
-                 state: Callable[[], Callable[[], None]] | None = None) -> None:
-        self.fn, self.version, self.enabled, self.state = fn, version, enabled, state
+                 state: Callable[[], Callable[[], None]] | None = None, after: Callable[[], None] | None = None) -> None:
+        self.fn, self.version, self.enabled, self.state, self.after = fn, version, enabled, state, after
         self.failed = False  # a capture failed: eager from then on
         self._graphs: dict[tuple, _Entry] = {}
         self._version = None
@@ -133,6 +135,12 @@ class GraphedCallable:
         )
 
     def __call__(self, *inputs):
+        outputs = self._run(inputs)
+        if self.after is not None:
+            self.after()
+        return outputs
+
+    def _run(self, inputs: tuple):
         if not self.graphed(inputs):
             return self.fn(*inputs)
         if self.version is not None:

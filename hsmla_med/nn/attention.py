@@ -357,10 +357,17 @@ class HSMLA(nn.Module):
     def last_alpha(self) -> float:
         """Fraction of tiles refined by the last forward (with a gate: tiles above the tau of
         that forward). Counted when asked for rather than in every forward (a host read)."""
+        refined = self.last_refined()
+        return self._alpha if refined is None else float(refined[0]) / refined[1]
+
+    def last_refined(self) -> tuple[torch.Tensor, int] | None:
+        """``(tiles refined, tiles)`` of the last forward with a gate (the count a tensor on the
+        gate's device, so that counting over many forwards reads the host once); ``None``
+        without a gate."""
         if self.last_gate is None:
-            return self._alpha
+            return None
         tau = self.tau if self._gate_tau is None else self._gate_tau
-        return float((self.last_gate.detach() > tau).float().mean())
+        return (self.last_gate.detach() > tau).sum(), self.last_gate.numel()
 
     def regularizers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(budget, smoothness) of the last forward's gate; zeros when no gate was computed."""

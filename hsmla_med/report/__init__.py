@@ -22,9 +22,12 @@ import yaml
 
 import hsmla_med
 from hsmla_med.io import atomic_path
-from hsmla_med.report.figures import Images, class_boxes, curves, froc
+from hsmla_med.report.figures import Images, class_boxes, curves, froc, refined_bars
 from hsmla_med.report.inputs import MEAN_DICE, PROVENANCE, CaseTable, Folder, flatten, read_folder
+from hsmla_med.defaults import GATE_REFINED, uncertainty_map_path
+from hsmla_med.errors import DataError
 from hsmla_med.report.page import details, page, table, text
+from hsmla_med.report.worst import MAX_WORST, frame_view, label_map_of, missed_nodules, nodule_crops, uncertainty_view, volume_views, worst_rows
 
 __all__ = ["REPORT_FILE", "write_report"]
 
@@ -76,6 +79,8 @@ def _render(contents: Folder) -> str:
         ("scores", "Scores", _scores(contents)),
         ("curves", "Training curves", _curves(contents, images)),
         ("cases", "Cases", _cases(contents.cases, images)),
+        ("worst", "Worst cases", _worst(contents, images)),
+        ("uncertainty", "Uncertainty review queue", _queue(contents, images)),
         ("slides", "Slides", _slides(contents, images)),
         ("froc", "FROC", _froc(contents, images)),
         ("calibration", "Calibration", _calibration(contents, images)),
@@ -104,7 +109,7 @@ def _scores(contents: Folder) -> list[str]:
     metrics = contents.docs.get("metrics.json")
     if metrics:
         per_class = {k.removesuffix("_per_class"): v for k, v in metrics.items() if k.endswith("_per_class") and isinstance(v, dict)}
-        parts.append(_pairs(flatten({k: v for k, v in metrics.items() if not k.endswith("_per_class")}), "metrics.json"))
+        parts.append(_pairs(flatten({k: v for k, v in metrics.items() if not k.endswith("_per_class") and k != GATE_REFINED}), "metrics.json"))
         if per_class:
             classes = list(dict.fromkeys(c for scores in per_class.values() for c in scores))
             rows = [[c, *(per_class[m].get(c) for m in per_class)] for c in classes]
@@ -176,6 +181,47 @@ def _cases(cases: CaseTable | None, images: Images) -> list[str]:
                      for score, values in cases.per_class.items()]
 
 
+def _picture(images: Images, draw, caption: str) -> str:
+    """A drawn picture, or one line saying why it could not be drawn (a file gone or unreadable)."""
+    try:
+        return images.drawn(draw(), caption)
+    except (DataError, OSError, ValueError) as err:
+        return f"<p class=note>{text(caption)}: not drawn ({text(err)}).</p>"
+
+
+def _worst(contents: Folder, images: Images) -> list[str]:
+    """The worst cases of the per-case summary as pictures (:mod:`hsmla_med.report.worst`):
+    volumes through their largest error, frames with both outlines."""
+    if not contents.summary:
+        return []
+    name, summary = contents.summary
+    rows = worst_rows(summary.get("metric_per_case") or [])
+    parts = []
+    for rank, row in enumerate(rows, start=1):
+        title = f"{rank}. {Path(row['prediction_file']).name}"
+        caption = f"{title}: reference {row['reference_file']} (solid), prediction {row['prediction_file']} (dotted)"
+        if "label_files" in row:
+            parts.append(_picture(images, lambda r=row, t=title: frame_view(r, summary.get("problem") or "binary", t), caption))
+        else:
+            parts.append(_picture(images, lambda r=row, t=title: volume_views(r, t), caption + ", through the centre (+) of the largest error"))
+    if parts:
+        parts.insert(0, f"<p class=note>The {len(rows)} cases of lowest mean Dice in {text(name)} (at most {MAX_WORST}), worst first.</p>")
+    return parts
+
+
+def _queue(contents: Folder, images: Images) -> list[str]:
+    """``infer --uncertainty``'s review queue as a table and its first cases' maps."""
+    queue = contents.queue
+    if queue is None:
+        return []
+    parts = [table(["case", *queue.columns], [[name, *values] for name, values in queue.rows], queue.source)]
+    for name, _ in queue.rows[:MAX_WORST]:
+        path = uncertainty_map_path(contents.path, name)
+        labels = label_map_of(contents.path, name)
+        parts.append(_picture(images, lambda p=path, l=labels, n=name: uncertainty_view(p, l, n), f"{name}: {path.relative_to(contents.path)}"))
+    return parts
+
+
 def _gallery(contents: Folder, pattern: str, images: Images) -> list[str]:
     paths = contents.galleries.get(pattern, [])
     parts = [images.file(p, str(p.relative_to(contents.path))) for p in paths[:MAX_GALLERY]]
@@ -205,6 +251,12 @@ def _froc_points(doc: dict) -> dict | None:
 
 
 def _froc(contents: Folder, images: Images) -> list[str]:
+    """The FROC (the folder's ``froc.png``, else drawn from a summary) and the crops of the
+    nodules it missed."""
+    return _froc_curve(contents, images) + _missed(contents, images)
+
+
+def _froc_curve(contents: Folder, images: Images) -> list[str]:
     if "froc.png" in contents.figures:
         return [images.file(contents.figures["froc.png"], "froc.png")]
     for name in ("summary.json", "crossval/summary.json", "metrics.json"):
@@ -214,6 +266,20 @@ def _froc(contents: Folder, images: Images) -> list[str]:
             band = (doc.get("bootstrap") or {}).get("froc")
             return [images.drawn(froc(points, band if isinstance(band, dict) else None), f"FROC from {name}")]
     return []
+
+
+def _missed(contents: Folder, images: Images) -> list[str]:
+    if not contents.summary:
+        return []
+    name, summary = contents.summary
+    rows = summary.get("metric_per_case") or []
+    missed = missed_nodules(rows)
+    if not missed:
+        return []
+    count = sum(len(r.get("missed") or []) for r in rows if isinstance(r, dict))
+    caption = (f"missed nodules of {name}, largest first ({len(missed)} of {count}): axial crops, lung window, "
+               "the annotated diameter as a circle")
+    return [_picture(images, lambda: nodule_crops(missed), caption)]
 
 
 def _calibration(contents: Folder, images: Images) -> list[str]:
@@ -255,6 +321,11 @@ def _gate(contents: Folder, entries: list[tuple], images: Images) -> list[str]:
     slide, and the gate pictures."""
     gate = [(s, k, v) for s, k, v in entries if _last_key(k) == "routing" or "alpha" in _last_key(k) or _last_key(k).startswith("gate")]
     parts = [table(["file", "entry", "value"], gate, "the gate's settings and shares of tiles refined")] if gate else []
+    for name, doc in contents.docs.items():
+        per_layer = doc.get(GATE_REFINED)
+        if isinstance(per_layer, dict) and per_layer and all(isinstance(v, (int, float)) for v in per_layer.values()):
+            parts.append(table(["layer", "share of tiles refined"], list(per_layer.items()), f"{name}: {GATE_REFINED}, over the validation's network calls"))
+            parts.append(images.drawn(refined_bars(per_layer), f"share of tiles refined per HSMLA layer ({name})"))
     if contents.slides is not None and "mean_alpha" in contents.slides.columns:
         parts.append("<p class=note>Per slide: the mean_alpha column of the Slides table (share of tiles refined).</p>")
     if any(c.split("/", 1)[-1].startswith("gate") for row in contents.curves for c in row):

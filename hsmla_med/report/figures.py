@@ -25,7 +25,7 @@ from PIL import Image, UnidentifiedImageError
 
 from hsmla_med.report.page import figure, text
 
-__all__ = ["Images", "class_boxes", "curves", "froc"]
+__all__ = ["Images", "class_boxes", "curves", "froc", "refined_bars"]
 
 log = logging.getLogger("hsmla_med")
 
@@ -123,6 +123,21 @@ def froc(points: dict[str, float | None], band: dict[str, dict] | None = None) -
     ax.set(xlabel="false positives per item", ylabel="sensitivity", ylim=(0, 1.02), title="FROC")
     ax.legend()
     ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def refined_bars(per_layer: dict[str, float]) -> bytes:
+    """The share of tiles each gated HSMLA layer refined, a bar per layer in network order."""
+    names = list(per_layer)
+    fig = Figure(figsize=(7, 0.9 + 0.32 * len(names)))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.barh(range(len(names)), [per_layer[n] for n in names], color="tab:green")
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set(xlim=(0, 1), xlabel="share of tiles refined (alpha)", title="tiles refined per layer")
+    ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     return _png(fig)
 

@@ -12,6 +12,7 @@ The files, by the command that writes them:
   has them), ``metrics_per_case.csv`` (a row per case and class), ``froc.png`` (luna16);
 * ``calibrate``: ``calibration.json``, ``reliability.png``;
 * ``cross-validate``: ``crossval.json``, ``crossval/summary.json``;
+* ``infer --uncertainty``: ``uncertainty.csv`` (the review queue), ``uncertainty/<case>_uncertainty.nii.gz``;
 * ``infer`` and ``wsi-heatmap``: ``provenance.json``, ``<slide>.json``, ``<slide>_overlay.png``,
   ``<slide>_gates.png`` (also one folder down, e.g. a demo's ``predictions``).
 
@@ -28,10 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hsmla_med.errors import DataError, InputError
+from hsmla_med.defaults import REVIEW_QUEUE
 from hsmla_med.io import is_temporary
 from hsmla_med.report.page import Value
 
-__all__ = ["CaseTable", "Folder", "LOOKED_FOR", "MEAN_DICE", "PROVENANCE", "cases_from_rows", "flatten", "read_folder"]
+__all__ = ["CaseTable", "Folder", "LOOKED_FOR", "MEAN_DICE", "PROVENANCE", "cases_from_rows", "flatten", "mean_dice", "read_folder"]
 
 #: the JSON documents read, by path relative to the folder
 PROVENANCE = "provenance.json"  # of infer's and wsi-heatmap's outputs
@@ -41,13 +43,13 @@ JSON_FILES = ("metrics.json", "summary.json", "calibration.json", "crossval.json
 FIGURES = ("training_curve.png", "reliability.png", "froc.png")
 #: per-slide figures, looked for in the folder and its subfolders
 GALLERIES = ("*_overlay.png", "*_gates.png")
-LOOKED_FOR = ", ".join([*JSON_FILES, f"*/{PROVENANCE}", "metrics.csv", "logs/version_*/metrics.csv", "metrics_per_case.csv", "config.yaml",
+LOOKED_FOR = ", ".join([*JSON_FILES, f"*/{PROVENANCE}", "metrics.csv", "logs/version_*/metrics.csv", "metrics_per_case.csv", REVIEW_QUEUE, "config.yaml",
                         *FIGURES, *GALLERIES, "<slide>.json"])
 
 #: the per-class scores a case table shows (IoU and the voxel counts stay in the files)
 SCORES = ("Dice", "HD95", "NSD")
 #: per-case entries naming files: the case's name is taken from them, they are no columns
-FILE_KEYS = {"reference_file", "prediction_file", "slide_file", "label_files"}
+FILE_KEYS = {"reference_file", "prediction_file", "slide_file", "label_files", "scan_file"}
 NAME_KEYS = ("case", "slide", "seriesuid")
 MEAN_DICE = "mean Dice"  # the column computed here, by which cases are ordered
 #: keys of a ``wsi-heatmap`` ``<slide>.json`` record
@@ -80,6 +82,7 @@ class Folder:
     config: tuple[str, str] | None
     cases: CaseTable | None
     slides: CaseTable | None
+    queue: CaseTable | None  # infer --uncertainty's review queue, most uncertain first
     figures: dict[str, Path]
     galleries: dict[str, list[Path]]
     checkpoints: list[Path]
@@ -212,14 +215,16 @@ def cases_from_rows(rows: list[dict], labels: dict[str, str], source: str) -> Ca
     if not scored["Dice"]:
         return CaseTable(source, columns, table, None, per_class)
     dice = [columns.index(c) for c in scored["Dice"]]
-
-    def mean_dice(values: list[Value]) -> float | None:
-        present = [values[i] for i in dice if isinstance(values[i], (int, float)) and math.isfinite(values[i])]
-        return math.fsum(present) / len(present) if present else None
-
-    table = [(name, [mean_dice(values), *values]) for name, values in table]
+    table = [(name, [mean_dice([values[i] for i in dice]), *values]) for name, values in table]
     table.sort(key=lambda row: math.inf if row[1][0] is None else row[1][0])  # stable: ties keep the file's order
     return CaseTable(source, [MEAN_DICE, *columns], table, MEAN_DICE, per_class)
+
+
+def mean_dice(values: list[Value]) -> float | None:
+    """The mean of a case's Dice values over the classes with one (``None`` without any): the
+    order of the case table, worst first, and of the report's worst cases."""
+    present = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return math.fsum(present) / len(present) if present else None
 
 
 def _cases_from_csv(path: Path) -> CaseTable:
@@ -275,14 +280,15 @@ def read_folder(folder: Path) -> Folder:
     else:
         cases = None
     figures = {name: folder / name for name in FIGURES if (folder / name).is_file()}
+    queue = cases_from_rows(_read_csv(folder / REVIEW_QUEUE, names=("case",)), {}, REVIEW_QUEUE) if (folder / REVIEW_QUEUE).is_file() else None
     galleries = {pattern: sorted(p for p in [*folder.glob(pattern), *folder.glob(f"*/{pattern}")] if _visible(p, folder))
                  for pattern in GALLERIES}
     contents = Folder(
         path=folder, docs=docs, curves=curves, curve_files=curve_files, config=_config(folder), cases=cases,
-        slides=_slides(folder, docs), figures=figures, galleries={k: v for k, v in galleries.items() if v},
+        slides=_slides(folder, docs), queue=queue, figures=figures, galleries={k: v for k, v in galleries.items() if v},
         checkpoints=sorted(p for p in folder.glob("*.ckpt") if _visible(p, folder)),
     )
-    if not (docs or curve_files or contents.config or cases or contents.slides or figures or contents.galleries):
+    if not (docs or curve_files or contents.config or cases or contents.slides or contents.queue or figures or contents.galleries):
         raise InputError(f"{folder}: nothing to report; looked for {LOOKED_FOR}")
     return contents
 
