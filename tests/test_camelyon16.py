@@ -24,6 +24,7 @@ from hsmla_med.errors import DataError
 from hsmla_med.metrics.pathology import auc
 from hsmla_med.pipelines import camelyon16
 from hsmla_med.pipelines.task import InferenceOptions
+from tests.browser import check_page, chromium
 from tests.test_slide_maps_ddp import whole_gather_summary
 
 SMALL = {"num_normal": 2, "num_tumor": 3, "num_test": 2, "size": [1536, 1024], "seed": 0}
@@ -209,6 +210,11 @@ def test_train_and_heatmaps_at_level_1_through_the_cli(slides, tmp_path, capsys)
             step = 32 * slide.level_downsamples[1]  # a cell in level-0 pixels: the heatmap covers the slide
             pixels = np.ceil(np.array(slide.dimensions) * info["heatmap_pixels_per_cell"] / step).astype(int)
             assert tif.dimensions == tuple(pixels)
+    if chromium() is not None:  # the run's and the heatmaps' pages in a real browser (test_report.py says why where none)
+        from hsmla_med.report import write_report
+
+        for page in (run / "report.html", write_report(heat)):
+            assert check_page(page, tmp_path / "browser")["images"] >= 1, page
     bad = slides / "data" / "training" / "lesion_annotations" / "tumor_001.xml"
     saved = bad.read_text()
     try:

@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 
 from hsmla_med.cli import main
+from tests.browser import check_page, chromium
 from tests.conftest import TINY
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,3 +50,11 @@ def test_the_readme_walk_from_the_demo_to_infer_and_evaluate(tmp_path, capsys):
     assert sorted(Path(c["prediction_file"]).name for c in scored["metric_per_case"]) == ["img0004.nii.gz", "img0005.nii.gz"]
     assert "img0006.nii.gz" in capsys.readouterr().err
     assert (runs / "walk" / "scored" / "report.html").is_file() and (runs / "walk" / "evaluate" / "report.html").is_file()
+    # the demo's pages in a real browser where there is one (tests/test_report.py's browser test
+    # is skipped, with its reason, where there is none): no console error, every image decoded,
+    # the case table sorted by clicks; the scored page shows the worst volumes
+    if chromium() is not None:
+        for folder in (runs / "demo" / "btcv", runs / "walk" / "evaluate", runs / "walk" / "scored"):
+            found = check_page(folder / "report.html", tmp_path / "browser")
+            assert found["images"] >= 1, folder
+        assert '<section id="worst">' in (runs / "walk" / "scored" / "report.html").read_text()
