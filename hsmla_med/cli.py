@@ -676,6 +676,7 @@ def _scored_cases(task, module, args, checkpoints: list[str]):
 
 def _evaluate(args) -> dict:
     from hsmla_med.engine.calibration import CalibrationSample
+    from hsmla_med.engine.callbacks import write_gate_example
     from hsmla_med.engine.run import evaluate
     from hsmla_med.errors import InputError
     from hsmla_med.io import write_json
@@ -705,6 +706,7 @@ def _evaluate(args) -> dict:
     write_json(output / "metrics.json", {**summary, **meta, "checkpoint": checkpoints[0] if len(checkpoints) == 1 else checkpoints,
                                          "routing": args.routing or "gate"})
     reports = task.evaluation_reports(module, output)
+    write_gate_example(module, output)
     _print_summary(task, summary, output)
     if reports:
         print(f"per case: {', '.join(map(str, reports))}")

@@ -104,7 +104,8 @@ def test_short_run_outputs_and_resume(tmp_path, dataset):
     cases = btcv.datalist(config)
     make = lambda: SegmentationModule(btcv.module_config(config, model_config("b0"), cases.label_names))  # noqa: E731
     summary = fit(make(), btcv.datamodule(config, cases), out, config["trainer"])
-    for name in ("last.ckpt", "best.ckpt", "metrics.json", "metrics.csv", "training_curve.png", "logs/version_0/metrics.csv"):
+    for name in ("last.ckpt", "best.ckpt", "metrics.json", "metrics.csv", "training_curve.png", "logs/version_0/metrics.csv",
+                 "validation_gates.png"):
         assert (out / name).is_file(), name
     metrics = json.loads((out / "metrics.json").read_text())
     assert set(metrics) >= {"dice", "hd95", "dice_per_class", "hd95_per_class", "epoch", "step"}

@@ -179,20 +179,29 @@ def test_refined_share_counts_every_network_call(tmp_path):
     with torch.no_grad():
         module.network.calibrate_tau(torch.randn(2, 3, 64, 64), target_alpha=0.3)  # as a validation does: tau between the gates
     seen = {name: [0, 0] for name in layers}
+    maps = {name: [] for name in layers}  # per call, item 0's refined tiles
 
     def hook(name):
         def count(layer, inputs, output):
             seen[name][0] += int((layer.last_gate > layer.tau).sum())
             seen[name][1] += layer.last_gate.numel()
+            maps[name].append((layer.last_gate[0] > layer.tau).numpy())
         return count
 
     handles = [layer.register_forward_hook(hook(name)) for name, layer in layers.items()]
     module._refined = {}  # as a validation starts (on_validation_epoch_start)
+    inputs = [torch.randn(2, 3, size, size) for size in (64, 96, 64)]
     with torch.no_grad():
-        for size in (64, 96, 64):
-            module.graphed()(torch.randn(2, 3, size, size))
+        for x in inputs:
+            module.graphed()(x)
     for handle in handles:
         handle.remove()
+    # the example kept: call 2 (of 1, 2, 4, ... the last made), its first item
+    module._finish_gate_example()
+    example = module.validation_gates
+    assert (example["call"], example["calls"]) == (2, 3)
+    assert np.array_equal(example["image"], inputs[1][0, 0].numpy())
+    assert set(example["refined"]) == set(layers) and all(np.array_equal(example["refined"][n], maps[n][1]) for n in layers)
     shares = module.refined_per_layer()
     assert set(shares) == set(layers)
     assert shares == {name: pytest.approx(refined / tiles, abs=1e-12) for name, (refined, tiles) in seen.items()}

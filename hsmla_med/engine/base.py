@@ -145,6 +145,10 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
         self.summary: dict | None = None  # the last validation's metrics
         self.calibrated_tau: dict[str, float] | None = None
         self._refined: dict[str, list] | None = None  # per HSMLA layer [tiles refined, tiles] of the running validation
+        self._calls, self._gate_example = 0, None  # the running validation's network calls, and the example kept
+        #: the last validation's example of the gates at work (:meth:`_count_refined`): ``call``
+        #: of ``calls``, ``image`` (H, W) and per gated layer the ``refined`` tiles (h, w) bool
+        self.validation_gates: dict | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.network(x)
@@ -238,19 +242,40 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
                 self.calibrated_tau = calibrate_tau(self.network, batch.to(self.device), target)
         self._records = []
         self._refined = {} if isinstance(self.network, GatedNetwork) else None
+        self._calls, self._gate_example = 0, None
         if self.calibration_sample is not None:
             self.calibration_sample.clear()
 
-    def _count_refined(self) -> None:
+    def _count_refined(self, *inputs) -> None:
         """After each network call of a validation (:meth:`graphed`): add each gated layer's
-        tiles refined and tiles to the running count (device tensors: no host read here)."""
+        tiles refined and tiles to the running count (device tensors: no host read here), and
+        keep the first item of the calls numbered 1, 2, 4, 8, ... with its refined tiles (a
+        device copy): the last one kept, from the second half of the validation's calls, is
+        :attr:`validation_gates`' example (the first calls are the corners of a volume, often air)."""
         if self._refined is None:
             return
+        self._calls += 1
+        maps = {}
         for name, layer in self.network.hsmla_layers().items():
-            refined = layer.last_refined()
+            refined = layer.refined_tiles()
             if refined is not None:
                 count = self._refined.setdefault(name, [0, 0])
-                count[0], count[1] = count[0] + refined[0], count[1] + refined[1]
+                count[0], count[1] = count[0] + refined.sum(), count[1] + refined.numel()
+                maps[name] = refined[0]
+        if maps and self._calls & (self._calls - 1) == 0 and inputs and isinstance(inputs[0], torch.Tensor):
+            self._gate_example = (self._calls, inputs[0][0].detach().clone(), maps)
+
+    def _finish_gate_example(self) -> None:
+        """:attr:`validation_gates` from the kept call: the image's first channel and each
+        layer's refined tiles, the middle slice of a volume, on the host."""
+        if self._gate_example is None:
+            self.validation_gates = None
+            return
+        call, image, maps = self._gate_example
+        middle = lambda t: t[t.shape[0] // 2] if t.dim() == 3 else t  # noqa: E731 - (D, H, W) -> (H, W)
+        self.validation_gates = {"call": call, "calls": self._calls, "image": middle(plain(image[0]).float()).cpu().numpy(),
+                                 "refined": {name: middle(m).cpu().numpy() for name, m in maps.items()}}
+        self._gate_example = None
 
     def refined_per_layer(self) -> dict[str, float]:
         """The share of tiles each gated HSMLA layer refined over the last validation's network
@@ -275,6 +300,7 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
         self.summary = self.summarize_records(self.records)
         refined = self.refined_per_layer()
         self._refined = None
+        self._finish_gate_example()
         if refined:
             self.summary[GATE_REFINED] = refined
         if self.calibration_sample is not None:

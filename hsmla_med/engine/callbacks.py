@@ -1,5 +1,5 @@
-"""Callbacks of a training run: its result files (``metrics.json``, ``metrics.csv`` and the
-training-curve PNG, all owned by :class:`MetricsWriter`), the validation of the final step
+"""Callbacks of a training run: its result files (``metrics.json``, ``metrics.csv``, the
+training-curve PNG and the gates' example, all owned by :class:`MetricsWriter`), the validation of the final step
 (:class:`ValidateFinalStep`) and a progress bar that counts the run's steps (:class:`StepProgressBar`)."""
 
 from __future__ import annotations
@@ -13,8 +13,22 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm, convert_inf
 
 from hsmla_med.io import atomic_path, write_json
+from hsmla_med.io.overlays import gate_panels
 
-__all__ = ["MetricsWriter", "StepProgressBar", "ValidateFinalStep", "training_curve"]
+__all__ = ["GATES_PICTURE", "MetricsWriter", "StepProgressBar", "ValidateFinalStep", "training_curve", "write_gate_example"]
+
+GATES_PICTURE = "validation_gates.png"  # the report shows it with the slides' *_gates.png
+
+
+def write_gate_example(module: L.LightningModule, output: Path) -> Path | None:
+    """``OUTPUT/validation_gates.png``: where each gated layer refined for one input of the
+    last validation (:attr:`~hsmla_med.engine.base.GatedModule.validation_gates`); nothing
+    where no gate ran."""
+    gates = getattr(module, "validation_gates", None)
+    if not gates:
+        return None
+    return gate_panels(Path(output) / GATES_PICTURE, gates["image"], gates["refined"],
+                       f"tiles refined (bright) for one validation input: network call {gates['call']} of {gates['calls']}")
 
 
 class MetricsWriter(L.Callback):
@@ -43,6 +57,7 @@ class MetricsWriter(L.Callback):
             return
         record = {**module.summary, "epoch": trainer.current_epoch, "step": trainer.global_step}
         write_json(self.output / "metrics.json", record)
+        write_gate_example(module, self.output)
         row = {"epoch": record["epoch"], "step": record["step"]}
         for key, value in module.summary.items():  # per-class dicts become columns key_name
             if isinstance(value, dict):

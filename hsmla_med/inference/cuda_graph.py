@@ -112,8 +112,8 @@ class GraphedCallable:
         enabled: ``False`` always runs ``fn`` (``--no-cuda-graphs``).
         state: called after a capture, returns the function that restores the module state
             the captured call left (e.g. :func:`hsmla_med.nn.gate_snapshot` of the network).
-        after: called after every call, replayed or eager, once the modules describe it (e.g.
-            to count the tiles the gates refined).
+        after: called with the inputs after every call, replayed or eager, once the modules
+            describe it (e.g. to count the tiles the gates refined).
     """
 
     def __init__(self, fn: Callable, version: Callable[[], Any] | None = None, enabled: bool = True,
@@ -137,7 +137,7 @@ class GraphedCallable:
     def __call__(self, *inputs):
         outputs = self._run(inputs)
         if self.after is not None:
-            self.after()
+            self.after(*inputs)
         return outputs
 
     def _run(self, inputs: tuple):

@@ -1,5 +1,6 @@
-"""PNG pictures of whole-slide results: a per-patch map laid over the slide thumbnail; and of a
-label map (a segmentation, e.g. a DICOM SEG read back) over its image slice (:func:`label_overlay`).
+"""PNG pictures of whole-slide results: a per-patch map laid over the slide thumbnail; of a
+label map (a segmentation, e.g. a DICOM SEG read back) over its image slice (:func:`label_overlay`);
+and of the tiles each gated layer refined for one validation input (:func:`gate_panels`).
 
 Two pictures per slide: :func:`heatmap_overlay` shows the tumour probability, and
 :func:`gate_overlay` shows where HSMLA's gate sent tiles to softmax refinement, so a reader can
@@ -29,7 +30,7 @@ from PIL import Image
 
 from hsmla_med.io.atomic import atomic_path
 
-__all__ = ["class_colour", "gate_overlay", "heatmap_overlay", "label_overlay", "sample_panels"]
+__all__ = ["class_colour", "gate_overlay", "gate_panels", "heatmap_overlay", "label_overlay", "sample_panels"]
 
 DPI = 100
 # long side of the drawn thumbnail in pixels: small thumbnails are enlarged so that the colour
@@ -140,6 +141,34 @@ def gate_overlay(path, thumbnail: np.ndarray, gate_map: np.ndarray, title: str =
         a colour bar labelled "share of tiles refined (alpha)" (the gate's alpha, not opacity).
     """
     return _overlay(path, thumbnail, gate_map, title, 0.5, "viridis", "share of tiles refined (alpha)")
+
+
+def gate_panels(path, image: np.ndarray, refined: dict[str, np.ndarray], title: str = "") -> Path:
+    """Write a PNG of where each gated HSMLA layer refined, for one network input: a panel per
+    layer, the input ``image`` ``(H, W)`` in grey (1st-99th percentile) under the layer's
+    ``(h, w)`` refined tiles (bool, covering the image), drawn in "viridis"'s bright end at half
+    opacity; each panel's title names the layer and its share of tiles refined."""
+    image = np.asarray(image, dtype=np.float64)
+    low, high = np.percentile(image, [1, 99]) if image.size else (0.0, 1.0)
+    grey = np.clip((image - low) / max(high - low, 1e-12), 0, 1)
+    across = min(4, len(refined))
+    fig = Figure(figsize=(3.2 * across, 3.4 * -(-len(refined) // across) + (0.4 if title else 0)))
+    FigureCanvasAgg(fig)
+    bright = np.array(colormaps["viridis"](1.0)[:3])
+    for i, (name, tiles) in enumerate(refined.items()):
+        mask = _resize_nearest(np.asarray(tiles, dtype=bool), *grey.shape)
+        picture = np.repeat(grey[..., None], 3, axis=2)
+        picture[mask] = 0.5 * picture[mask] + 0.5 * bright
+        ax = fig.add_subplot(-(-len(refined) // across), across, i + 1)
+        ax.imshow(picture, interpolation="nearest")
+        ax.set_title(f"{name}\n{np.mean(tiles):.0%} of {np.size(tiles)} tiles refined", fontsize=8)
+        ax.set_axis_off()
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=DPI)
+    return Path(path)
 
 
 def class_colour(value: int) -> tuple[int, int, int]:

@@ -357,17 +357,17 @@ class HSMLA(nn.Module):
     def last_alpha(self) -> float:
         """Fraction of tiles refined by the last forward (with a gate: tiles above the tau of
         that forward). Counted when asked for rather than in every forward (a host read)."""
-        refined = self.last_refined()
-        return self._alpha if refined is None else float(refined[0]) / refined[1]
+        refined = self.refined_tiles()
+        return self._alpha if refined is None else float(refined.float().mean())
 
-    def last_refined(self) -> tuple[torch.Tensor, int] | None:
-        """``(tiles refined, tiles)`` of the last forward with a gate (the count a tensor on the
-        gate's device, so that counting over many forwards reads the host once); ``None``
-        without a gate."""
+    def refined_tiles(self) -> torch.Tensor | None:
+        """``(batch, *tiles)`` bool: the tiles the last forward's gate refined (on the gate's
+        device, read on the host by nobody here: counting them over many forwards costs one
+        host read in the end); ``None`` without a gate."""
         if self.last_gate is None:
             return None
         tau = self.tau if self._gate_tau is None else self._gate_tau
-        return (self.last_gate.detach() > tau).sum(), self.last_gate.numel()
+        return self.last_gate.detach() > tau
 
     def regularizers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(budget, smoothness) of the last forward's gate; zeros when no gate was computed."""
