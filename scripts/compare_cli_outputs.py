@@ -37,6 +37,17 @@ def _commands(out: Path) -> list[list[str]]:
     commands = [["demo", "--task", "all", "--output", str(demo)]]
     for task in ("btcv", "camelyon16", "endovis", "luna16"):
         commands.append(["evaluate", "--checkpoint", str(demo / task / "best.ckpt"), "--output", str(out / f"evaluate_{task}"), "--allow-training-cases"])
+    cache = Path.home() / ".cache" / "hsmla-med"  # the demo's synthetic datasets (configs: data.cache_dir)
+    # evaluate --predictions: LUNA16's demo submission; EndoVis masks of a labelled video (the
+    # demo's predictions include the unlabelled test video, which has nothing to be scored against)
+    commands += [
+        ["evaluate", "--task", "luna16", "--predictions", str(demo / "luna16" / "predictions"), "--labels", str(cache / "luna16-synthetic"),
+         "--output", str(out / "score_luna16")],
+        ["infer", "--checkpoint", str(demo / "endovis" / "best.ckpt"), "--input", str(cache / "endovis-synthetic" / "instrument_dataset_1" / "left_frames"),
+         "--output", str(out / "infer_endovis")],
+        ["evaluate", "--task", "endovis", "--predictions", str(out / "infer_endovis"), "--labels", str(cache / "endovis-synthetic"),
+         "--output", str(out / "score_endovis")],
+    ]
     commands += [
         ["calibrate", "--checkpoint", str(demo / "btcv" / "best.ckpt"), "--output", str(out / "calibrate_btcv"), "--allow-training-cases"],
         ["export", "--checkpoint", str(demo / "btcv" / "best.ckpt"), "--format", "bundle", "--output", str(out / "bundle_btcv")],

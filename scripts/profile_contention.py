@@ -1,6 +1,7 @@
-"""Where a network's time goes beside busy neighbours (issue 34): a per-operator profile quiet
+"""Where a network's time goes beside busy neighbours (issues 34, 54): a per-operator profile quiet
 and with the contention benchmark's two neighbouring PyTorch processes (2 threads of 1024^2
-matrix products each, ``hsmla_med.bench.contention.NEIGHBOUR``), in one process, interleaved.
+matrix products each, ``hsmla_med.bench.contention.NEIGHBOUR``) or its background ``hsmla-med
+train`` (``--neighbour train``), in one process, interleaved.
 
 Run it as hsmla-med runs (the OpenMP settings are read when torch loads, so they come from the
 environment; ``hsmla-med`` itself would set ``GOMP_SPINCOUNT=10000``):
@@ -48,16 +49,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="forwards profiled per load, per round (default 3)")
     parser.add_argument("--repeats", type=int, default=2, help="quiet/busy alternations (default 2)")
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--neighbour", choices=["pytorch", "train"], default="pytorch",
+                        help="two PyTorch processes of matrix products (default), or a background hsmla-med train --task btcv")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     runtime.tune_cpu_allocator()
     x = torch.randn(1, 1, args.size, args.size)
     model = build_models(x)[args.model]().eval()
     totals = {load: (defaultdict(float), defaultdict(int), []) for load in ("quiet", "busy")}
-    with neighbours(2) as set_load, torch.inference_mode():
+    with neighbours(2, train=args.neighbour == "train") as set_load, torch.inference_mode():
         model(x), model(x)
         for _ in range(args.repeats):
-            for load, running in (("quiet", 0), ("busy", 2)):
+            for load, running in (("quiet", "quiet"), ("busy", args.neighbour)):
                 set_load(running)
                 self_ms, calls, wall = _profile(model, x, args.rounds)
                 for key, ms in self_ms.items():
@@ -71,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
              "x": round(busy[k] / quiet[k], 2) if quiet.get(k) else None, "share of growth": f"{(busy[k] - quiet.get(k, 0.0)) / growth:.0%}"}
             for k in keys]
     walls = {load: [round(w) for w in totals[load][2]] for load in totals}
-    print(f"{args.model} at {args.size}^2, 2 threads, {os.environ.get('GOMP_SPINCOUNT') or os.environ.get('OMP_WAIT_POLICY') or 'libgomp default'}: "
-          f"wall ms per forward (profiled) quiet {walls['quiet']}, beside two neighbours {walls['busy']}; "
+    print(f"{args.model} at {args.size}^2, {args.threads} threads, {os.environ.get('GOMP_SPINCOUNT') or os.environ.get('OMP_WAIT_POLICY') or 'libgomp default'}: "
+          f"wall ms per forward (profiled) quiet {walls['quiet']}, beside the {args.neighbour} neighbour(s) {walls['busy']}; "
           f"{sum(totals['busy'][1].values())} operator calls per forward; self CPU {sum(quiet.values()):.0f} -> {sum(busy.values()):.0f} ms")
     print(markdown(rows))
     return 0

@@ -6,24 +6,23 @@ from hsmla_med.bench import contention
 
 
 def test_rows_are_medians_slowdowns_and_ratios():
-    times = {"HSMLA-B2": {"0": [0.1, 0.3, 0.1], "1": [0.2, 0.2, 0.9], "2": [0.3, 0.4, 0.5]},
-             "SegFormer-B2": {"0": [1.0, 1.0, 2.0], "1": [2.0, 4.0, 3.0], "2": [6.0, 6.0, 6.0]}}
-    threads = {"HSMLA-B2": {"0": [2, 2, 2], "1": [1, 2, 1], "2": [1, 1, 1]}, "SegFormer-B2": {"0": [2] * 3, "1": [2] * 3, "2": [2] * 3}}
-    rows = {r["model"]: r for r in contention._rows("s", times, threads)}
+    times = {"HSMLA-B2": {"quiet": [0.1, 0.3, 0.1], "train": [0.2, 0.2, 0.9], "pytorch": [0.3, 0.4, 0.5]},
+             "SegFormer-B2": {"quiet": [1.0, 1.0, 2.0], "train": [2.0, 4.0, 3.0], "pytorch": [6.0, 6.0, 6.0]}}
+    threads = {"HSMLA-B2": {"quiet": [2, 2, 2], "train": [1, 2, 1], "pytorch": [1, 1, 1]},
+               "SegFormer-B2": {load: [2] * 3 for load in contention.LOADS}}
+    rows = {r["model"]: r for r in contention._rows("library", times, threads)}
     b2 = rows["HSMLA-B2"]
-    assert (b2["ms_0"], b2["ms_1"], b2["ms_2"]) == (100.0, 200.0, 400.0)
-    assert (b2["slowdown_1"], b2["slowdown_2"]) == (2.0, 4.0)
-    assert (b2["x_segformer_b2_0"], b2["x_segformer_b2_1"], b2["x_segformer_b2_2"]) == (10.0, 15.0, 15.0)
-    assert rows["SegFormer-B2"]["x_segformer_b2_2"] == 1.0 and b2["setting"] == "s"
-    assert (b2["threads_0"], b2["threads_1"], b2["threads_2"]) == (2, 1, 1)  # the most common count
+    assert (b2["ms_quiet"], b2["ms_train"], b2["ms_pytorch"]) == (100.0, 200.0, 400.0)
+    assert (b2["slowdown_train"], b2["slowdown_pytorch"]) == (2.0, 4.0)
+    assert (b2["x_segformer_b2_quiet"], b2["x_segformer_b2_train"], b2["x_segformer_b2_pytorch"]) == (10.0, 15.0, 15.0)
+    assert rows["SegFormer-B2"]["x_segformer_b2_pytorch"] == 1.0 and b2["case"] == "library"
+    assert (b2["threads_quiet"], b2["threads_train"], b2["threads_pytorch"]) == (2, 1, 1)  # the most common count
+    # infer's rows have no SegFormer-B2 to compare with
+    infer = contention._rows(contention.INFER, {contention.INFER: times["HSMLA-B2"]}, {contention.INFER: threads["HSMLA-B2"]})
+    assert not any(k.startswith("x_segformer") for k in infer[0])
 
 
-def test_settings_and_the_neighbours_environment(monkeypatch):
-    assert contention.settings([100, runtime.SPIN_COUNT]) == {
-        "libgomp default": {}, "GOMP_SPINCOUNT=100": {"GOMP_SPINCOUNT": "100"},
-        # hsmla-med's own spin count: its child also times the load-adaptive threads
-        f"GOMP_SPINCOUNT={runtime.SPIN_COUNT}": {"GOMP_SPINCOUNT": str(runtime.SPIN_COUNT), "HSMLA_MED_ADAPTIVE_THREADS": "1"},
-        "OMP_WAIT_POLICY=PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"}}
+def test_the_neighbours_environment(monkeypatch):
     # what hsmla-med set itself is not the environment the user gave it
     monkeypatch.setenv("GOMP_SPINCOUNT", "10000")
     monkeypatch.setenv("SOME_USER_VARIABLE", "1")
@@ -48,7 +47,9 @@ def test_neighbours_run_as_loaded_and_are_gone_after():
         load(1)
         states = [state(p) for p in pids]
         assert states.count("T") == 1  # one paused, the other running (R) or between steps (S)
-        load(0)
+        load("pytorch")
+        assert "T" not in [state(p) for p in pids]
+        load("quiet")
         assert {state(p) for p in pids} == {"T"}
     assert not _children()
 

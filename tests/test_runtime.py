@@ -301,3 +301,61 @@ def test_prediction_installs_the_load_adaptive_threads(monkeypatch):
             monkeypatch.delenv(name)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_hsmla_networks_run_on_the_free_cpus_and_give_the_threads_back(monkeypatch):
+    """A library user's call of an HSMLA network (issue 54): beside a full machine its CPU
+    inference forward runs on one thread and the caller's count is back after it, also after a
+    forward that raises; training, HSMLA_MED_ADAPTIVE_THREADS=0 and a quiet machine keep the
+    caller's count. The network deep-copies and pickles with its hooks."""
+    import copy
+    import pickle
+
+    import torch
+
+    from hsmla_med import runtime
+    from hsmla_med.config import build_network, model_config
+    from hsmla_med.nn import hsmla_net
+
+    others = {"n": 10**6}
+    monkeypatch.setattr(runtime, "runnable_others", lambda proc: others["n"])
+    monkeypatch.setattr(hsmla_net._FREE_CPU_THREADS, "interval", 0.0)
+    monkeypatch.delenv("HSMLA_MED_ADAPTIVE_THREADS", raising=False)
+    monkeypatch.delenv("HSMLA_MED_CPU_DEFAULTS", raising=False)
+    net = build_network(model_config("b0"), 2, 1, 2).eval()
+    seen = []
+
+    def record(module, args):  # registered after the network's own hook: sees the count it chose
+        seen.append(torch.get_num_threads())
+
+    handle = net.register_forward_pre_hook(record)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        x = torch.randn(1, 1, 64, 64)
+        with torch.no_grad():
+            net(x)
+            assert seen[-1] == 1 and torch.get_num_threads() == 2
+            others["n"] = 0
+            net(x)
+            assert seen[-1] == 2  # a quiet machine: the caller's count
+            others["n"] = 10**6
+            monkeypatch.setenv("HSMLA_MED_ADAPTIVE_THREADS", "0")
+            net(x)
+            assert seen[-1] == 2
+            monkeypatch.delenv("HSMLA_MED_ADAPTIVE_THREADS")
+            with pytest.raises(ValueError):
+                net(torch.randn(1, 3, 64, 64))  # 3 channels into a 1-channel network
+            assert torch.get_num_threads() == 2
+        handle.remove()
+        for other in (copy.deepcopy(net), pickle.loads(pickle.dumps(net))):
+            other.eval().register_forward_pre_hook(record)
+            with torch.no_grad():
+                other(x)
+            assert seen[-1] == 1 and torch.get_num_threads() == 2
+        net.register_forward_pre_hook(record)
+        net.train()
+        net(x)
+        assert seen[-1] == 2 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

@@ -63,7 +63,8 @@ _TABLES = {
     "volume": ("btcv inference on one 512x512x300 CT, 14 classes, HSMLA-B0 (peak resident memory); the same CT as a DICOM series into a DICOM SEG:", _volume),
     "processes": ("btcv inference of 8 synthetic volumes: one process, with loader workers, two DDP processes (CPU, gloo) with hsmla-med's threads and with OMP_NUM_THREADS=2 each:", _processes),
     "endovis": ("EndoVis 2017 frames, 1024x1280 RGB (the standard crop), batch 1, 3 -> 8 channels:", lambda args: bench_endovis(args.runs)),
-    "contention": ("networks at --size^2, batch 1, quiet and beside 1 and 2 neighbouring PyTorch processes (2 threads each, matrix products), per OpenMP wait setting:",
+    "contention": ("HSMLA-B2, SegFormer-B2, MONAI UNet at --size^2, batch 1, called as a library (either import order), and hsmla-med infer "
+                   "of a volume; quiet, beside a background hsmla-med train, beside two PyTorch processes (2 threads each, matrix products):",
                    lambda args: contention.bench_contention(args)),
     "export": ("exported ONNX under onnxruntime (CPU) vs PyTorch eager with the C kernels, batch 1, 1 -> 14 channels:", lambda args: __import__("hsmla_med.bench.export", fromlist=["bench_export"]).bench_export(args.size, args.runs, args.threads)),
 }
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=positive_int, default=32, help="head width of the benchmarked layer")
     parser.add_argument(
         "--only", choices=["models", "layers", "wsi", "endovis", "learning", "gpu", "volume", "processes", "export", "contention"],
-        help="run one table (contention: HSMLA-B0/B2, SegFormer-B2, SwinUNETR-2D and UNet quiet and beside 1 and 2 busy PyTorch processes, per OpenMP wait setting; gpu: networks on a CUDA GPU, inference 2D/3D and training (scripts/bench_kernels.py: the Triton kernels); wsi: whole-slide heatmap throughput against the forward passes alone; volume: peak memory of infer on a 512x512x300 CT, and as a 300-file DICOM series into a DICOM SEG against NIfTI; processes: infer of 8 volumes in one vs two DDP processes; endovis: frames/s of HSMLA-B0 vs SegFormer-B0 on 1024x1280 RGB frames; learning: networks trained and scored on MNI152 grey/white matter; none of these is part of the default run)",
+        help="run one table (contention: HSMLA-B2, SegFormer-B2 and MONAI's UNet as a library and hsmla-med infer, quiet, beside a background hsmla-med train and beside 2 busy PyTorch processes; gpu: networks on a CUDA GPU, inference 2D/3D and training (scripts/bench_kernels.py: the Triton kernels); wsi: whole-slide heatmap throughput against the forward passes alone; volume: peak memory of infer on a 512x512x300 CT, and as a 300-file DICOM series into a DICOM SEG against NIfTI; processes: infer of 8 volumes in one vs two DDP processes; endovis: frames/s of HSMLA-B0 vs SegFormer-B0 on 1024x1280 RGB frames; learning: networks trained and scored on MNI152 grey/white matter; none of these is part of the default run)",
     )
     parser.add_argument("--threads", type=positive_int, default=os.cpu_count(), help="torch CPU threads")
     learning.add_arguments(parser)

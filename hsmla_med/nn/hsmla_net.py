@@ -12,12 +12,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hsmla_med.nn.attention import HSMLA, calibrate_tau
+from hsmla_med.runtime import FreeCPUThreads
 from hsmla_med.nn.blocks import ConvNormAct, DSConv, HSMLABlock, MBConv
 from hsmla_med.nn.conv import conv_type
 
 __all__ = ["VARIANTS", "DECODERS", "FULL_RES", "Variant", "HSMLABackbone", "UNetDecoder", "HSMLASegNet", "HSMLAClassifier", "gate_snapshot"]
 
 STRIDES = (2, 4, 8, 16, 32)  # of the backbone's stages (the stem is the first)
+_FREE_CPU_THREADS = FreeCPUThreads()  # one reading of the load per interval for every network of the process
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,18 @@ def gate_snapshot(module: nn.Module):
 
 
 class GatedNetwork(nn.Module):
-    """Access to the HSMLA layers of a network: regularisers, gate statistics and switches."""
+    """Access to the HSMLA layers of a network: regularisers, gate statistics and switches.
+
+    A CPU inference forward runs on the CPUs other processes leave free
+    (:class:`~hsmla_med.runtime.FreeCPUThreads`, hooks registered here): an HSMLA forward is
+    hundreds of short parallel regions, each a barrier that a descheduled thread holds up, so
+    beside a busy neighbour fewer threads finish sooner; the caller's thread count is put back
+    after the forward.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        _FREE_CPU_THREADS.install(self)
 
     def hsmla_layers(self) -> dict[str, HSMLA]:
         return {name: m for name, m in self.named_modules() if isinstance(m, HSMLA)}
