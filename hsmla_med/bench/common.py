@@ -98,17 +98,19 @@ def interleaved(fns: dict, rounds: int) -> dict[str, list[float]]:
 def write_csv(path: Path, rows: list[dict]) -> None:
     tmp = path.with_suffix(".tmp")
     with tmp.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         writer.writeheader()
         writer.writerows(rows)
     tmp.replace(path)
 
 
 def markdown(rows: list[dict]) -> str:
-    keys = list(rows[0])
+    """A Markdown table of ``rows``, the columns of all of them in order of appearance (a row
+    without a column leaves its cell empty)."""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for r in rows:
-        lines.append("| " + " | ".join(f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k]) for k in keys) + " |")
+        lines.append("| " + " | ".join(f"{r[k]:.3g}" if isinstance(r.get(k), float) else str(r.get(k, "")) for k in keys) + " |")
     return "\n".join(lines)
 
 

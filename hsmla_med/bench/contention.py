@@ -12,7 +12,10 @@ Cases, each in its own child process (OpenMP reads its settings when torch loads
 
 * ``library, hsmla_med first`` and ``library, torch first``: the networks built and called
   directly, as in a user's script, in the environment the user gave (nothing of hsmla-med's CLI);
-  HSMLA-B2 (tau calibrated to alpha 0.3), SegFormer-B2 and MONAI's UNet interleaved: each round
+  ``library, CPU defaults off``: the same with ``HSMLA_MED_CPU_DEFAULTS=0``, as a library user
+  ran before issue 54 (no OpenMP settings at import, no load-adaptive threads): the pairing;
+  HSMLA-B2 (tau calibrated to alpha 0.3), the same compiled by ``torch.compile`` (inductor's CPU
+  code with frozen weights), SegFormer-B2 and MONAI's UNet interleaved: each round
   runs every load and, at each, every network once, so that drift in the host's own load moves
   them alike;
 * ``hsmla-med infer``: one volume through the command line (an HSMLA-B2 checkpoint, 2D
@@ -42,9 +45,13 @@ from hsmla_med import runtime
 
 __all__ = ["add_arguments", "bench_contention", "neighbours", "LOADS", "MODELS", "CASES"]
 
-MODELS = ("HSMLA-B2", "SegFormer-B2", "MONAI UNet")
+MODELS = ("HSMLA-B2", "HSMLA-B2 (torch.compile)", "SegFormer-B2", "MONAI UNet")
+COMPILED = "HSMLA-B2 (torch.compile)"  # inductor's CPU code, weights frozen: elementwise chains fused into the loops around them
 LOADS = ("quiet", "train", "pytorch")
-CASES = {"library, hsmla_med first": "hsmla_med", "library, torch first": "torch"}
+#: library cases: the module imported first, and variables added to the user's environment (the
+#: last: hsmla-med's CPU settings off, as a library user had them before issue 54, for pairing)
+CASES = {"library, hsmla_med first": ("hsmla_med", {}), "library, torch first": ("torch", {}),
+         "library, CPU defaults off": ("hsmla_med", {"HSMLA_MED_CPU_DEFAULTS": "0"})}
 INFER = "hsmla-med infer"
 NEIGHBOUR = "import torch\ntorch.set_num_threads(2)\na = torch.randn(1024, 1024)\nprint('ready', flush=True)\nwhile True:\n    a @ a\n"
 #: seconds the background training may take to reach its steps (imports, data, the first batches)
@@ -70,9 +77,10 @@ def bench_contention(args) -> list[dict]:
     """The library cases (a child each) and the ``infer`` case; rows of (case, network)."""
     given = _given_environment()
     rows = []
-    for case, first in CASES.items():
+    for case, (first, variables) in CASES.items():
         print(f"  {case} ...", flush=True)
-        done = subprocess.run([*_case_command(first), str(args.size), str(args.contention_rounds)], env=given, capture_output=True, text=True)
+        done = subprocess.run([*_case_command(first), str(args.size), str(args.contention_rounds)], env={**given, **variables},
+                              capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"contention child ({case}) failed:\n{done.stderr[-2000:]}")
         result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -173,7 +181,7 @@ def neighbours(count: int = 2, train: bool = False) -> Iterator[Callable[[str], 
 
 
 def _child(size: int, rounds: int) -> dict[str, dict[str, dict[str, list]]]:
-    """``seconds`` (latencies) and ``threads`` (torch's count during each forward), per network
+    """``seconds`` (latencies) and ``threads`` (torch's count inside each forward), per network
     and load: the child process's work, with torch imported as its case says (the caller)."""
     import torch
 
@@ -181,8 +189,18 @@ def _child(size: int, rounds: int) -> dict[str, dict[str, dict[str, list]]]:
 
     x = torch.randn(1, 1, size, size)
     makers = build_models(x)
-    models = {name: makers[name]().eval() for name in MODELS}
+    models = {name: makers[name]().eval() for name in MODELS if name != COMPILED}
+    import torch._inductor.config as inductor
+
+    inductor.freezing = True  # the folded weights as constants of the compiled graph
+    models[COMPILED] = torch.compile(models["HSMLA-B2"], dynamic=False)
+    models = {name: models[name] for name in MODELS}
     result = {key: {name: {load: [] for load in LOADS} for name in MODELS} for key in ("seconds", "threads")}
+    during = []  # the thread count inside the forward (an HSMLA network's own hooks set it, and put it back after)
+    record = torch.compiler.disable(lambda module, args: during.append(torch.get_num_threads()))  # run, not traced, in the compiled one
+    for name, model in models.items():
+        if name != COMPILED:  # (the compiled one calls HSMLA-B2's hooks)
+            model.register_forward_pre_hook(record)
     with neighbours(train=True) as set_load, torch.inference_mode():
         for model in models.values():
             model(x), model(x)
@@ -193,7 +211,7 @@ def _child(size: int, rounds: int) -> dict[str, dict[str, dict[str, list]]]:
                     start = time.perf_counter()
                     model(x)
                     result["seconds"][name][load].append(time.perf_counter() - start)
-                    result["threads"][name][load].append(torch.get_num_threads())
+                    result["threads"][name][load].append(during[-1])
     return result
 
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hsmla_med.nn.attention import HSMLA, calibrate_tau
-from hsmla_med.runtime import FreeCPUThreads
+from hsmla_med.nn.threads import FreeCPUThreads
 from hsmla_med.nn.blocks import ConvNormAct, DSConv, HSMLABlock, MBConv
 from hsmla_med.nn.conv import conv_type
 
@@ -83,7 +83,7 @@ class GatedNetwork(nn.Module):
     """Access to the HSMLA layers of a network: regularisers, gate statistics and switches.
 
     A CPU inference forward runs on the CPUs other processes leave free
-    (:class:`~hsmla_med.runtime.FreeCPUThreads`, hooks registered here): an HSMLA forward is
+    (:class:`~hsmla_med.nn.threads.FreeCPUThreads`, hooks registered here): an HSMLA forward is
     hundreds of short parallel regions, each a barrier that a descheduled thread holds up, so
     beside a busy neighbour fewer threads finish sooner; the caller's thread count is put back
     after the forward.

@@ -1,0 +1,76 @@
+"""The CPU threads of an inference forward, for library users: on the CPUs other processes
+leave free (issue 54). :mod:`hsmla_med.runtime` holds the process-wide settings and the reading
+of the load; this holds the forward hooks, beside the networks that carry them (they need torch,
+which the runtime must not import: it configures OpenMP before torch loads)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from hsmla_med import runtime
+
+__all__ = ["FreeCPUThreads"]
+
+
+class FreeCPUThreads:
+    """:class:`~hsmla_med.runtime.LoadAdaptiveThreads` for library use: a forward pre-hook and a
+    forward hook that run a CPU inference forward (not in training, not while a tracer records
+    it) on the CPUs that other processes' runnable threads leave free, at most the caller's count,
+    and put the caller's count back after it (also when the forward raises), so a user's
+    ``torch.set_num_threads`` and the rest of their program are left as they were.
+
+    Every HSMLA network carries one (:class:`~hsmla_med.nn.hsmla_net.GatedNetwork`), so a
+    script that calls the network directly gets what ``hsmla-med``'s prediction does (issue 54:
+    beside a background training HSMLA-B2 took 2.8x its quiet time with two threads, 1.0x of
+    its one-thread time with one, docs/benchmarks.md). ``HSMLA_MED_ADAPTIVE_THREADS=0`` (or
+    ``HSMLA_MED_CPU_DEFAULTS=0``) turns it off, read at each forward.
+    """
+
+    def __init__(self, interval: float = 0.5, proc: Path = Path("/proc")) -> None:
+        self.interval, self.proc = interval, proc
+        self.cpus = os.cpu_count() or 1
+        self._next, self._free = 0.0, None
+        # per calling thread: the counts to put back, innermost last (a dict, not threading.local:
+        # a network that carries the hooks is deep-copied and pickled with them)
+        self._saved: dict[int, list[int]] = {}
+
+    def free(self) -> int | None:
+        """The CPUs other processes leave (``None`` where the load cannot be read), read at
+        most every ``interval`` seconds."""
+        if time.monotonic() >= self._next:
+            others = runtime.runnable_others(self.proc)
+            self._free = None if others is None else max(1, self.cpus - others)
+            self._next = time.monotonic() + self.interval
+        return self._free
+
+    # torch.compile runs the hooks as they are, outside its graph (they read /proc and set a
+    # process-wide count: nothing for it to trace), so a compiled network adapts as well
+    @torch.compiler.disable
+    def before(self, module, args) -> None:
+        stack = self._saved.setdefault(threading.get_ident(), [])
+        threads = torch.get_num_threads()
+        stack.append(threads)
+        if (module.training or torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.compiler.is_exporting()
+                or not runtime.adaptive_threads_enabled()
+                or not any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args)):
+            return
+        free = self.free()
+        if free is not None and free < threads:
+            torch.set_num_threads(free)
+
+    @torch.compiler.disable
+    def after(self, module, args, output) -> None:
+        stack = self._saved.get(threading.get_ident())
+        if stack and torch.get_num_threads() != stack[-1]:
+            torch.set_num_threads(stack[-1])
+        if stack:
+            stack.pop()
+
+    def install(self, module) -> list:
+        """Register both hooks on ``module``; returns their handles."""
+        return [module.register_forward_pre_hook(self.before), module.register_forward_hook(self.after, always_call=True)]
