@@ -4,6 +4,7 @@ heatmap export with a stub classifier, and a short training run through the CLI.
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -386,3 +387,48 @@ def test_mixed_precision_heatmaps_match_float32(slides, tmp_path, device, precis
     heat = [np.asarray(t.read_region((0, 0), 0, t.dimensions))[..., 0] for t in tiffs]
     assert np.abs(heat[0].astype(int) - heat[1].astype(int)).max() <= 13
 
+
+
+def test_report_shows_the_worst_slides_with_outlines_and_detections(slides, tmp_path):
+    """evaluate --predictions of a submission with one false positive per test slide: the
+    report's worst cases are the slides, each its thumbnail with the detection and, on the slide
+    with metastases, the ground-truth mask's outline (green); none on the normal slide."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    testing = slides / "data" / "testing"
+    pred = tmp_path / "pred"
+    (pred / "lesions").mkdir(parents=True)
+    names = sorted(p.stem for p in (testing / "images").glob("*.tif"))
+    for name in names:
+        (pred / "lesions" / f"{name}.csv").write_text("0.9,5,5\n")  # the corner: background, a false positive
+    assert main(["evaluate", "--task", "camelyon16", "--predictions", str(pred), "--labels", str(testing / "lesion_annotations"),
+                 "--data-dir", str(testing / "images"), "--output", str(tmp_path / "eval")]) == 0
+    tumour = {r["slide"]: r["tumour"] for r in json.loads((tmp_path / "eval" / "summary.json").read_text())["metric_per_case"]}
+    assert sorted(tumour.values()) == [False, True]
+    document = (tmp_path / "eval" / "report.html").read_text()
+    start = document.index('<section id="worst">')
+    section = document[start:document.find("<section", start + 1)]
+    images = re.findall(r'src="data:image/png;base64,([^"]+)"', section)
+    assert len(images) == len(names)  # every slide has its false positive
+    shown = sorted((section.index(f"{n}: "), n) for n in names)  # in the order of the pictures
+    for (_, name), data in zip(shown, images, strict=True):
+        picture = np.asarray(Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB")).astype(int)
+        lime = ((picture[..., 1] > 180) & (picture[..., 0] < 80) & (picture[..., 2] < 80)).sum()
+        assert (lime > 30) == tumour[name], name  # the outline on the tumour slide only
+
+
+def test_worst_slides_order_missed_lesions_first(tmp_path):
+    from hsmla_med.report.worst import worst_slides
+
+    files = {k: str(tmp_path / f"{k}.tif") for k in "abcd"}
+    for path in files.values():
+        Path(path).write_bytes(b"")
+    row = lambda k, lesions, detected, fps: {"slide": k, "slide_file": files[k], "prediction_file": files[k], "lesions": lesions,  # noqa: E731
+                                             "detected": detected, "false_positives": fps}
+    rows = [row("a", 2, 2, 1), row("b", 3, 1, 0), row("c", 1, 1, 0), row("d", 3, 1, 4)]
+    assert [r["slide"] for r in worst_slides(rows)] == ["d", "b", "a"]  # c: nothing missed, no false positive
+    rows.append({**row("a", 9, 0, 0), "slide_file": str(tmp_path / "gone.tif")})
+    assert [r["slide"] for r in worst_slides(rows)] == ["d", "b", "a"]  # a slide file not there: not drawn

@@ -27,7 +27,8 @@ from hsmla_med.report.inputs import MEAN_DICE, PROVENANCE, CaseTable, Folder, fl
 from hsmla_med.defaults import GATE_REFINED, uncertainty_map_path
 from hsmla_med.errors import DataError
 from hsmla_med.report.page import details, page, table, text
-from hsmla_med.report.worst import MAX_WORST, frame_view, label_map_of, missed_nodules, nodule_crops, uncertainty_view, volume_views, worst_rows
+from hsmla_med.report.worst import (MAX_WORST, frame_view, label_map_of, missed_nodules, nodule_crops, slide_view, uncertainty_view, volume_views,
+                                    worst_rows, worst_slides)
 
 __all__ = ["REPORT_FILE", "write_report"]
 
@@ -191,10 +192,16 @@ def _picture(images: Images, draw, caption: str) -> str:
 
 def _worst(contents: Folder, images: Images) -> list[str]:
     """The worst cases of the per-case summary as pictures (:mod:`hsmla_med.report.worst`):
-    volumes through their largest error, frames with both outlines."""
+    slides with their outlines and detections, volumes through their largest error, frames with
+    both outlines."""
     if not contents.summary:
         return []
     name, summary = contents.summary
+    slides = worst_slides(summary.get("metric_per_case") or [])
+    if slides:
+        note = f"<p class=note>The {len(slides)} slides of {text(name)} with the most missed lesions, then false positives (at most {MAX_WORST}).</p>"
+        return [note, *(_picture(images, lambda r=row: slide_view(r, r["slide"]), f"{row['slide']}: {row['slide_file']}, tumour outlines "
+                                 f"(green; exclusions dashed) and the detections of {row['prediction_file']}") for row in slides)]
     rows = worst_rows(summary.get("metric_per_case") or [])
     parts = []
     for rank, row in enumerate(rows, start=1):

@@ -5,6 +5,8 @@
   prediction and the reference disagree, the image (found beside the reference: the dataset
   JSON's pair, else nnU-Net's ``imagesTr/<case>_0000``) in grey, the reference's class outlines
   solid and the prediction's dotted, in each class's colour, the error's centre marked.
+* Slides (CAMELYON16 rows with ``slide_file``): the thumbnail with the tumour outlines and the
+  submission's detections, the slides of most missed lesions, then most false positives.
 * Frames (rows with ``label_files``, EndoVis): the frame with the reference's and the
   prediction's outlines.
 * Missed nodules (LUNA16 rows' ``missed``, with the scan's file): an axial crop of the lung
@@ -39,7 +41,7 @@ from hsmla_med.report.figures import _png
 from hsmla_med.report.inputs import mean_dice
 
 __all__ = ["MAX_WORST", "MAX_CROPS", "worst_rows", "image_of", "volume_views", "frame_view", "label_map_of", "uncertainty_view", "missed_nodules",
-           "axial_crop", "nodule_crops"]
+           "axial_crop", "nodule_crops", "worst_slides", "slide_view"]
 
 log = logging.getLogger("hsmla_med")
 
@@ -305,4 +307,69 @@ def nodule_crops(missed: Sequence[tuple[dict, list[float]]], half_mm: float = CR
         ax.set_title(f"{row['seriesuid'][-12:]}\n({x:.1f}, {y:.1f}, {z:.1f}) mm, {size:g} mm", fontsize=8)
         ax.set_axis_off()
     fig.subplots_adjust(left=0.01, right=0.99, top=0.9, bottom=0.01, wspace=0.05, hspace=0.25)
+    return _png(fig)
+
+
+def worst_slides(rows: Sequence[dict], most: int = MAX_WORST) -> list[dict]:
+    """CAMELYON16 rows (``slide_file``, the lesion CSV as ``prediction_file``) with a missed
+    lesion or a false positive, most missed lesions first, then most false positives."""
+    def drawable(row: dict) -> bool:
+        return all(isinstance(row.get(k), str) and Path(row[k]).is_file() for k in ("slide_file", "prediction_file"))
+
+    failed = [r for r in rows if isinstance(r, dict) and drawable(r) and (r.get("lesions", 0) > r.get("detected", 0) or r.get("false_positives"))]
+    return sorted(failed, key=lambda r: (-(r.get("lesions", 0) - r.get("detected", 0)), -r.get("false_positives", 0)))[:most]
+
+
+def _mask_outline(ax, path: Path, downsample: float) -> None:
+    """The outline of a ground-truth mask TIFF's tumour (non-zero), from its pyramid level
+    nearest the picture's ``downsample`` (level-0 pixels per picture pixel)."""
+    from hsmla_med.data.slides import open_slide
+
+    mask = open_slide(path)
+    try:
+        level = mask.get_best_level_for_downsample(downsample)
+        width, height = mask.level_dimensions[level]
+        tumour = np.asarray(mask.read_region((0, 0), level, (width, height)))[..., 0] > 0
+        scale = mask.level_downsamples[level] / downsample
+    finally:
+        mask.close()
+    if tumour.any() and min(tumour.shape) > 1:
+        ax.contour((np.arange(width) + 0.5) * scale - 0.5, (np.arange(height) + 0.5) * scale - 0.5, tumour.astype(np.float32),
+                   levels=[0.5], colors="lime", linewidths=1.2)
+
+
+def slide_view(row: dict, title: str) -> bytes:
+    """A slide's thumbnail with its tumour outlines (the ASAP XML or the mask TIFF it was
+    scored against; an XML's exclusions dashed) and the submission's detections (circles, the
+    colour their confidence)."""
+    from hsmla_med.data.asap import EXCLUSION_GROUPS, read_asap_xml
+    from hsmla_med.data.slides import open_slide, thumbnail
+    from hsmla_med.io.lesion_csv import read_lesion_csv
+
+    slide = open_slide(row["slide_file"])
+    try:
+        picture, downsample = thumbnail(slide, min_size=512, max_size=1024)
+    finally:
+        slide.close()
+    reference = row.get("reference_file")
+    is_xml = isinstance(reference, str) and reference.lower().endswith(".xml")
+    outlines = read_asap_xml(Path(reference)) if is_xml else []
+    found = read_lesion_csv(Path(row["prediction_file"]))
+    fig = Figure(figsize=(7, 7 * picture.shape[0] / picture.shape[1] + 0.8))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.imshow(picture, interpolation="nearest")
+    for polygon in outlines:
+        points = np.vstack([polygon.points, polygon.points[:1]]) / downsample
+        ax.plot(points[:, 0], points[:, 1], color="lime", lw=1.2, ls="--" if polygon.group in EXCLUSION_GROUPS else "-")
+    if isinstance(reference, str) and not is_xml and Path(reference).is_file():
+        _mask_outline(ax, Path(reference), downsample)
+    if len(found):
+        marks = ax.scatter(found[:, 1] / downsample, found[:, 2] / downsample, c=found[:, 0], cmap="inferno", vmin=0, vmax=1, s=40,
+                           facecolors="none", linewidths=1.3)
+        fig.colorbar(marks, ax=ax, fraction=0.046, label="detection confidence")
+    ax.set_title(f"{title}: {row.get('lesions', 0)} lesion(s), {row.get('detected', 0)} detected, {row.get('false_positives', 0)} false "
+                 f"positive(s)", fontsize=9)
+    ax.set_axis_off()
+    fig.tight_layout()
     return _png(fig)
