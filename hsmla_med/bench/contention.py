@@ -28,6 +28,7 @@ The neighbours are killed when a child ends, also on error.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -192,15 +193,18 @@ def _child(size: int, rounds: int) -> dict[str, dict[str, dict[str, list]]]:
     models = {name: makers[name]().eval() for name in MODELS if name != COMPILED}
     import torch._inductor.config as inductor
 
+    from hsmla_med.nn.threads import FreeCPUThreads
+
     inductor.freezing = True  # the folded weights as constants of the compiled graph
-    models[COMPILED] = torch.compile(models["HSMLA-B2"], dynamic=False)
+    # a copy of the same network: hooks of the one compiled run inside its code (where they do
+    # nothing), so the free-CPU threads go on the compiled module, as its docstring says for users
+    models[COMPILED] = torch.compile(copy.deepcopy(models["HSMLA-B2"]), dynamic=False)
+    FreeCPUThreads().install(models[COMPILED])
     models = {name: models[name] for name in MODELS}
     result = {key: {name: {load: [] for load in LOADS} for name in MODELS} for key in ("seconds", "threads")}
     during = []  # the thread count inside the forward (an HSMLA network's own hooks set it, and put it back after)
-    record = torch.compiler.disable(lambda module, args: during.append(torch.get_num_threads()))  # run, not traced, in the compiled one
-    for name, model in models.items():
-        if name != COMPILED:  # (the compiled one calls HSMLA-B2's hooks)
-            model.register_forward_pre_hook(record)
+    for model in models.values():
+        model.register_forward_pre_hook(lambda module, args: during.append(torch.get_num_threads()))
     with neighbours(train=True) as set_load, torch.inference_mode():
         for model in models.values():
             model(x), model(x)

@@ -48,29 +48,36 @@ class FreeCPUThreads:
             self._next = time.monotonic() + self.interval
         return self._free
 
-    # torch.compile runs the hooks as they are, outside its graph (they read /proc and set a
-    # process-wide count: nothing for it to trace), so a compiled network adapts as well
-    @torch.compiler.disable
+    @staticmethod
+    def _recorded() -> bool:
+        """A tracer records the forward (``torch.compile``, ``torch.export``, ``torch.jit.trace``):
+        the hooks then do nothing, so that its graph holds no host reading and no break."""
+        return torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.compiler.is_exporting()
+
     def before(self, module, args) -> None:
+        if self._recorded():
+            return
         stack = self._saved.setdefault(threading.get_ident(), [])
         threads = torch.get_num_threads()
         stack.append(threads)
-        if (module.training or torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.compiler.is_exporting()
-                or not runtime.adaptive_threads_enabled()
-                or not any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args)):
+        if module.training or not runtime.adaptive_threads_enabled() or not any(
+                isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
             return
         free = self.free()
         if free is not None and free < threads:
             torch.set_num_threads(free)
 
-    @torch.compiler.disable
     def after(self, module, args, output) -> None:
+        if self._recorded():
+            return
         stack = self._saved.get(threading.get_ident())
-        if stack and torch.get_num_threads() != stack[-1]:
-            torch.set_num_threads(stack[-1])
         if stack:
+            if torch.get_num_threads() != stack[-1]:
+                torch.set_num_threads(stack[-1])
             stack.pop()
 
     def install(self, module) -> list:
-        """Register both hooks on ``module``; returns their handles."""
+        """Register both hooks on ``module``; returns their handles. A network compiled by
+        ``torch.compile`` runs its hooks inside the compiled code, where they do nothing: install
+        them on the compiled module (``install(torch.compile(net))``), whose own hooks run around it."""
         return [module.register_forward_pre_hook(self.before), module.register_forward_hook(self.after, always_call=True)]
