@@ -63,7 +63,7 @@ _TABLES = {
     "volume": ("btcv inference on one 512x512x300 CT, 14 classes, HSMLA-B0 (peak resident memory); the same CT as a DICOM series into a DICOM SEG:", _volume),
     "processes": ("btcv inference of 8 synthetic volumes: one process, with loader workers, two DDP processes (CPU, gloo) with hsmla-med's threads and with OMP_NUM_THREADS=2 each:", _processes),
     "endovis": ("EndoVis 2017 frames, 1024x1280 RGB (the standard crop), batch 1, 3 -> 8 channels:", lambda args: bench_endovis(args.runs)),
-    "contention": ("HSMLA-B2, SegFormer-B2, MONAI UNet at --size^2, batch 1, called as a library (either import order), and hsmla-med infer "
+    "contention": ("HSMLA-B2 (eager and torch.compile), SegFormer-B2, MONAI UNet at --size^2, batch 1, called as a library (either import order), and hsmla-med infer "
                    "of a volume; quiet, beside a background hsmla-med train, beside two PyTorch processes (2 threads each, matrix products):",
                    lambda args: contention.bench_contention(args)),
     "export": ("exported ONNX under onnxruntime (CPU) vs PyTorch eager with the C kernels, batch 1, 1 -> 14 channels:", lambda args: __import__("hsmla_med.bench.export", fromlist=["bench_export"]).bench_export(args.size, args.runs, args.threads)),
