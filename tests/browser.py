@@ -11,6 +11,7 @@ CDP), which the test environment does not have; hence this.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -61,13 +62,22 @@ _HARNESS = """<script>
 </script>"""
 
 
+@functools.cache
 def chromium() -> str | None:
-    """A Chromium to load pages in: on the PATH, or the one Playwright installed."""
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        if shutil.which(name):
-            return shutil.which(name)
-    found = sorted(Path.home().glob(".cache/ms-playwright/chromium-*/chrome-linux*/chrome"))
-    return str(found[-1]) if found else None
+    """A Chromium to load pages in: on the PATH, or the one Playwright installed, that starts
+    headless here (an installed browser that cannot start, e.g. without a writable /dev/shm, is
+    the host's problem, not a page's: the tests skip as without one)."""
+    found = [shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)]
+    found += [str(p) for p in sorted(Path.home().glob(".cache/ms-playwright/chromium-*/chrome-linux*/chrome"))[-1:]]
+    for browser in found:
+        try:
+            done = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", "about:blank"],
+                                  capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if done.returncode == 0 and "<html" in done.stdout:
+            return browser
+    return None
 
 
 def load_page(page: Path, work: Path, timeout: float = 120) -> dict:

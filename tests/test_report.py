@@ -331,7 +331,7 @@ def test_sort_script_sorts(tmp_path):
     assert done.stdout.split() == ["dacb", "cadb", "abcd"]
 
 
-@pytest.mark.skipif(chromium() is None, reason="no headless browser: neither chromium nor chromium-browser on the PATH, "
+@pytest.mark.skipif(chromium() is None, reason="no headless browser that starts: neither chromium nor chromium-browser on the PATH, "
                     "nor Playwright's Chromium in ~/.cache/ms-playwright")
 def test_page_loads_in_a_browser(tmp_path):
     """An evaluation's page in Chromium: no console error, every image decoded, the case table
