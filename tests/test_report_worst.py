@@ -189,7 +189,7 @@ def test_refined_share_counts_every_network_call(tmp_path):
         return count
 
     handles = [layer.register_forward_hook(hook(name)) for name, layer in layers.items()]
-    module._refined = {}  # as a validation starts (on_validation_epoch_start)
+    module._refined, module._gated = {}, layers  # as a validation starts (on_validation_epoch_start)
     inputs = [torch.randn(2, 3, size, size) for size in (64, 96, 64)]
     with torch.no_grad():
         for x in inputs:
@@ -207,7 +207,7 @@ def test_refined_share_counts_every_network_call(tmp_path):
     assert shares == {name: pytest.approx(refined / tiles, abs=1e-12) for name, (refined, tiles) in seen.items()}
     assert len(set(shares.values())) > 1  # tau set for other inputs: the layers refine different shares
     module.network.set_routing("off")
-    module._refined = {}
+    module._refined, module._gated = {}, layers
     with torch.no_grad():
         module.graphed()(torch.randn(1, 3, 64, 64))
     assert module.refined_per_layer() == {}

@@ -146,6 +146,7 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
         self.calibrated_tau: dict[str, float] | None = None
         self._refined: dict[str, list] | None = None  # per HSMLA layer [tiles refined, tiles] of the running validation
         self._calls, self._gate_example = 0, None  # the running validation's network calls, and the example kept
+        self._gated: dict = {}  # the running validation's gated layers, by name
         #: the last validation's example of the gates at work (:meth:`_count_refined`): ``call``
         #: of ``calls``, ``image`` (H, W) and per gated layer the ``refined`` tiles (h, w) bool
         self.validation_gates: dict | None = None
@@ -242,6 +243,8 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
                 self.calibrated_tau = calibrate_tau(self.network, batch.to(self.device), target)
         self._records = []
         self._refined = {} if isinstance(self.network, GatedNetwork) else None
+        # the gated layers, walked once per validation rather than after every network call
+        self._gated = self.network.hsmla_layers() if self._refined is not None else {}
         self._calls, self._gate_example = 0, None
         if self.calibration_sample is not None:
             self.calibration_sample.clear()
@@ -256,7 +259,7 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
             return
         self._calls += 1
         maps = {}
-        for name, layer in self.network.hsmla_layers().items():
+        for name, layer in self._gated.items():
             refined = layer.refined_tiles()
             if refined is not None:
                 count = self._refined.setdefault(name, [0, 0])
