@@ -69,3 +69,30 @@ def _children() -> list[str]:
         if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"a @ a" in cmdline:
             found.append(stat.parent.name)
     return found
+
+
+def test_background_training_is_a_shell_job_in_our_session():
+    """Regression (issue 54): the background training was started in a session of its own,
+    another autogroup, which the scheduler gives half the CPUs whatever its threads; a shell's
+    ``hsmla-med train ... &`` stays in the caller's session, in a process group of its own."""
+    import os
+    import signal
+
+    proc = contention.background(["sleep", "30"], dict(os.environ))
+    try:
+        assert os.getsid(proc.pid) == os.getsid(0)
+        assert os.getpgid(proc.pid) == proc.pid != os.getpgid(0)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_the_floor_is_matrix_products_returning_its_input():
+    import torch
+
+    from hsmla_med.bench.models import MatrixProducts
+
+    floor = MatrixProducts(count=2)
+    x = torch.randn(1, 1, 8, 8)
+    assert floor(x) is x and floor.matrix.shape == (1024, 1024)
+    assert set(contention.FLOORS) <= set(contention.MODELS)

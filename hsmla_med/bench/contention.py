@@ -3,8 +3,9 @@ beside a background ``hsmla-med train`` and beside two plain PyTorch processes, 
 user calls them and through ``hsmla-med infer``.
 
 Loads (:data:`LOADS`), made by :func:`neighbours`: ``quiet``; ``train``, one ``hsmla-med train
---task btcv`` on its synthetic data, the run a user leaves going (its process group: the
-trainer and its loader workers); ``pytorch``, two processes of float32 matrix products in a loop
+--task btcv`` on its synthetic data, the run a user leaves going, started as a shell's ``&``
+job (:func:`background`: its process group, the trainer and its loader workers, in this
+session); ``pytorch``, two processes of float32 matrix products in a loop
 (2 threads each). All are started once, in the environment ``hsmla-med`` was given (without the
 settings it adds itself), and paused (SIGSTOP) but for the load being measured.
 
@@ -15,9 +16,10 @@ Cases, each in its own child process (OpenMP reads its settings when torch loads
   ``library, CPU defaults off``: the same with ``HSMLA_MED_CPU_DEFAULTS=0``, as a library user
   ran before issue 54 (no OpenMP settings at import, no load-adaptive threads): the pairing;
   HSMLA-B2 (tau calibrated to alpha 0.3), the same compiled by ``torch.compile`` (inductor's CPU
-  code with frozen weights), SegFormer-B2 and MONAI's UNet interleaved: each round
-  runs every load and, at each, every network once, so that drift in the host's own load moves
-  them alike;
+  code with frozen weights), SegFormer-B2, MONAI's UNet and the floor (:data:`FLOORS`: matrix
+  products, perfectly parallel work, with the free-CPU threads and with all threads)
+  interleaved: each round runs every load and, at each, every network once, so that drift in the
+  host's own load moves them alike;
 * ``hsmla-med infer``: one volume through the command line (an HSMLA-B2 checkpoint, 2D
   slice-wise), the prediction time it reports, per load.
 
@@ -46,7 +48,11 @@ from hsmla_med import runtime
 
 __all__ = ["add_arguments", "bench_contention", "neighbours", "LOADS", "MODELS", "CASES"]
 
-MODELS = ("HSMLA-B2", "HSMLA-B2 (torch.compile)", "SegFormer-B2", "MONAI UNet")
+#: the floor: perfectly parallel work (MatrixProducts) with the thread count HSMLA networks choose
+#: (the free CPUs) and with all the caller's threads: what the scheduler leaves any process of
+#: as many threads beside the same neighbours, against which HSMLA-B2's slowdown is read
+FLOORS = ("floor: matrix products (free-CPU threads)", "floor: matrix products (all threads)")
+MODELS = ("HSMLA-B2", "HSMLA-B2 (torch.compile)", "SegFormer-B2", "MONAI UNet", *FLOORS)
 COMPILED = "HSMLA-B2 (torch.compile)"  # inductor's CPU code, weights frozen: elementwise chains fused into the loops around them
 LOADS = ("quiet", "train", "pytorch")
 #: library cases: the module imported first, and variables added to the user's environment (the
@@ -113,12 +119,22 @@ def _rows(case: str, times: dict[str, dict[str, list[float]]], threads: dict[str
     return rows
 
 
+def background(command: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """``command`` started as a shell starts ``command &``: in a process group of its own (paused,
+    resumed and killed as one, its loader workers with it) and in the caller's session. Another
+    session would be another terminal's job, which Linux's autogroup scheduling
+    (``/proc/sys/kernel/sched_autogroup_enabled``) gives a share of the CPUs of its own, whatever
+    its thread count: the background training the bench measured before took half the CPUs at
+    most, a shell's job takes a share per runnable thread (issue 54)."""
+    return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            process_group=0)
+
+
 def _start_training(folder: Path, env: dict[str, str]) -> subprocess.Popen:
     """``hsmla-med train --task btcv`` on the synthetic data into ``folder``, in its own process
     group, once it has taken its first steps (its CSV log exists) and run on for a while."""
-    train = subprocess.Popen([sys.executable, "-m", "hsmla_med.cli", "train", "--task", "btcv", "--max-steps", "1000000",
-                              "--output", str(folder / "train")], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
+    train = background([sys.executable, "-m", "hsmla_med.cli", "train", "--task", "btcv", "--max-steps", "1000000",
+                        "--output", str(folder / "train")], env)
     deadline = time.monotonic() + TRAIN_START_TIMEOUT
     while not list((folder / "train").glob("logs/version_*/hparams.yaml")):
         if train.poll() is not None or time.monotonic() > deadline:
@@ -186,11 +202,11 @@ def _child(size: int, rounds: int) -> dict[str, dict[str, dict[str, list]]]:
     and load: the child process's work, with torch imported as its case says (the caller)."""
     import torch
 
-    from hsmla_med.bench.models import build_models
+    from hsmla_med.bench.models import MatrixProducts, build_models
 
     x = torch.randn(1, 1, size, size)
     makers = build_models(x)
-    models = {name: makers[name]().eval() for name in MODELS if name != COMPILED}
+    models = {name: makers[name]().eval() for name in MODELS if name in makers}
     import torch._inductor.config as inductor
 
     from hsmla_med.nn.threads import FreeCPUThreads
@@ -200,6 +216,8 @@ def _child(size: int, rounds: int) -> dict[str, dict[str, dict[str, list]]]:
     # nothing), so the free-CPU threads go on the compiled module, as its docstring says for users
     models[COMPILED] = torch.compile(copy.deepcopy(models["HSMLA-B2"]), dynamic=False)
     FreeCPUThreads().install(models[COMPILED])
+    models[FLOORS[0]], models[FLOORS[1]] = MatrixProducts(), MatrixProducts()
+    FreeCPUThreads().install(models[FLOORS[0]])
     models = {name: models[name] for name in MODELS}
     result = {key: {name: {load: [] for load in LOADS} for name in MODELS} for key in ("seconds", "threads")}
     during = []  # the thread count inside the forward (an HSMLA network's own hooks set it, and put it back after)

@@ -36,6 +36,23 @@ class _SegFormer(torch.nn.Module):
         return torch.nn.functional.interpolate(logits, size=x.shape[2:], mode="bilinear", align_corners=False)
 
 
+class MatrixProducts(torch.nn.Module):
+    """The contention benchmark's floor (issue 54): ``count`` products of a 1024^2 float32 matrix,
+    work that PyTorch runs as a few long parallel regions, perfectly parallel; beside the same
+    neighbours its slowdown is what the scheduler's share leaves any process of as many threads.
+    Returns its input."""
+
+    def __init__(self, count: int = 10) -> None:
+        super().__init__()
+        self.count = count
+        self.register_buffer("matrix", torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.count):
+            self.matrix @ self.matrix
+        return x
+
+
 def _hsmla(variant: str, routing: str, sample: torch.Tensor, out_channels: int = OUT_CHANNELS, **model) -> torch.nn.Module:
     net = build_network({**model_config(variant), **model}, 2, sample.shape[1], out_channels).eval()
     net.set_routing(routing)
