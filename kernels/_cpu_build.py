@@ -197,7 +197,8 @@ def library(name: str) -> ctypes.CDLL | None:
     source = Path(__file__).with_name(f"{name}.c")
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256("\0".join([source.read_text(), " ".join(FLAGS), version, _cpu_signature()]).encode())
+        headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # the kernels' shared header (cpu_team.h)
+        key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(FLAGS), version, _cpu_signature()]).encode())
         folder, problem = _usable_cache()
         if problem:
             if str(folder) not in _unusable_warned:

@@ -13,6 +13,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "cpu_team.h"
+
 /* ms: the map, stride: its element strides (batch, z, y, x); channels = 3 heads head_dim.
  * taps: (kz ky kx, channels), the fused kernel tap by tap; conv_bias: (channels,).
  * weight: (channels,) w_h laid out as the channels (Q, K, V blocks, each head by head);
@@ -23,8 +25,9 @@ int hsmla_block_gate(const float *ms, const int64_t stride[4], int64_t batch, in
                      const float *conv_bias, const float *weight, const float *gate_bias, int64_t heads,
                      float *gate) {
     const int64_t per_batch = tiles[0] * tiles[1] * tiles[2], width = channels / 3, d = width / heads;
+    const int64_t kernel_volume = kernel[0] * kernel[1] * kernel[2];
     int failed = 0;
-#pragma omp parallel reduction(| : failed)
+#pragma omp parallel num_threads(hsmla_team_size(batch * per_batch, batch * per_batch * kernel_volume * channels)) reduction(| : failed)
     {
         float *pooled = malloc(sizeof(float) * (size_t)channels);
         failed = pooled == NULL;

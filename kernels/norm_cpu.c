@@ -19,11 +19,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_team.h"
+
 /* x: the map; y: the output (may be x). weight, bias: (channels,). hardswish: 0 or 1.
  * Returns 0, or -1 when the scratch memory cannot be allocated. */
 int hsmla_instance_norm_act(const float *x, float *y, int64_t batch, int64_t positions, int64_t channels,
                             const float *weight, const float *bias, float eps, int hardswish) {
-    const int threads = omp_get_max_threads();
+    const int threads = hsmla_team_size(positions, positions * channels);
     double *partial = malloc(sizeof(double) * 2 * (size_t)channels * (size_t)threads);
     float *first = malloc(sizeof(float) * 3 * (size_t)channels); /* then the scale and the offset */
     if (partial == NULL || first == NULL) {

@@ -15,6 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_team.h"
+
 /* Queries are evaluated LANES at a time, one per vector lane: every loop over queries below has
  * this constant trip count and vectorises whole (16 float32 lanes: one AVX-512 register). */
 #define LANES 16
@@ -110,7 +112,7 @@ int hsmla_refine_tiles(const feature_map maps[6], float *out, const int64_t out_
 
     /* torch's own OpenMP runtime (the library's libgomp.so.1 resolves to the one torch loaded),
      * so its worker threads, still spinning after the previous torch operation, take the items */
-#pragma omp parallel reduction(| : failed)
+#pragma omp parallel num_threads(hsmla_team_size(items, items * tile_queries * max_keys * d)) reduction(| : failed)
     {
         /* per thread: queries (d x LANES, transposed), scores and linear weights of the box's keys,
          * value accumulators (d x LANES) of both terms */

@@ -391,3 +391,22 @@ def test_block_gate_matches_the_pytorch_gate(spatial, block, head_dim):
 
 def _channels_last(spatial_dims):
     return torch.channels_last if spatial_dims == 2 else torch.channels_last_3d
+
+
+@pytest.mark.parametrize("name", ["gate_cpu", "refine_cpu", "norm_cpu"])
+def test_parallel_regions_take_the_team_pytorchs_grain_rule_gives(name):
+    """Issue 54: every kernel's region runs on one thread per 32768 units of work (PyTorch's
+    at::internal::GRAIN_SIZE), at most one per item and at most torch's thread count, which the
+    kernels' libgomp shares with torch; hand-computed cases."""
+    team = _cpu_build.library(name).hsmla_team_size
+    team.argtypes, team.restype = [ctypes.c_int64, ctypes.c_int64], ctypes.c_int
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        for items, work, expected in [(0, 0, 1), (1, 10, 1), (100, 32768, 1), (100, 32769, 2), (100, 3 * 32768, 3),
+                                      (100, 10**9, 4), (3, 10**9, 3), (1, 10**9, 1)]:
+            assert team(items, work) == expected, (items, work)
+        torch.set_num_threads(2)
+        assert team(100, 10**9) == 2
+    finally:
+        torch.set_num_threads(threads)

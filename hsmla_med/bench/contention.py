@@ -216,7 +216,7 @@ def _child(size: int, rounds: int) -> dict[str, dict[str, dict[str, list]]]:
     # nothing), so the free-CPU threads go on the compiled module, as its docstring says for users
     models[COMPILED] = torch.compile(copy.deepcopy(models["HSMLA-B2"]), dynamic=False)
     FreeCPUThreads().install(models[COMPILED])
-    models[FLOORS[0]], models[FLOORS[1]] = MatrixProducts(), MatrixProducts()
+    models[FLOORS[0]], models[FLOORS[1]] = MatrixProducts().eval(), MatrixProducts().eval()
     FreeCPUThreads().install(models[FLOORS[0]])
     models = {name: models[name] for name in MODELS}
     result = {key: {name: {load: [] for load in LOADS} for name in MODELS} for key in ("seconds", "threads")}
