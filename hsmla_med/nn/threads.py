@@ -29,6 +29,11 @@ class FreeCPUThreads:
     beside a background ``hsmla-med train ... &`` HSMLA-B2 took 4.5x its quiet time with two
     threads and 1.6-2.2x with these hooks, docs/benchmarks.md). ``HSMLA_MED_ADAPTIVE_THREADS=0`` (or
     ``HSMLA_MED_CPU_DEFAULTS=0``) turns it off, read at each forward.
+
+    hsmla-med's own prediction keeps :class:`~hsmla_med.runtime.LoadAdaptiveThreads`, whose
+    lowered count stays set between forwards until the prediction ends, so that the sliding-window
+    inferer's own operations (padding, the weighted sums of the windows) run on the free CPUs too;
+    a library call has no such end to restore at, hence the count put back after every forward.
     """
 
     def __init__(self, interval: float = 0.5, proc: Path = Path("/proc")) -> None:
