@@ -232,8 +232,13 @@ class LoadAdaptiveThreads:
     def __call__(self, module, args) -> None:
         import torch
 
-        if not any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
-            return
+        if any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
+            self.apply()
+
+    def apply(self) -> None:
+        """Set PyTorch's threads to the choice for the load now (read at most every ``interval``)."""
+        import torch
+
         if time.monotonic() >= self._next:
             self._chosen = self.choose()
             self._next = time.monotonic() + self.interval

@@ -360,3 +360,37 @@ def test_hsmla_networks_run_on_the_free_cpus_and_give_the_threads_back(monkeypat
         assert seen[-1] == 2 and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
+
+
+def test_prediction_of_a_torchscript_network_follows_the_load_per_batch(monkeypatch):
+    """Regression: ``infer --checkpoint model.ts`` on the CPU with OMP_NUM_THREADS unset failed
+    at set-up ("register_forward_pre_hook is not supported on ScriptModules"); the threads of a
+    TorchScript network now follow the load before each prediction batch, and are put back at
+    teardown."""
+    import types
+
+    import torch
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    from hsmla_med import runtime
+    from hsmla_med.engine import distributed
+
+    trainer = types.SimpleNamespace(accelerator=CPUAccelerator(), num_devices=1)
+    module = types.SimpleNamespace(network=torch.jit.script(torch.nn.Linear(2, 2)))
+    threads = torch.get_num_threads()
+    for name in ("OMP_NUM_THREADS", "HSMLA_MED_ADAPTIVE_THREADS", "HSMLA_MED_CPU_DEFAULTS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(runtime, "runnable_others", lambda proc: 10**6)  # a machine full of others
+    try:
+        torch.set_num_threads(2)
+        share = distributed.ShareCPUs()
+        share.setup(trainer, module, "predict")
+        assert torch.get_num_threads() == 2
+        share.on_predict_batch_start(trainer, module, None, 0)
+        assert torch.get_num_threads() == 1
+        share.teardown(trainer, module, "predict")
+        assert torch.get_num_threads() == 2
+        share.on_predict_batch_start(trainer, module, None, 0)  # after teardown: nothing
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

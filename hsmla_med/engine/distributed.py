@@ -77,13 +77,16 @@ class ShareCPUs(L.Callback):
 
     In prediction on the CPU, the network's threads also give way to other processes' load
     (:class:`~hsmla_med.runtime.LoadAdaptiveThreads`, a forward pre-hook, removed at teardown).
+    A TorchScript network (``infer --checkpoint model.ts``) takes no hooks: there the threads
+    follow the load before each prediction batch instead.
     Not in training and validation, whose results should not depend on the host's load through
     the thread count (reductions change order); not where the user set ``OMP_NUM_THREADS``, ``HSMLA_MED_ADAPTIVE_THREADS=0``
     or ``HSMLA_MED_CPU_DEFAULTS=0``.
     """
 
     def __init__(self) -> None:
-        self._hook = None
+        self._hook = self._governor = None
+        self._per_batch = False
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         from lightning.pytorch.accelerators import CPUAccelerator
@@ -96,13 +99,24 @@ class ShareCPUs(L.Callback):
             torch.set_num_threads(max(1, available_cpus() // trainer.num_devices))
         if stage == "predict" and adaptive_threads_enabled():
             self._threads = torch.get_num_threads()
-            self._hook = getattr(pl_module, "network", pl_module).register_forward_pre_hook(LoadAdaptiveThreads(self._threads))
+            self._governor = LoadAdaptiveThreads(self._threads)
+            network = getattr(pl_module, "network", pl_module)
+            # register_forward_pre_hook "is not supported on ScriptModules"
+            self._per_batch = isinstance(network, torch.jit.ScriptModule)
+            if not self._per_batch:
+                self._hook = network.register_forward_pre_hook(self._governor)
+
+    def on_predict_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self._per_batch:
+            self._governor.apply()
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self._hook is not None:
             self._hook.remove()
-            self._hook = None
+        if self._governor is not None:
             torch.set_num_threads(self._threads)
+        self._hook = self._governor = None
+        self._per_batch = False
 
 
 def _timeout() -> float:
