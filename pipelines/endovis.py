@@ -79,7 +79,7 @@ def datalist(config: dict) -> Datalist:
             raise ConfigError(f"data.validation_videos {sorted(held)} must be some, not all, of the labelled videos {labelled} in {root}")
         fixed = {f"{VIDEO_PREFIX}{k}": 0 for k in held}
     ids = [f"{VIDEO_PREFIX}{k}" for k in labelled]  # the video folders: their frames stay together
-    record = fold_cases(config, Path(root), labelled, ids, synthetic, fixed=fixed)[2]
+    record = fold_cases(config, Path(root), labelled, ids, synthetic, fixed=fixed, fixed_option="data.validation_videos")[2]
     held = {int(i[len(VIDEO_PREFIX):]) for i in record["val"]}
     empty = empty_truth_videos(videos, problem)
     for k, folder in empty.items():

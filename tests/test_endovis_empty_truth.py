@@ -118,3 +118,22 @@ def test_evaluate_leaves_empty_videos_out_of_the_means(tmp_path, caplog, capsys)
             mask.unlink()
     line = cli_error(capsys, ["evaluate", "--task", "endovis", "--predictions", str(preds), "--labels", str(data)])
     assert "nothing to score" in line and "instrument_dataset_2" in line and "instrument_dataset_3" in line
+
+
+def test_validation_videos_that_the_splits_file_contradicts_are_refused(data, tmp_path):
+    """Regression: a second run naming other data.validation_videos trained on the first run's
+    splits_final.json without a word; now one error names the option and the file."""
+    from hsmla_med.config import merge_config, task_config
+    from hsmla_med.errors import ConfigError
+    from pipelines.endovis import datalist
+
+    shutil.copytree(data, tmp_path / "data")
+
+    def config(videos):
+        made = merge_config(task_config("endovis"), {"data": {"data_dir": str(tmp_path / "data"), "validation_videos": videos}})
+        return {**made, "output": str(tmp_path / "run")}
+
+    assert {c["image"].split("/")[-3] for c in datalist(config([1])).validation} == {"instrument_dataset_1"}
+    assert datalist(config([1])).split["val"] == ["instrument_dataset_1"]  # the same videos: the file is read
+    with pytest.raises(ConfigError, match=r"data\.validation_videos .*instrument_dataset_2.*splits_final\.json.*instrument_dataset_1"):
+        datalist(config([2]))

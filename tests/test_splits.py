@@ -196,3 +196,23 @@ def test_a_splits_file_that_no_longer_fits_is_not_to_be_deleted(tmp_path):
     with pytest.raises(DataError) as err:
         read_splits(path, ["a", "b"])
     assert "c" in str(err.value) and "delete" not in str(err.value) and "data.splits_file" in str(err.value)
+
+
+def test_an_option_the_splits_file_contradicts_is_refused_not_ignored(tmp_path):
+    """Regression: data.validation_videos was ignored once splits_final.json existed (a second
+    run with other videos trained on the first run's split without a word). The file is still
+    read when it agrees; a dataset's own validation list (no option) still yields to it; the
+    synthetic default splits again."""
+    ids = [f"v{i}" for i in range(1, 6)]
+    config = _config(tmp_path)
+    option = "data.validation_videos"
+    assert fold_cases(config, tmp_path, ids, ids, fixed={"v2": 0}, fixed_option=option)[1] == ["v2"]
+    assert fold_cases(config, tmp_path, ids, ids, fixed={"v2": 0}, fixed_option=option)[1] == ["v2"]  # agrees: read
+    for other in ({"v3": 0}, {"v2": 0, "v3": 0}):
+        with pytest.raises(ConfigError) as err:
+            fold_cases(config, tmp_path, ids, ids, fixed=other, fixed_option=option)
+        message = str(err.value)
+        assert option in message and str(tmp_path / SPLITS_FILE) in message and "['v2']" in message and "v3" in message
+    assert fold_cases(config, tmp_path, ids, ids, fixed={"v3": 0})[1] == ["v2"]  # no option: the file rules
+    assert fold_cases(config, tmp_path, ids, ids, synthetic=True, fixed={"v3": 0}, fixed_option=option)[1] == ["v3"]
+    assert json.loads((tmp_path / SPLITS_FILE).read_text())[0]["val"] == ["v3"]

@@ -167,6 +167,7 @@ def fold_cases(
     classes: Sequence | None = None,
     fixed: dict[str, int] | None = None,
     held_out: Sequence[str] = (),
+    fixed_option: str | None = None,
 ) -> tuple[list, list, dict]:
     """Training and validation cases of fold ``config["fold"]``, from the splits file (made now,
     with ``config["data"]["folds"]`` folds and ``config["seed"]``, when it does not exist).
@@ -176,6 +177,12 @@ def fold_cases(
     for the synthetic default data (``synthetic``), whose cases change with its settings: its
     splits are then made again. Returns ``(training, validation, record)``; ``record`` is what
     a checkpoint keeps: ``{"file", "fold", "folds", "train", "val"}``.
+
+    ``fixed_option``: the option ``fixed`` comes from (``data.validation_videos``). An existing
+    file that holds out other units in those folds than the option names is then refused, naming
+    both (the synthetic default's splits are made again), rather than the option being ignored;
+    a dataset's own validation list (``fixed`` without an option) yields to a splits file, as
+    nnU-Net's ``splits_final.json`` rules.
 
     A checkpoint scored on another dataset (:func:`other_dataset`) is scored on the cases that
     dataset holds out itself (``held_out``: the IDs of a dataset JSON's validation list), else
@@ -200,6 +207,13 @@ def fold_cases(
         except DataError:
             if not synthetic:
                 raise
+        if splits is not None and fixed_option and fixed:
+            differs = _fixed_differs(splits, fixed, ids)
+            if differs and synthetic:
+                splits = None
+            elif differs:
+                raise ConfigError(f"{fixed_option} {differs[0]}, but {path} holds out {differs[1]}: {fixed_option} is read only when "
+                                  "the splits are made; set it to match the file, or set data.splits_file to a new path to split again")
         if splits is not None:
             log.debug("splits: %s (%d folds)", path, len(splits))
     if splits is None:
@@ -222,6 +236,19 @@ def fold_cases(
         raise DataError(f"{path}: fold {fold} leaves no {'validation' if not validation else 'training'} case of this dataset")
     record = {"file": str(path), "fold": fold, "folds": len(splits), "train": sorted(train & set(ids)), "val": sorted(val & set(ids))}
     return training, validation, record
+
+
+def _fixed_differs(splits: list[dict], fixed: dict[str, int], ids: Sequence[str]) -> tuple[str, str] | None:
+    """Where a splits file's held-out units of the folds ``fixed`` uses are not those ``fixed``
+    puts there: ``(what fixed holds out, what the file does)``, or ``None``. Units of no fixed
+    fold may join a fixed fold only when the fixed folds are all the file's (make_splits)."""
+    used = sorted(set(fixed.values()))
+    for fold in used:
+        want = {u for u, f in fixed.items() if f == fold}
+        have = set(splits[fold]["val"]) & set(ids) if fold < len(splits) else set()
+        if not want <= have or (have - want and len(splits) > len(used)):
+            return (f"holds out {sorted(want)} in fold {fold}", f"{sorted(have)} there")
+    return None
 
 
 def fold_datalist(config: dict, cases: Datalist) -> Datalist:
