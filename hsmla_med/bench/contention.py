@@ -46,7 +46,7 @@ from pathlib import Path
 
 from hsmla_med import runtime
 
-__all__ = ["add_arguments", "bench_contention", "neighbours", "LOADS", "MODELS", "CASES"]
+__all__ = ["add_arguments", "bench_contention", "background", "neighbours", "LOADS", "MODELS", "FLOORS", "CASES"]
 
 #: the floor: perfectly parallel work (MatrixProducts) with the thread count HSMLA networks choose
 #: (the free CPUs) and with all the caller's threads: what the scheduler leaves any process of

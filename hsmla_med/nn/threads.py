@@ -26,8 +26,8 @@ class FreeCPUThreads:
 
     Every HSMLA network carries one (:class:`~hsmla_med.nn.hsmla_net.GatedNetwork`), so a
     script that calls the network directly gets what ``hsmla-med``'s prediction does (issue 54:
-    beside a background ``hsmla-med train ... &`` HSMLA-B2 took 4.5x its quiet time with two
-    threads and 1.6-2.2x with these hooks, docs/benchmarks.md). ``HSMLA_MED_ADAPTIVE_THREADS=0`` (or
+    beside a background ``hsmla-med train ... &`` HSMLA-B2 took 4.1-4.5x its quiet time with two
+    threads and 1.6-2.3x with these hooks, docs/benchmarks.md). ``HSMLA_MED_ADAPTIVE_THREADS=0`` (or
     ``HSMLA_MED_CPU_DEFAULTS=0``) turns it off, read at each forward.
 
     hsmla-med's own prediction keeps :class:`~hsmla_med.runtime.LoadAdaptiveThreads`, whose
