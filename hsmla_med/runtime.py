@@ -32,7 +32,7 @@ from pathlib import Path
 
 from hsmla_med.errors import ConfigError
 
-__all__ = ["tune_cpu_allocator", "available_cpus", "configure_cpu_threads", "runnable_others", "LoadAdaptiveThreads",
+__all__ = ["tune_cpu_allocator", "available_cpus", "configure_cpu_threads", "runnable_others", "FreeCPUs", "LoadAdaptiveThreads",
            "adaptive_threads_enabled", "applied_variables", "SPIN_COUNT", "MARK"]
 
 # glibc mallopt parameters
@@ -197,10 +197,33 @@ def runnable_others(proc: Path = _PROC, samples: int = 3, gap: float = 5e-4) -> 
     return min(counts)
 
 
+class FreeCPUs:
+    """The CPUs that other processes' runnable threads leave free on this machine, at least one
+    (``None`` where ``/proc`` cannot tell): called, it reads the load at most every ``interval``
+    seconds (:func:`runnable_others`, about 1 ms) and otherwise returns the last reading, so a
+    stream of small windows pays for one reading per interval. The machine's CPU count
+    (``os.cpu_count()``) is what the others' threads are counted against: a container's quota
+    caps our share of the machine but does not reserve it. The one reading behind
+    :class:`LoadAdaptiveThreads` (the CLI's prediction) and
+    :class:`~hsmla_med.nn.threads.FreeCPUThreads` (library use)."""
+
+    def __init__(self, interval: float = 0.5, proc: Path = _PROC) -> None:
+        self.interval, self.proc = interval, proc
+        self.cpus = os.cpu_count() or 1
+        self._next, self._free = 0.0, None
+
+    def __call__(self) -> int | None:
+        if time.monotonic() >= self._next:
+            others = runnable_others(self.proc)
+            self._free = None if others is None else max(1, self.cpus - others)
+            self._next = time.monotonic() + self.interval
+        return self._free
+
+
 class LoadAdaptiveThreads:
     """A forward pre-hook that lowers PyTorch's intra-op threads, before a CPU forward, to the
-    CPUs that other processes' runnable threads leave free (at least one, at most ``threads``,
-    PyTorch's count when it was made), and raises them again when the load goes.
+    CPUs that other processes' runnable threads leave free (:class:`FreeCPUs`: at least one, at
+    most ``threads``, PyTorch's count when it was made), and raises them again when the load goes.
 
     Why (issue 34): an HSMLA network runs hundreds of short parallel regions per forward, and
     each ends at a barrier where every thread of the team must have run. Beside processes that
@@ -209,25 +232,19 @@ class LoadAdaptiveThreads:
     beside one neighbour of two busy threads: 572 ms with two threads, 387 ms with one; beside
     two: 938 against 763, docs/benchmarks.md). libgomp's own ``OMP_DYNAMIC`` follows the
     one-minute load average, which lags the load by a minute.
-
-    The load is read at most every ``interval`` seconds (:func:`runnable_others`, about 1 ms), so
-    a stream of small windows pays for one reading per interval. The machine's CPU count
-    (``os.cpu_count()``) is what the others' threads are counted against: a container's quota
-    caps our share of the machine but does not reserve it.
     """
 
     def __init__(self, threads: int | None = None, interval: float = 0.5, proc: Path = _PROC) -> None:
         import torch
 
         self.threads = threads or torch.get_num_threads()
-        self.interval, self.proc = interval, proc
-        self.cpus = os.cpu_count() or 1
-        self._next, self._chosen = 0.0, self.threads
+        self.free = FreeCPUs(interval, proc)
 
     def choose(self) -> int:
-        """Threads for the load now (``threads`` where the load cannot be read)."""
-        others = runnable_others(self.proc)
-        return self.threads if others is None else max(1, min(self.threads, self.cpus - others))
+        """Threads for the load (``threads`` where the load cannot be read), read at most every
+        ``interval`` seconds."""
+        free = self.free()
+        return self.threads if free is None else min(self.threads, free)
 
     def __call__(self, module, args) -> None:
         import torch
@@ -236,14 +253,12 @@ class LoadAdaptiveThreads:
             self.apply()
 
     def apply(self) -> None:
-        """Set PyTorch's threads to the choice for the load now (read at most every ``interval``)."""
+        """Set PyTorch's threads to :meth:`choose`'s count."""
         import torch
 
-        if time.monotonic() >= self._next:
-            self._chosen = self.choose()
-            self._next = time.monotonic() + self.interval
-        if self._chosen != torch.get_num_threads():  # also where something else set them since
-            torch.set_num_threads(self._chosen)
+        chosen = self.choose()
+        if chosen != torch.get_num_threads():  # also where something else set them since
+            torch.set_num_threads(chosen)
 
 
 def adaptive_threads_enabled(environ=None) -> bool:

@@ -319,8 +319,8 @@ def test_hsmla_networks_run_on_the_free_cpus_and_give_the_threads_back(monkeypat
 
     others = {"n": 10**6}
     monkeypatch.setattr(runtime, "runnable_others", lambda proc: others["n"])
-    monkeypatch.setattr(hsmla_net._FREE_CPU_THREADS, "interval", 0.0)
-    monkeypatch.setattr(hsmla_net._FREE_CPU_THREADS, "cpus", 2)
+    monkeypatch.setattr(hsmla_net._FREE_CPU_THREADS.free, "interval", 0.0)
+    monkeypatch.setattr(hsmla_net._FREE_CPU_THREADS.free, "cpus", 2)
     monkeypatch.delenv("HSMLA_MED_ADAPTIVE_THREADS", raising=False)
     monkeypatch.delenv("HSMLA_MED_CPU_DEFAULTS", raising=False)
     net = build_network(model_config("b0"), 2, 1, 2).eval()

@@ -5,9 +5,7 @@ which the runtime must not import: it configures OpenMP before torch loads)."""
 
 from __future__ import annotations
 
-import os
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -37,21 +35,10 @@ class FreeCPUThreads:
     """
 
     def __init__(self, interval: float = 0.5, proc: Path = Path("/proc")) -> None:
-        self.interval, self.proc = interval, proc
-        self.cpus = os.cpu_count() or 1
-        self._next, self._free = 0.0, None
+        self.free = runtime.FreeCPUs(interval, proc)  # called: the free CPUs, read at most every interval
         # per calling thread: the counts to put back, innermost last (a dict, not threading.local:
         # a network that carries the hooks is deep-copied and pickled with them)
         self._saved: dict[int, list[int]] = {}
-
-    def free(self) -> int | None:
-        """The CPUs other processes leave (``None`` where the load cannot be read), read at
-        most every ``interval`` seconds."""
-        if time.monotonic() >= self._next:
-            others = runtime.runnable_others(self.proc)
-            self._free = None if others is None else max(1, self.cpus - others)
-            self._next = time.monotonic() + self.interval
-        return self._free
 
     @staticmethod
     def _recorded() -> bool:
