@@ -13,7 +13,7 @@ from hsmla_med.errors import ConfigError
 # torch, MONAI and the networks are imported where a network is built, not here: the command
 # line reads its configs through this module and answers --help without loading them.
 
-__all__ = ["ConfigError", "load_yaml", "model_config", "build_network", "task_config", "merge_config", "merge_user_config", "validate_config"]
+__all__ = ["ConfigError", "DEFAULT_MODEL", "load_yaml", "model_config", "build_network", "check_model_settings", "task_config", "merge_config", "merge_user_config", "validate_config"]
 
 
 def load_yaml(path: str | Path) -> dict:
@@ -38,97 +38,69 @@ def load_yaml(path: str | Path) -> dict:
     return data
 
 
-def model_config(name_or_path: str | Path | dict) -> dict:
-    """A model config: a registered name (``"b0"``, ``"b1"``, ``"b2"``:
-    :mod:`hsmla_med.nn.registry`), a YAML file path, or the mapping itself (a task config may
-    give the model inline)."""
-    from hsmla_med.nn.registry import MODELS, registered_config
-
-    if isinstance(name_or_path, dict):
-        return dict(name_or_path)
-    if str(name_or_path) in MODELS:
-        return registered_config(str(name_or_path))
-    if not str(name_or_path).endswith((".yaml", ".yml")):
-        raise ConfigError(f"unknown model {str(name_or_path)!r}: use one of {', '.join(MODELS)} or a model YAML file")
-    return load_yaml(name_or_path)
+#: the model a config trains where its ``model`` is left null: HSMLA-B0 (named here, once; the
+#: packaged task configs leave ``model`` null, and :func:`task_config` writes this name in)
+DEFAULT_MODEL = "b0"
 
 
-_MODEL_KEYS = {
-    "segmentation": {"variant", "attention", "decoder", "head_stride", "attention_strides", "norm", "full_res"},
-    "classification": {"variant", "attention", "attention_strides"},
-}
-_INJECTED = ("spatial_dims", "in_channels", "out_channels")
+def model_config(entry: str | Path | dict | None) -> dict:
+    """The resolved model config of a config's ``model`` entry, what the network is built from
+    (:func:`build_network`) and a checkpoint records: a model name (``"b0"``, ``"b1"``,
+    ``"b2"``, or a registered network family: :mod:`hsmla_med.nn.registry`), a YAML file path,
+    the mapping itself (a task config may give the model inline), or ``None``
+    (:data:`DEFAULT_MODEL`)."""
+    from hsmla_med.nn.registry import MODELS, NETWORKS, registered_config
+
+    if entry is None:
+        entry = DEFAULT_MODEL
+    if isinstance(entry, dict):
+        return dict(entry)
+    try:
+        return registered_config(str(entry))
+    except KeyError:
+        pass
+    if not str(entry).endswith((".yaml", ".yml")):
+        raise ConfigError(f"unknown model {str(entry)!r}: use one of {', '.join([*MODELS, *NETWORKS])} or a model YAML file") from None
+    return load_yaml(entry)
 
 
 def build_network(config: dict, spatial_dims: int, in_channels: int, out_channels: int, kind: str = "segmentation") -> nn.Module:
-    """The network of a model config.
+    """The network of a resolved model config (:func:`model_config`), built by the family the
+    config names (:func:`hsmla_med.nn.registry.create_network`), with ``spatial_dims``,
+    ``in_channels`` and ``out_channels`` from the task and ``kind`` (``"segmentation"`` or
+    ``"classification"``) from its module:
 
     - HSMLA: ``{variant: b0|b1|b2, decoder: unet|fpn, head_stride: 8|4, attention_strides: [16, 32],
-      attention: {...HSMLA keyword arguments}}`` builds :class:`HSMLASegNet`
-      (``kind="segmentation"``) or :class:`HSMLAClassifier` (``kind="classification"``; no
-      decoder options).
+      norm: batch|instance, full_res, attention: {...HSMLA keyword arguments}}`` builds
+      :class:`HSMLASegNet` or :class:`HSMLAClassifier` (no decoder options, no ``norm``).
     - Any MONAI network: ``{monai: NAME, args: {...}}`` builds ``monai.networks.nets.NAME``
-      with ``spatial_dims``, ``in_channels`` and ``out_channels`` filled in by the task where
-      its constructor takes them (e.g. ``{monai: SwinUNETR, args: {feature_size: 24}}``), so
-      baselines run through the same pipelines. Such networks have no gates: no gate
-      regularisers, no tau calibration.
+      with the task's dims and channels where its constructor takes them (e.g. ``{monai:
+      SwinUNETR, args: {feature_size: 24}}``), so baselines run through the same pipelines.
+      Such networks have no gates: no gate regularisers, no tau calibration.
+    - A registered family: ``{network: NAME, ...options}``.
+
+    An option the network does not take is a :class:`ConfigError` naming it. (A MONAI Bundle's
+    ``network_def_hsmla`` item calls this function by name.)
     """
-    if kind not in _MODEL_KEYS:
-        raise ConfigError(f"kind must be one of {sorted(_MODEL_KEYS)}, got {kind!r}")
-    if not isinstance(config, dict):
-        raise ConfigError(f"model config must be a mapping, got {type(config).__name__}")
-    if "monai" in config:
-        return _monai_network(config, spatial_dims, in_channels, out_channels)
-    from hsmla_med.nn import HSMLA, HSMLAClassifier, HSMLASegNet
+    from hsmla_med.nn.registry import create_network
 
-    attention = dict(config.get("attention") or {})
-    known = set(inspect.signature(HSMLA).parameters) - {"spatial_dims", "in_channels"}
-    unknown = sorted(set(attention) - known)
-    if unknown:
-        raise ConfigError(f"unknown attention option(s) {unknown}; known: {sorted(known)}")
-    if "scales" in attention:
-        attention["scales"] = tuple(attention["scales"])
-    unknown = sorted(set(config) - _MODEL_KEYS[kind])
-    if unknown:
-        raise ConfigError(f"unknown model option(s) {unknown} for a {kind} network; known: {', '.join(sorted(_MODEL_KEYS[kind]))}, or monai")
-    options = {k: config[k] for k in _MODEL_KEYS[kind] - {"variant", "attention"} if k in config}
-    if "attention_strides" in options:
-        options["attention_strides"] = tuple(options["attention_strides"])
-    cls = HSMLASegNet if kind == "segmentation" else HSMLAClassifier
-    try:
-        return cls(spatial_dims, in_channels, out_channels, variant=config.get("variant", "b0"), **options, **attention)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"model config: {err}") from None
+    return create_network(config, spatial_dims, in_channels, out_channels, kind)
 
 
-def _monai_network(config: dict, spatial_dims: int, in_channels: int, out_channels: int) -> nn.Module:
-    """``monai.networks.nets.<config["monai"]>(**args)`` with the task's dims and channels."""
-    from monai.networks import nets
-    from torch import nn
-
-    name, args = config["monai"], config.get("args") or {}
-    unknown = sorted(set(config) - {"monai", "args"})
-    if unknown:
-        raise ConfigError(f"unknown model option(s) {unknown} beside 'monai'; known: monai, args")
-    network = getattr(nets, str(name), None)
-    if not (isinstance(network, type) and issubclass(network, nn.Module)):
-        raise ConfigError(f"model.monai: {name!r} is not a network in monai.networks.nets")
-    if not isinstance(args, dict):
-        raise ConfigError(f"model.args must be a mapping of {name} arguments, got {type(args).__name__}")
-    parameters = inspect.signature(network).parameters
-    taken = [k for k in _INJECTED if k in args]
-    if taken:
-        raise ConfigError(f"model.args: {taken} come from the task (its data and labels); remove them")
-    if not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
-        unknown = sorted(set(args) - set(parameters))
-        if unknown:
-            raise ConfigError(f"model.args: {name} takes no argument(s) {unknown}")
-    given = dict(zip(_INJECTED, (spatial_dims, in_channels, out_channels)))
-    kwargs = {**{k: v for k, v in given.items() if k in parameters}, **args}
-    try:
-        return network(**kwargs)
-    except (TypeError, ValueError, AssertionError) as err:
-        raise ConfigError(f"model: cannot build monai {name} with {args}: {err}") from None
+def check_model_settings(config: dict, network: dict, plan: dict | None = None) -> None:
+    """Refuse a task config's ``norm`` (``batch`` or ``instance``, set by the user) that the
+    module's ``network`` config does not carry: the network would be built without it, as the
+    config did not ask (a MONAI network or a classifier take no ``norm``; a task's
+    ``module_config`` that does not apply it; a model mapping naming another). A norm the data
+    planned (``plan``, :mod:`hsmla_med.data.plans`, without ``norm`` in its ``kept``) is advice
+    and is not checked."""
+    norm = config.get("norm")
+    if norm in (None, "auto") or (plan is not None and "norm" not in plan.get("kept", ())):
+        return
+    if network.get("norm") != norm:
+        takes = "takes no norm" if "norm" not in network else f"names its own, norm: {network['norm']}"
+        raise ConfigError(f"norm: {norm} does not reach the network: its model config {network} {takes}, so the setting would be "
+                          f"ignored; set norm: auto, or give the normalisation in the model config")
 
 
 def task_config(task: str) -> dict:
@@ -139,7 +111,10 @@ def task_config(task: str) -> dict:
     if not path.is_file():
         raise ConfigError(f"no packaged config for task {task!r}")
     common = load_yaml(resources.files("hsmla_med.configs") / "common.yaml")
-    return merge_config(common, load_yaml(path), f"{task}.yaml", allow_new=True)
+    config = merge_config(common, load_yaml(path), f"{task}.yaml", allow_new=True)
+    if config.get("model") is None:  # a run's config.yaml names the model it trained
+        config["model"] = DEFAULT_MODEL
+    return config
 
 
 def merge_config(base: dict, override: dict, source: str = "override", _prefix: str = "", allow_new: bool = False) -> dict:

@@ -41,7 +41,7 @@ from hsmla_med.io import is_temporary, write_json
 from hsmla_med.io.dicom import DicomSeries, SeriesRules, find_series, is_dicom_file, select_series, series_of
 from hsmla_med.io.dicom_seg import SEG_SUFFIX, is_seg_file
 from hsmla_med.io.itk import data_file
-from hsmla_med.io.volumes import DICOM_SEG, NIFTI, prediction_path, write_labels
+from hsmla_med.io.volumes import NIFTI, PredictedVolume, output_format, prediction_path, volume_format
 from hsmla_med.pipelines.task import BundleParts, InferenceOptions, Task, input_files, predict_cases, synthetic_root
 
 __all__ = ["TASK", "datalist", "check_config", "preprocessing_items", "UNCROPPED_BACKGROUND", "preprocessing", "transforms", "datamodule", "module_config", "held_out", "infer", "bundle", "score_predictions", "crossval_score"]
@@ -256,14 +256,20 @@ def _channel_cases(sources: list, channels: int) -> list:
     return [group if len(group) > 1 else group[0] for group in channel_groups(sources, channels)]
 
 
-def _seg_outputs(items: list[dict], output: Path) -> None:
-    """With ``--output-format dicom-seg``: each case's ``<name>.seg.dcm`` becomes its last output
-    (the one that marks it done); a NIfTI input is refused, it has no instances a SEG could reference."""
+def _output_formats(items: list[dict], output: Path, names: Sequence[str]) -> None:
+    """Each case's label map formats (``item["formats"]``): ``--output-format``'s, or its input's
+    own (:meth:`~hsmla_med.io.volumes.VolumeFormat.predicted_as`), those that reference a series
+    last; the last one's file marks the case done (``item["output"]``). A format that needs a
+    series (a DICOM SEG references its instances) refuses an input file, which has none."""
+    given = sorted((output_format(name) for name in names), key=lambda f: f.needs_series)
     for item in items:
-        if "dicom_files" not in item:
-            raise DataError(f"{item['source']}: --output-format dicom-seg needs a DICOM series input (a SEG references the series' "
-                            "instances); a NIfTI file has none: use --output-format nifti")
-        item["output"] = prediction_path(output, item["source"], item["name"], DICOM_SEG)
+        formats = given or [volume_format(item["source"]).predicted_as()]
+        needs = next((f for f in formats if f.needs_series and "dicom_files" not in item), None)
+        if needs is not None:
+            raise DataError(f"{item['source']}: --output-format {needs.name} needs a DICOM series input ({needs.title} references the "
+                            f"series' instances); a {volume_format(item['source']).title} file has none: use --output-format nifti")
+        item["formats"] = formats
+        item["output"] = prediction_path(output, item["source"], item["name"], formats[-1])
 
 
 def infer(
@@ -303,10 +309,9 @@ def infer(
     items = [_case(f, output) for f in sources]
     if options.uncertainty is not None:
         _check_uncertainty(module, options)
-    seg = "dicom-seg" in options.output_formats
-    if seg:
-        _seg_outputs(items, output)
-        algorithm = model_record(module)  # once: the weights' sha256 in every SEG's algorithm identification
+    _output_formats(items, output, options.output_formats)
+    # once: the weights' sha256 in every SEG's algorithm identification
+    algorithm = model_record(module) if any(f.needs_series for item in items for f in item["formats"]) else None
 
     def write(case: dict) -> list[Path]:
         source = Path(case["source"])
@@ -328,13 +333,14 @@ def infer(
         if uncertainty is not None:
             written.append(NIFTI.write_map(uncertainty_map_path(output, case["name"]), uncertainty, reference))
             write_json(_row_path(output, case["name"]), case_row(case["name"], uncertainty, labels, affine, options.uncertainty_threshold))
-        if "nifti" in options.output_formats:
-            written.append(write_labels(prediction_path(output, source, case["name"]), labels, reference))
-        if seg and labels.any():  # last: it marks the case done
-            written.append(DICOM_SEG.write_labels(case["output"], labels, case["dicom_files"], module.label_names, algorithm))
         named = f"DICOM series {case['name']} ({source})" if "dicom_files" in case else source.name  # a series' folder is no case name
-        if seg and not labels.any():
-            options.progress(f"{named}: no foreground class predicted, no DICOM SEG written (a SEG holds at least one segment)")
+        predicted = PredictedVolume(source, case["name"], reference, case.get("dicom_files"), module.label_names, algorithm)
+        for fmt in case["formats"]:  # the last marks the case done
+            path = fmt.write_prediction(output, labels, predicted)
+            if path is None:
+                options.progress(f"{named}: no foreground class predicted, no {fmt.title} written (it holds at least one segment)")
+            else:
+                written.append(path)
         options.progress(f"{named}: {'x'.join(map(str, shape[:3]))} voxels -> {', '.join(map(str, written))}")
         return written
 

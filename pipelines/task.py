@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import lightning as L
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
+from hsmla_med.config import check_model_settings, model_config
 from hsmla_med.data.datalist import Datalist
 from hsmla_med.defaults import GATE_REFINED
 from hsmla_med.engine.base import GatedModule
@@ -29,6 +30,7 @@ from hsmla_med.engine.prediction import PredictionDataModule, Shard, claim_outpu
 from hsmla_med.errors import DataError, InputError
 from hsmla_med.inference.uncertainty import DEFAULT_THRESHOLD
 from hsmla_med.inference.uncertainty import KINDS as UNCERTAINTY_KINDS
+from hsmla_med.io.volumes import output_format
 from hsmla_med.pipelines import CARDS, TaskCard, tasks_with
 
 __all__ = ["Task", "InferenceOptions", "BundleParts", "input_files", "predict_cases", "synthetic_root"]
@@ -152,7 +154,6 @@ def synthetic_root(data: dict, task: str, files: str, nature: str, generate: Cal
 
 
 _SHAPES_OUTPUTS = {"shapes_outputs": True}
-OUTPUT_FORMATS = ("nifti", "dicom-seg")  # infer --output-format (volume tasks)
 
 
 @dataclass(frozen=True)
@@ -174,11 +175,14 @@ class InferenceOptions:
         shard: this job's :class:`~hsmla_med.engine.prediction.Shard` of the cases.
         num_workers: DataLoader workers that read and preprocess the inputs.
         save_probabilities: also write the class probabilities (volumes: ``<case>.npz``).
-        output_formats: the label map files of a volume (tasks whose card declares them,
-            :attr:`~hsmla_med.pipelines.TaskCard.output_formats`): ``nifti`` (``<case>.nii.gz``)
-            and/or ``dicom-seg`` (``<case>.seg.dcm``, for DICOM series inputs only). Not recorded
-            as shaping the outputs: a format changes which files are written, not their content,
-            and a case counts as done when its last format's file exists (the SEG when asked).
+        output_formats: the formats of a volume's label map, by their registry names
+            (:data:`~hsmla_med.io.volumes.OUTPUT_FORMATS`, tasks whose card declares them:
+            :attr:`~hsmla_med.pipelines.TaskCard.output_formats`): ``nifti`` (``<case>.nii.gz``),
+            ``metaimage`` (``.mha``), ``nrrd``, ``dicom-seg`` (``<case>.seg.dcm``, for DICOM series
+            inputs only); empty: the input's own format (NIfTI for a series), as nnU-Net writes
+            predictions. Not recorded as shaping the outputs: a format changes which files are
+            written, not their content, and a case counts as done when its last format's file
+            exists (the SEG when asked).
         postprocessing: the kept steps of a ``postprocessing.json``
             (:func:`~hsmla_med.inference.postprocessing.apply_postprocessing`), applied to each
             label map; ``None`` for none (tasks with :attr:`Task.postprocesses`).
@@ -196,6 +200,9 @@ class InferenceOptions:
         uncertainty_threshold: the uncertainty (normalised, in [0, 1]) above which a voxel counts
             in the review queue's uncertain volume.
         progress: called with one line per input.
+        extra: the values of the options a task declares on its card
+            (:attr:`~hsmla_med.pipelines.TaskCard.options`) that no field here holds, by their
+            ``dest``, for its pipeline to read.
         cuda_graphs: on CUDA, replay the network from a CUDA graph captured per window or
             patch-batch shape (:class:`~hsmla_med.inference.cuda_graph.GraphedCallable`); the
             same kernels as an eager run, so not recorded as shaping the outputs.
@@ -218,13 +225,14 @@ class InferenceOptions:
     num_workers: int = 0
     cuda_graphs: bool = True
     save_probabilities: bool = field(default=False, metadata=_SHAPES_OUTPUTS)
-    output_formats: tuple[str, ...] = ("nifti",)
+    output_formats: tuple[str, ...] = ()
     postprocessing: list[dict] | None = field(default=None, metadata=_SHAPES_OUTPUTS)
     overwrite: bool = False
     series_uid: str | None = None
     series_rules: dict | list | None = None
     uncertainty: str | None = field(default=None, metadata=_SHAPES_OUTPUTS)
     uncertainty_threshold: float = field(default=DEFAULT_THRESHOLD, metadata=_SHAPES_OUTPUTS)
+    extra: Mapping[str, Any] = field(default_factory=dict, metadata=_SHAPES_OUTPUTS)
     progress: Callable[[str], None] = field(default=print, compare=False)
 
     def __post_init__(self) -> None:
@@ -243,8 +251,8 @@ class InferenceOptions:
         check_launcher(self.num_nodes)
         if self.num_workers < 0:
             raise InputError(f"--num-workers must be >= 0, got {self.num_workers}")
-        if not self.output_formats or set(self.output_formats) - set(OUTPUT_FORMATS):
-            raise InputError(f"--output-format must be one or both of {', '.join(OUTPUT_FORMATS)}, got {','.join(self.output_formats) or 'none'}")
+        for name in self.output_formats:
+            output_format(name)
         if self.uncertainty is not None and self.uncertainty not in UNCERTAINTY_KINDS:
             raise InputError(f"--uncertainty must be one of {', '.join(UNCERTAINTY_KINDS)}, got {self.uncertainty!r}")
         if not 0.0 <= self.uncertainty_threshold < 1.0:
@@ -252,11 +260,15 @@ class InferenceOptions:
 
     def provenance(self) -> dict:
         """The options that shape the outputs, as recorded with them; the uncertainty's only
-        when one is asked for (the threshold shapes nothing else), so that folders written before
-        ``--uncertainty`` existed still resume."""
+        when one is asked for (the threshold shapes nothing else), and a task's own options only
+        where it declares some, so that folders written before either existed still resume."""
         recorded = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("shapes_outputs")}
         if self.uncertainty is None:
             del recorded["uncertainty"], recorded["uncertainty_threshold"]
+        if not self.extra:
+            del recorded["extra"]
+        else:
+            recorded["extra"] = dict(self.extra)
         return recorded
 
     def apply(self, inference: dict) -> dict:
@@ -404,6 +416,37 @@ class Task(ABC):
         return [f"{len(cases) if cases is not None else 'n/a'} cases; " + ", ".join(f"{k} {fmt(v)}" for k, v in means.items() if not isinstance(v, dict)),
                 f"summary: {output / 'summary.json'}"]
 
+    def inference_values(self, values: dict, checkpoints: Sequence[str | Path], progress: Callable[[str], None] = print) -> dict:
+        """:class:`InferenceOptions` keyword arguments of the values of the ``infer`` options the
+        task declares on its card (by ``dest``): ``series_rules`` read from its file, the
+        post-processing of a task that post-processes its label maps (``--postprocessing F``, else
+        the ``postprocessing.json`` beside the checkpoints; ``none``: none), and the values no
+        field holds as ``extra``."""
+        from hsmla_med.config import load_yaml
+
+        values = dict(values)
+        if values.get("series_rules"):
+            values["series_rules"] = load_yaml(values["series_rules"])
+        if self.postprocesses:
+            values["postprocessing"] = self._postprocessing(values.get("postprocessing"), checkpoints, progress)
+        known = {f.name for f in fields(InferenceOptions)}
+        extra = {k: v for k, v in values.items() if k not in known}
+        return {**{k: v for k, v in values.items() if k in known}, **({"extra": extra} if extra else {})}
+
+    def _postprocessing(self, given: str | None, checkpoints: Sequence[str | Path], progress: Callable[[str], None]) -> list[dict] | None:
+        """The kept steps of ``--postprocessing F``, or of the ``postprocessing.json`` beside the
+        checkpoints (``none``: no post-processing)."""
+        from hsmla_med.inference.postprocessing import beside_checkpoints, read_postprocessing
+
+        if given == "none":
+            return None
+        path = Path(given) if given is not None else beside_checkpoints(checkpoints)
+        if path is None:
+            return None
+        steps = read_postprocessing(path)
+        progress(f"post-processing ({path}): " + ("; ".join(f"largest connected component of classes {s['labels']}" for s in steps) or "none kept"))
+        return steps or None
+
     def load(self, checkpoint: str | Path | Sequence[str | Path], tta: bool = False) -> tuple[GatedModule, dict]:
         """The module of a checkpoint of this task (``weights_only=True``), in eval mode on the
         CPU, with ``tta`` for its validation; a checkpoint of another task is refused with a
@@ -427,13 +470,17 @@ class Task(ABC):
             return modules[0], metas[0]
         return ensemble(modules), {"members": [{"checkpoint": str(p), **m} for p, m in zip(paths, metas, strict=True)]}
 
-    def build_module(self, config: dict, model: dict, cases: Datalist) -> GatedModule:
-        """The module of a new run; its checkpoints keep the fold it trains on (``split``:
-        :func:`~hsmla_med.data.splits.fold_cases`' record, with the case IDs of both sides) and
-        the plan of the dataset (``plan``: :func:`~hsmla_med.data.plans.plan_dataset`, ``None``
-        for a task or config without one)."""
-        return self.module_class({**self.module_config(config, model, cases.label_names), **self.dataset_config(cases), "split": cases.split,
-                                  "plan": cases.plan})
+    def build_module(self, config: dict, cases: Datalist) -> GatedModule:
+        """The module of a new run, its network the config's ``model`` resolved here, once
+        (:func:`~hsmla_med.config.model_config`; the module builds it from that record); its
+        checkpoints keep the fold it trains on (``split``: :func:`~hsmla_med.data.splits.fold_cases`'
+        record, with the case IDs of both sides) and the plan of the dataset (``plan``:
+        :func:`~hsmla_med.data.plans.plan_dataset`, ``None`` for a task or config without one).
+        A ``norm`` the user set that the network would not be built with is refused
+        (:func:`~hsmla_med.config.check_model_settings`)."""
+        module = self.module_config(config, model_config(config["model"]), cases.label_names)
+        check_model_settings(config, module["network"], cases.plan)
+        return self.module_class({**module, **self.dataset_config(cases), "split": cases.split, "plan": cases.plan})
 
     def dataset_config(self, cases: Datalist) -> dict:
         """What a new module's config takes from the dataset beyond its label names (a task

@@ -110,11 +110,12 @@ def test_a_failed_command_leaves_no_empty_output_folder(capsys, tmp_path, btcv_c
     line = _error(capsys, ["export", "--checkpoint", str(btcv_ckpt), "--format", "onnx", "--output", str(tmp_path / "existing" / "x"),
                            "--input-size", "7"])
     assert "--input-size 7" in line and (tmp_path / "existing").is_dir() and not (tmp_path / "existing" / "x").exists()
-    from hsmla_med import cli
+    from hsmla_med.cli.invocation import Invocation
 
-    kept = cli._writable_folder(tmp_path / "made" / "sub", "--output")
+    invocation = Invocation([])
+    kept = invocation.writable_folder(tmp_path / "made" / "sub", "--output")
     (kept / "result.txt").write_text("written")
-    cli._remove_empty_created()
+    invocation.remove_empty_created()
     assert (kept / "result.txt").read_text() == "written"
 
 
@@ -455,7 +456,8 @@ def test_config_of_another_task_is_one_line_naming_both(capsys, tmp_path, config
 
 
 def test_config_naming_the_task_by_its_generic_name_is_the_same_task(tmp_path):
-    from hsmla_med.cli import _config, build_parser
+    from hsmla_med.cli import build_parser
+    from hsmla_med.cli.options import run_config as _config
 
     user = _yaml(tmp_path, "task: segmentation\n")
     args = build_parser().parse_args(["train", "--task", "btcv", "--config", user])

@@ -215,6 +215,7 @@ def test_monai_network_trains_evaluates_and_infers_through_the_pipeline(capsys, 
     overlay = tmp_path / "unet.yaml"
     config = yaml.safe_load(tiny_yaml(tmp_path / "tiny.yaml").read_text())
     config["model"] = {"monai": "UNet", "args": {"channels": [4, 8, 16], "strides": [2, 2], "num_res_units": 1}}
+    config["norm"] = "auto"  # a MONAI network takes no norm: one set would be refused (tests/test_config.py)
     overlay.write_text(yaml.safe_dump(config))
     run = tmp_path / "run"
     argv = ["train", "--task", "btcv", "--data-dir", str(dataset), "--config", str(overlay), "--max-steps", "2", "--output", str(run)]
@@ -261,7 +262,8 @@ def test_task_from_the_checkpoint_and_the_generic_task_name(capsys, tmp_path, ti
     tells its task from the metadata it carries."""
     import torch
 
-    from hsmla_med.cli import _config, build_parser
+    from hsmla_med.cli import build_parser
+    from hsmla_med.cli.options import run_config as _config
     from hsmla_med.engine.checkpoint import EXPORT_META, written_task
 
     ckpt = tiny_btcv_checkpoint
@@ -272,7 +274,7 @@ def test_task_from_the_checkpoint_and_the_generic_task_name(capsys, tmp_path, ti
     assert "--task segmentation: give your dataset with --data-dir" in _error(capsys, ["train", "--task", "segmentation", "--max-steps", "1"])
     assert "unknown task 'nope'; available: btcv, camelyon16, endovis, luna16, segmentation" in _error(capsys, ["infer", "--task", "nope", "--checkpoint", ckpt, "--input", "x", "--output", "y"])
     args = build_parser().parse_args(["train", "--task", "segmentation", "--data-dir", str(tmp_path)])
-    from hsmla_med.cli import _resolve_task
+    from hsmla_med.cli.options import resolve_task as _resolve_task
 
     _resolve_task(args)
     config = _config(args)

@@ -89,3 +89,67 @@ def test_monai_networks_get_the_task_dims_and_channels(config, kind, cls):
 def test_bad_monai_configs_name_the_problem(config, message):
     with pytest.raises(ConfigError, match=message):
         build_network(config, 2, 1, 3)
+
+
+@pytest.fixture
+def registered_family():
+    """A user's network family, registered by name for one test (the registry is global)."""
+    import torch
+
+    from hsmla_med.nn import registry
+
+    @registry.register_network("tiny-conv")
+    def tiny_conv(spatial_dims: int, in_channels: int, out_channels: int, kind: str, width: int = 4) -> torch.nn.Module:
+        conv = (torch.nn.Conv2d, torch.nn.Conv3d)[spatial_dims - 2]
+        return torch.nn.Sequential(conv(in_channels, width, 3, padding=1), torch.nn.ReLU(), conv(width, out_channels, 1))
+
+    yield tiny_conv
+    del registry.NETWORKS["tiny-conv"]
+
+
+def test_a_registered_family_is_a_model_name_and_a_config(registered_family):
+    """A family registered by name is built from ``model: NAME`` or ``{network: NAME, ...}``
+    through the one resolution, without a branch in hsmla_med/config.py; an option its builder
+    does not take is an error naming it and the ones it takes."""
+    import torch
+
+    assert model_config("tiny-conv") == {"network": "tiny-conv"}
+    net = build_network(model_config({"network": "tiny-conv", "width": 6}), 2, 1, 3)
+    assert net[0].out_channels == 6 and net(torch.randn(1, 1, 8, 8)).shape == (1, 3, 8, 8)
+    assert build_network(model_config("tiny-conv"), 3, 2, 5)[0].out_channels == 4  # the builder's default
+    with pytest.raises(ConfigError, match=r"the tiny-conv network takes no option\(s\) \['depth'\]; it takes: width"):
+        build_network({"network": "tiny-conv", "depth": 2}, 2, 1, 3)
+    with pytest.raises(ConfigError, match="'nope' is no registered network family"):
+        build_network({"network": "nope"}, 2, 1, 3)
+    with pytest.raises(ValueError, match="already registered"):
+        from hsmla_med.nn.registry import register_network
+
+        register_network("tiny-conv")(registered_family)
+
+
+def test_the_default_model_is_named_once():
+    """Every packaged task config leaves ``model`` null; the task config names the default, so a
+    run's config.yaml says which model it trained."""
+    from importlib import resources
+
+    from hsmla_med.config import DEFAULT_MODEL, task_config
+    from hsmla_med.pipelines import CARDS
+
+    for name in CARDS:
+        assert load_yaml(resources.files("hsmla_med.configs") / f"{name}.yaml")["model"] is None, name
+        assert task_config(name)["model"] == DEFAULT_MODEL, name
+
+
+def test_a_norm_the_network_would_not_get_is_refused():
+    """``norm: instance`` with a network that takes no norm (a MONAI network) or names its own was
+    silently ignored (batch norm, no warning); now it is an error naming the key. A norm left
+    auto, or one the data planned, is not checked."""
+    from hsmla_med.config import check_model_settings
+
+    with pytest.raises(ConfigError, match="norm: instance does not reach the network.*takes no norm"):
+        check_model_settings({"norm": "instance"}, {"monai": "UNet"})
+    with pytest.raises(ConfigError, match="norm: instance does not reach the network.*names its own, norm: batch"):
+        check_model_settings({"norm": "instance"}, {"variant": "b0", "norm": "batch"})
+    check_model_settings({"norm": "instance"}, {"variant": "b0", "norm": "instance"})
+    check_model_settings({"norm": "auto"}, {"monai": "UNet"})
+    check_model_settings({"norm": "instance"}, {"monai": "UNet"}, plan={"kept": []})  # planned, not the user's

@@ -202,7 +202,8 @@ def test_modules_graph_outside_training_unless_turned_off(fake_cuda, tmp_path):
 
 
 def test_cli_option_reaches_the_options():
-    from hsmla_med.cli import _options, build_parser
+    from hsmla_med.cli import build_parser
+    from hsmla_med.cli.options import prediction_options as _options
 
     for argv in (["infer", "--checkpoint", "c.ckpt", "--input", "i", "--output", "o"],
                  ["wsi-heatmap", "--checkpoint", "c.ckpt", "--slide", "s", "--output", "o"],

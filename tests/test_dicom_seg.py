@@ -263,7 +263,7 @@ def test_infer_refuses_dicom_seg_for_a_nifti_input_in_one_line(tmp_path):
     with pytest.raises(DataError, match=r"case.nii.gz: --output-format dicom-seg needs a DICOM series input") as err:
         btcv.infer(_tiny_module(tmp_path), nifti, tmp_path / "out", InferenceOptions(output_formats=("nifti", "dicom-seg")))
     assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
-    with pytest.raises(InputError, match="--output-format must be one or both of nifti, dicom-seg, got png"):
+    with pytest.raises(InputError, match="--output-format png: not an output format; use one or more of nifti, metaimage, nrrd, dicom-seg"):
         InferenceOptions(output_formats=("png",))
 
 
@@ -324,7 +324,7 @@ def test_cli_output_formats_and_evaluate_with_dicom(tmp_path, capsys, tiny_btcv_
                               "--output", str(tmp_path / "d"), "--output-format", "dicom-seg"])
     assert "--output-format dicom-seg: only --task btcv" in line
     line = cli_error(capsys, [*infer, "--output", str(tmp_path / "e"), "--output-format", "nifti,png"])
-    assert "--output-format must be one or both of nifti, dicom-seg, got nifti,png" in line
+    assert "--output-format png: not an output format; use one or more of nifti, metaimage, nrrd, dicom-seg" in line
 
 
 def test_seg_recommends_the_colours_of_our_pictures(tmp_path):

@@ -322,7 +322,7 @@ def test_infer_submission_scored_against_the_dataset_folder(tmp_path, capsys):
     root = generate_luna16(tmp_path / "luna", num_scans=2, shape=(48, 48, 16), seed=1)
     config = merge_config(task_config("luna16"), {"data": {"data_dir": str(root), "roi_size_2d": [48, 48], "num_workers": 0}})
     torch.manual_seed(0)
-    module = luna16.TASK.build_module(config, {"variant": "b0"}, luna16.datalist(config))
+    module = luna16.TASK.build_module(config, luna16.datalist(config))
     module.config["inference"]["candidate_threshold"] = 0.0
     luna16.infer(module, root, tmp_path / "pred", InferenceOptions(progress=lambda _: None))
     assert main(["evaluate", "--task", "luna16", "--predictions", str(tmp_path / "pred"), "--labels", str(root)]) == 0

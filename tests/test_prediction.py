@@ -172,7 +172,7 @@ def test_luna16_candidates_per_scan_and_merge_after_resume(tmp_path):
     root = generate_luna16(tmp_path / "luna", num_scans=2, shape=(48, 48, 16), seed=1)
     config = merge_config(task_config("luna16"), {"data": {"data_dir": str(root), "roi_size_2d": [48, 48], "num_workers": 0}})
     torch.manual_seed(0)
-    module = luna16.TASK.build_module(config, {"variant": "b0"}, luna16.datalist(config))
+    module = luna16.TASK.build_module(config, luna16.datalist(config))
     module.config["inference"]["candidate_threshold"] = 0.0  # an untrained network: one candidate per scan
     scans = sorted(find_scans(root).values())
     quiet = {"progress": lambda _: None}

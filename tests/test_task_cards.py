@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hsmla_med import cli
+from hsmla_med import cli, config
+from hsmla_med.cli.infer import output_formats
 from hsmla_med.cli import main
 from hsmla_med.errors import InputError
+from hsmla_med.io.volumes import OUTPUT_FORMATS
 from hsmla_med.pipelines import CARDS, TaskCard, get_task, task_name
 from hsmla_med.pipelines.task import Task
 from tests.conftest import cli_error
@@ -66,7 +68,7 @@ def test_cards_agree_with_the_pipelines():
         assert task.card is card and card.monitor == task.module_class.monitor, name
         assert card.bundle == (type(task).bundle is not Task.bundle), name  # a pipeline function bundle
         assert bool(card.synthetic) == (ROOT / "configs" / f"{name}_demo.yaml").is_file(), name
-        assert set(card.output_formats) <= {"nifti", "dicom-seg"}, name  # the values of infer --output-format
+        assert set(card.output_formats) <= set(OUTPUT_FORMATS), name  # the values of infer --output-format
 
 
 @pytest.fixture
@@ -79,8 +81,8 @@ def toy(tmp_path, monkeypatch):
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)
     spec.loader.exec_module(module)
-    packaged = cli.task_config
-    monkeypatch.setattr(cli, "task_config", lambda name: {**packaged("btcv"), "task": "toy"} if name == "toy" else packaged(name))
+    packaged = config.task_config
+    monkeypatch.setattr(config, "task_config", lambda name: {**packaged("btcv"), "task": "toy"} if name == "toy" else packaged(name))
     monkeypatch.setitem(CARDS, "toy", TOY_CARD)
     return module
 
@@ -122,7 +124,7 @@ def test_declared_capabilities_are_read_from_the_card(toy, monkeypatch, capsys, 
     from hsmla_med.engine.calibration import check_calibratable
 
     monkeypatch.setitem(CARDS, "toy", dataclasses.replace(TOY_CARD, output_formats=("nifti", "dicom-seg"), uncertainty=("entropy",), calibration="voxels"))
-    assert cli._output_formats(["nifti,dicom-seg"], toy.TASK) == ("nifti", "dicom-seg")
+    assert output_formats(["nifti,dicom-seg"], toy.TASK) == ("nifti", "dicom-seg")
     check_calibratable({"task": "toy"}, "toy.ckpt")
     assert "runs the checkpoint (btcv, camelyon16, toy)" in _help(capsys, "calibrate")
     assert "btcv, toy: also write OUTPUT/uncertainty/" in _help(capsys, "infer")

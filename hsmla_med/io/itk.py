@@ -219,19 +219,28 @@ class ITKFileReader(ImageReader):
         return volume, meta
 
 
-def write_itk(path: str | Path, data: np.ndarray, reference: str | Path) -> Path:
+def write_itk(path: str | Path, data: np.ndarray, reference: str | Path | np.ndarray) -> Path:
     """Write ``data`` ``(x, y, z)`` as ``path``'s format (MetaImage or NRRD, compressed) on the
-    grid of the volume ``reference`` (origin, spacing and direction copied from its header, as
-    they are: no round trip through an affine), atomically."""
+    grid of ``reference``, atomically: a MetaImage or NRRD volume, whose origin, spacing and
+    direction are copied from its header as they are (no round trip through an affine), or a RAS
+    affine ``(4, 4)`` (another format's input), turned back into ITK's LPS origin, spacing and
+    direction (the inverse of :func:`image_affine`)."""
     import SimpleITK as sitk
 
-    reader = header_reader(reference)
-    if tuple(data.shape) != tuple(reader.GetSize()):
-        raise ValueError(f"{path}: data of shape {tuple(data.shape)} on the grid of {reference}, {tuple(reader.GetSize())}")
+    if isinstance(reference, np.ndarray):
+        lps = np.diag([-1.0, -1.0, 1.0, 1.0]) @ np.asarray(reference, dtype=np.float64)
+        spacing = np.linalg.norm(lps[:3, :3], axis=0)
+        origin, direction = tuple(lps[:3, 3]), tuple((lps[:3, :3] / spacing).ravel())
+        spacing = tuple(spacing)
+    else:
+        reader = header_reader(reference)
+        origin, spacing, direction, size = reader.GetOrigin(), reader.GetSpacing(), reader.GetDirection(), tuple(reader.GetSize())
+        if tuple(data.shape) != size:
+            raise ValueError(f"{path}: data of shape {tuple(data.shape)} on the grid of {reference}, {size}")
     image = sitk.GetImageFromArray(np.ascontiguousarray(np.asarray(data).transpose(2, 1, 0)))
-    image.SetOrigin(reader.GetOrigin())
-    image.SetSpacing(reader.GetSpacing())
-    image.SetDirection(reader.GetDirection())
+    image.SetOrigin(origin)
+    image.SetSpacing(spacing)
+    image.SetDirection(direction)
     with atomic_path(path) as tmp:
         sitk.WriteImage(image, str(tmp), useCompression=True)
     return Path(path)

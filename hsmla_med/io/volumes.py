@@ -24,6 +24,11 @@ named after its input (:func:`case_name`; a DICOM series by
 (nnU-Net writes predictions in the dataset's ``file_ending``): ``.mha`` for MetaImage, ``.nrrd``
 for NRRD, ``.nii.gz`` for NIfTI (also a NIfTI pair) and a DICOM series, ``.seg.dcm`` for a DICOM
 SEG of a series.
+
+The registry's names (:attr:`VolumeFormat.name`) are the one vocabulary of output formats:
+``infer --output-format NAME``, the task cards' ``output_formats`` and the pipelines use them
+(:data:`OUTPUT_FORMATS`: the formats that write predictions, :func:`output_format`). A new format
+is its class and its instance in :data:`FORMATS` (docs/design.md, "A new output format").
 """
 
 from __future__ import annotations
@@ -31,32 +36,65 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import nibabel as nib
 import numpy as np
 
-from hsmla_med.errors import DataError
+from hsmla_med.errors import DataError, InputError
 from hsmla_med.io.atomic import atomic_path
 from hsmla_med.io.compressed import check_inflated
 from hsmla_med.io.dicom_seg import SEG_SUFFIX, read_seg, write_seg
 from hsmla_med.io.itk import METAIMAGE_ENDINGS, NRRD_ENDINGS, itk_header, read_itk, write_itk
 
-__all__ = ["VolumeFormat", "Nifti", "NiftiPair", "ItkVolume", "MetaImage", "Nrrd", "DicomSeriesFolder", "DicomSeg", "NIFTI", "NIFTI_PAIR",
-           "METAIMAGE", "NRRD", "DICOM_SERIES", "DICOM_SEG", "FORMATS", "VOLUME_FILE", "VOLUME_FORMATS", "file_format", "file_ending",
+__all__ = ["PredictedVolume", "VolumeFormat", "Nifti", "NiftiPair", "ItkVolume", "MetaImage", "Nrrd", "DicomSeriesFolder", "DicomSeg", "NIFTI", "NIFTI_PAIR",
+           "METAIMAGE", "NRRD", "DICOM_SERIES", "DICOM_SEG", "FORMATS", "OUTPUT_FORMATS", "output_format", "VOLUME_FILE", "VOLUME_FORMATS", "file_format", "file_ending",
            "file_stem", "volume_format", "write_labels", "case_name", "label_suffix", "prediction_path", "check_nifti", "image_series"]
 
 _CHANNEL_SUFFIX = re.compile(r"_\d{4}$")  # nnU-Net's modality index, CASE_0000
 
 
+@dataclass(frozen=True)
+class PredictedVolume:
+    """A case's predicted label map as a format writes it (:meth:`VolumeFormat.write_prediction`).
+
+    Attributes:
+        source: the case's input, a volume file or a DICOM series' folder.
+        name: the case's name (:func:`case_name`, a series' own name).
+        reference: the input's grid: the file, or for a series its RAS affine ``(4, 4)``.
+        series: a series input's files, in slice order (``None`` for a volume file).
+        label_names: class names by label value.
+        algorithm: the model's record (``sha256``, ``checkpoint``), for formats that name the
+            algorithm that made them (a DICOM SEG's Algorithm Identification).
+    """
+
+    source: Path
+    name: str
+    reference: str | Path | np.ndarray
+    series: Sequence[Path] | None = None
+    label_names: Sequence[str] = ()
+    algorithm: dict | None = None
+
+
 class VolumeFormat:
-    """A volume file format: the endings it is known by and how its files are read and written.
+    """A volume file format: its name, the endings it is known by and how its files are read and
+    written.
 
     Subclasses define ``header(path)``, the shape and RAS affine ``(4, 4)`` from the header alone,
     and ``read(path)``, the voxels ``(x, y, z)`` and RAS affine, where the code reads the format;
-    ``write_labels(path, labels, reference)`` where a label map is written in it.
+    ``write_labels(path, labels, reference)`` where a label map is written in it, and set
+    ``writes_predictions`` where ``infer --output-format NAME`` writes it.
     """
 
+    #: the registry's name of the format: ``infer --output-format`` and the task cards use it
+    name = ""
+    #: what the format is called in messages
+    title = ""
+    #: ``infer --output-format`` writes predicted label maps in it (:meth:`write_prediction`)
+    writes_predictions = False
+    #: a prediction in it references the input's DICOM instances: DICOM series inputs only
+    needs_series = False
     #: the file name endings the registry knows it by
     endings: tuple[str, ...] = ()
     #: endings compared in any letter case (else as the format's own tools write them)
@@ -67,6 +105,17 @@ class VolumeFormat:
     #: the ending of the label map predicted for an input of this format
     prediction_ending = ".nii.gz"
 
+    def predicted_as(self) -> VolumeFormat:
+        """The format an input of this one is predicted in where ``--output-format`` is not given
+        (nnU-Net writes predictions in the dataset's ``file_ending``): its own, or NIfTI."""
+        return self if self.writes_predictions else NIFTI
+
+    def write_prediction(self, folder: Path, labels: np.ndarray, case: PredictedVolume) -> Path | None:
+        """Write a case's label map ``(x, y, z)`` as ``folder/<case><ending>``
+        (:func:`prediction_path`) on its input's grid, atomically; the path written (``None``:
+        nothing to write in this format)."""
+        return self.write_labels(prediction_path(folder, case.source, case.name, self), labels, case.reference)
+
 
 class Nifti(VolumeFormat):
     """NIfTI-1 and NIfTI-2 files (``.nii.gz``, ``.nii``) through nibabel, their voxels checked
@@ -74,6 +123,7 @@ class Nifti(VolumeFormat):
     not know (:func:`volume_format`), whose refusal is then nibabel's, naming the file. Writes
     label maps, and float maps (:meth:`write_map`), in the geometry of any reference input."""
 
+    name, title, writes_predictions = "nifti", "NIfTI", True
     endings = (".nii.gz", ".nii")
     # The header fields that place the voxels in the world: qform (quaternion, offsets, voxel
     # sizes, qfac in pixdim[0]) and sform (three rows), each with its code, and the units.
@@ -163,6 +213,7 @@ class NiftiPair(Nifti):
     case, the voxels in ``CASE.img`` beside it; nibabel reads it as it reads ``.nii``. Its
     predictions are one ``.nii.gz`` file."""
 
+    name, title, writes_predictions = "nifti-pair", "a NIfTI pair", False
     endings = (".hdr",)
 
 
@@ -178,10 +229,15 @@ class ItkVolume(VolumeFormat):
         """Voxels ``(x, y, z)`` and RAS affine of ``path`` (:func:`~hsmla_med.io.itk.read_itk`)."""
         return read_itk(path)
 
-    def write_labels(self, path: Path, labels: np.ndarray, reference: str | Path) -> Path:
-        """Write ``labels`` ``(x, y, z)`` as uint8, compressed, on the grid of ``reference``, a
-        MetaImage or NRRD file whose origin, spacing and direction are copied as they are
+    writes_predictions = True
+
+    def write_labels(self, path: Path, labels: np.ndarray, reference: str | Path | np.ndarray) -> Path:
+        """Write ``labels`` ``(x, y, z)`` as uint8, compressed, on the grid of ``reference``: a
+        MetaImage or NRRD file, whose origin, spacing and direction are copied as they are, or
+        another input's grid, its RAS affine (of a NIfTI file's or a series' header)
         (:func:`~hsmla_med.io.itk.write_itk`), atomically."""
+        if not isinstance(reference, np.ndarray) and not isinstance(volume_format(reference), ItkVolume):
+            reference = volume_format(reference).header(reference)[1]
         return write_itk(path, labels.astype(np.uint8, copy=False), reference)
 
 
@@ -189,6 +245,7 @@ class MetaImage(ItkVolume):
     """MetaImage (grand-challenge.org's exchange format, LUNA16's scans): ``.mha``, or an
     ``.mhd`` header with its voxel file; predictions are one ``.mha`` file."""
 
+    name, title = "metaimage", "MetaImage"
     endings = METAIMAGE_ENDINGS
     prediction_ending = ".mha"
 
@@ -197,6 +254,7 @@ class Nrrd(ItkVolume):
     """NRRD (3D Slicer's format): ``.nrrd``, or an ``.nhdr`` header with its voxel file;
     predictions are one ``.nrrd`` file."""
 
+    name, title = "nrrd", "NRRD"
     endings = NRRD_ENDINGS
     prediction_ending = ".nrrd"
 
@@ -206,6 +264,7 @@ class DicomSeriesFolder(VolumeFormat):
     it (:mod:`hsmla_med.io.dicom`); predictions are NIfTI on that grid (or a DICOM SEG:
     :class:`DicomSeg`). Chosen by :func:`volume_format` for a folder, by no ending."""
 
+    name, title = "dicom", "a DICOM series"
 
     def header(self, folder: str | Path) -> tuple[tuple[int, int, int], np.ndarray]:
         """Shape ``(x, y, z)`` and RAS affine of the series from the headers of its first and last
@@ -227,6 +286,7 @@ class DicomSeg(VolumeFormat):
     writes it, or any ``.dcm`` among label maps. It holds no grid of its own: it is read onto,
     and written for, the image series it references, whose files (in slice order) are given."""
 
+    name, title, writes_predictions, needs_series = "dicom-seg", "DICOM SEG", True, True
     endings = (SEG_SUFFIX, ".dcm")
     ignore_case = True
     volume_file = False
@@ -266,11 +326,20 @@ class DicomSeg(VolumeFormat):
         """
         return write_seg(labels, reference, label_names, path, algorithm)
 
+    def write_prediction(self, folder: Path, labels: np.ndarray, case: PredictedVolume) -> Path | None:
+        """The case's SEG referencing its series; none for a label map without foreground (a SEG
+        holds at least one segment)."""
+        if not labels.any():
+            return None
+        return self.write_labels(prediction_path(folder, case.source, case.name, self), labels, case.series, case.label_names, case.algorithm)
+
 
 NIFTI, NIFTI_PAIR, METAIMAGE, NRRD, DICOM_SEG = Nifti(), NiftiPair(), MetaImage(), Nrrd(), DicomSeg()
 DICOM_SERIES = DicomSeriesFolder()
-#: the formats the registry chooses by file ending (a new format: its class, and its instance here)
+#: the formats the registry chooses by file ending and names (a new format: its class, and its instance here)
 FORMATS: tuple[VolumeFormat, ...] = (NIFTI, NIFTI_PAIR, METAIMAGE, NRRD, DICOM_SEG)
+#: the names of the formats ``infer --output-format`` writes
+OUTPUT_FORMATS = tuple(f.name for f in FORMATS if f.writes_predictions)
 # every registered ending with its format, the longest first: a name ending in ".seg.dcm" also
 # ends in ".dcm", and is a SEG's "<case>.seg.dcm", not "<case>.seg"'s
 _BY_ENDING = sorted(((ending, f) for f in FORMATS for ending in f.endings), key=lambda item: -len(item[0]))
@@ -288,6 +357,15 @@ def _match(path: str | os.PathLike, seg: bool) -> tuple[str, VolumeFormat] | Non
         if (f.volume_file or seg) and (name.lower() if f.ignore_case else name).endswith(ending):
             return name[len(name) - len(ending):], f
     return None
+
+
+def output_format(name: str) -> VolumeFormat:
+    """The registered format of ``name`` that writes predictions (``--output-format NAME``);
+    :class:`~hsmla_med.errors.InputError` for another name."""
+    for f in FORMATS:
+        if f.name == name and f.writes_predictions:
+            return f
+    raise InputError(f"--output-format {name}: not an output format; use one or more of {', '.join(OUTPUT_FORMATS)}")
 
 
 def file_format(path: str | os.PathLike, seg: bool = False) -> VolumeFormat | None:
