@@ -42,7 +42,8 @@ def input_files(inputs: str | Path | Iterable[str | Path], in_folder: Callable[[
     """The input files of ``infer --input`` (a file, a folder or a list of them): a file as
     given, a folder through the task's ``in_folder``, a list in the list (a case's channel
     files, as cross-validate passes a fold's cases) as its files, which the pipeline groups into
-    cases again; a missing path is one :class:`~hsmla_med.errors.DataError`."""
+    cases again; a missing path, or a special file (a device such as ``/dev/zero``, a pipe), is
+    one :class:`~hsmla_med.errors.DataError`."""
     files = []
     for path in [inputs] if isinstance(inputs, (str, Path)) else inputs:
         if isinstance(path, (list, tuple)):
@@ -53,6 +54,8 @@ def input_files(inputs: str | Path | Iterable[str | Path], in_folder: Callable[[
             files += in_folder(path)
         elif path.is_file():
             files.append(path)
+        elif path.exists():  # a device, pipe or socket: not "not found", it is there
+            raise DataError(f"{path}: not a regular file or a folder (a device, pipe or socket); give a volume, an image or a folder of them")
         else:
             raise DataError(f"{path}: input not found")
     return files

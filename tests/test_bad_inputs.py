@@ -166,6 +166,13 @@ def test_bad_slide_reader_variable_is_refused_first(capsys, tmp_path, camelyon_c
     assert not out.exists() or not any(out.iterdir())
 
 
+def test_infer_on_a_special_file_says_what_it_is(capsys, tmp_path, btcv_ckpt):
+    """``--input /dev/zero`` exists: "input not found" was wrong. A device is named as one."""
+    line = _error(capsys, ["infer", "--task", "btcv", "--checkpoint", str(btcv_ckpt), "--input", "/dev/zero", "--output", str(tmp_path / "o")])
+    assert "/dev/zero: not a regular file or a folder (a device, pipe or socket)" in line and "not found" not in line
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+
+
 def test_infer_on_a_2d_nifti(capsys, tmp_path, btcv_ckpt):
     flat = write_nifti(tmp_path / "in" / "flat.nii.gz", np.zeros((16, 16), np.float32), np.eye(4))
     line = _error(capsys, ["infer", "--task", "btcv", "--checkpoint", str(btcv_ckpt), "--input", str(flat), "--output", str(tmp_path / "o")])
