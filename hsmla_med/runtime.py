@@ -4,10 +4,10 @@ Threads and waiting (:func:`configure_cpu_threads`, applied by ``hsmla-med`` bef
 loads). PyTorch's CPU build runs its parallel regions on GNU OpenMP (``libgomp``), whose
 threads spin at every barrier before they sleep. An HSMLA network runs many short regions, so
 when other processes use the cores a spinning thread waits for one the kernel has descheduled,
-and every barrier costs a time slice (issue 34: HSMLA-B2 at 512^2 took 2.2-4.0 s beside other
-PyTorch work instead of 107 ms). The spin is bounded with ``GOMP_SPINCOUNT``, and the thread
-count follows the CPUs the process may use (its affinity and its cgroup's CPU quota, which
-OpenMP ignores). libgomp reads its environment once, when torch loads it: a library user who
+and every barrier costs a time slice (HSMLA-B2 at 512^2 took 2.2-4.0 s beside other PyTorch
+work instead of 107 ms). The spin is bounded with ``GOMP_SPINCOUNT``, and the thread count
+follows the CPUs the process may use (its affinity and its cgroup's CPU quota, which OpenMP
+ignores). libgomp reads its environment once, when torch loads it: a library user who
 imports torch first sets these variables in the shell or calls :func:`configure_cpu_threads`
 before ``import torch``.
 
@@ -225,7 +225,7 @@ class LoadAdaptiveThreads:
     CPUs that other processes' runnable threads leave free (:class:`FreeCPUs`: at least one, at
     most ``threads``, PyTorch's count when it was made), and raises them again when the load goes.
 
-    Why (issue 34): an HSMLA network runs hundreds of short parallel regions per forward, and
+    Why: an HSMLA network runs hundreds of short parallel regions per forward, and
     each ends at a barrier where every thread of the team must have run. Beside processes that
     keep the CPUs busy, one of our threads is often descheduled there, and the region lasts until
     the scheduler gives it a time slice: two threads then do worse than one (HSMLA-B2 at 512^2

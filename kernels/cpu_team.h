@@ -3,7 +3,7 @@
  * work (multiply-adds, or elements touched), at most one per item and at most OpenMP's maximum,
  * which follows torch.set_num_threads (the kernels run on torch's libgomp).
  *
- * Why (issue 54): a region's end is a barrier that waits for every thread of its team. A small
+ * Why: a region's end is a barrier that waits for every thread of its team. A small
  * region (a 3 x 3 token map's gate, a refinement of one tile) costs more in waking the team and
  * in that barrier than its arithmetic, and beside busy neighbours a descheduled thread holds the
  * barrier for a time slice; on one thread it forks nothing and waits for no one. Threads beyond

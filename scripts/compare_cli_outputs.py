@@ -1,5 +1,5 @@
-"""Every command's outputs on the synthetic demo data, before and after a restructuring: the
-check issue 52 asks of a refactor ("behaviour unchanged: outputs identical, compare files").
+"""Every command's outputs on the synthetic demo data, before and after a restructuring, so that a
+refactor is shown to leave behaviour unchanged: outputs identical, compared file by file.
 
     .venv/bin/python scripts/compare_cli_outputs.py run OUT [--tree CHECKOUT]
     .venv/bin/python scripts/compare_cli_outputs.py diff A B

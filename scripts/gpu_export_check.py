@@ -1,6 +1,6 @@
-"""Exported graphs on CUDA (issue 32, item 4): TorchScript traced by ``hsmla-med export`` (on the
-CPU) moved to the GPU, in float32 and under float16 autocast, and the ONNX graph under
-onnxruntime's CUDA provider where it is installed.
+"""Exported graphs on CUDA: TorchScript traced by ``hsmla-med export`` (on the CPU) moved to the
+GPU, in float32 and under float16 autocast (a trace that kept a tensor or device of the tracing
+machine fails there), and the ONNX graph under onnxruntime's CUDA provider where it is installed.
 
 Per case (a randomly initialised HSMLA network, or the checkpoint given) the reference is the
 PyTorch network in float32 on the GPU on its default (Triton) backend; reported is the largest

@@ -1,5 +1,5 @@
 """Every module's ``__all__`` names what the module defines, so that ``from module import *``
-works (issue 26, item 8: ``hsmla_med.pipelines.camelyon16`` named a ``heatmap`` it lacked)."""
+works (``hsmla_med.pipelines.camelyon16`` once named a ``heatmap`` it lacked)."""
 
 from __future__ import annotations
 

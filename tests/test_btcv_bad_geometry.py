@@ -1,6 +1,6 @@
 """NIfTI headers that place no voxels (NaN affine, zero spacing, parallel axes) and BTCV config
 values that cannot train (reversed CT window, tiny windows), refused in one line naming the
-file or the option (issue 26, item 10), at infer, train and evaluate."""
+file or the option, at infer, train and evaluate."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""CAMELYON16 lesion-level FROC by the official rules (issue 27): the evaluation mask grown by the
+"""CAMELYON16 lesion-level FROC by the official rules: the evaluation mask grown by the
 official "75 µm", isolated tumour cell (ITC) clusters counted neither way, checked on a hand-made
 slide against hand-computed values and against a transcription of ``Evaluation_FROC.py``; the
 submission files of ``wsi-heatmap`` scored by ``evaluate --predictions`` as validation scores them."""
@@ -350,7 +350,7 @@ def test_synthetic_tumour_slides_have_an_itc_and_a_lesion_under_half_a_patch(tmp
     assert min(areas) < 256 * 256 / 2 and sum(a < 256 * 256 / 2 for a in areas) >= 2  # the ITC and the small lesion
 
 
-# --- the evaluation mask as the challenge made it (issue 51): ASAP's mask of the XML, or the
+# --- the evaluation mask as the challenge made it: ASAP's mask of the XML, or the
 # ground-truth mask TIFF itself. A 36 x 36-pixel (level 5) lesion whose edges lie 4 level-0
 # pixels past pixel corners: ASAP's mask (corner samples) holds one more row and column than
 # pixel centres would, so after the growth (4 pixels) column 49 is the lesion's in the official

@@ -1,6 +1,5 @@
 """Every HSMLA network variant, 2D and 3D, as one ``torch.compile(fullgraph=True)`` graph that
-equals the eager forward; and a training step (forward and backward) compiled whole (issue 50,
-items 3-4).
+equals the eager forward; and a training step (forward and backward) compiled whole.
 
 On this CPU inductor spends about two minutes compiling one network's C++ kernels from a cold
 cache (docs/benchmarks.md), so the suite compiles the product network (HSMLA-B2, 2D) with

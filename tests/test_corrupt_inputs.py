@@ -1,4 +1,4 @@
-"""Issue 51: broken inputs are refused in one line naming the file, never read silently.
+"""Broken inputs are refused in one line naming the file, never read silently.
 
 Compressed voxels (a MetaImage ``.zraw`` or compressed ``.mha``, a ``.nii.gz``) that are cut off,
 damaged or of another size than their header describes; headers of far more voxels than their

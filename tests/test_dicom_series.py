@@ -1,7 +1,7 @@
-"""DICOM series in (issue 28, item 1): series written here with pydicom (random file names,
-LPS axial and oblique, one slice, several series, a missing slice, mixed spacing, a tilt, an SR
-mixed in) and pydicom's own CT_small / MR_small are read on the grid placed by hand from the
-headers and by SimpleITK; ``infer`` on a series gives the labels of its NIfTI conversion."""
+"""DICOM series in: series written here with pydicom (random file names, LPS axial and oblique,
+one slice, several series, a missing slice, mixed spacing, a tilt, an SR mixed in) and pydicom's
+own CT_small / MR_small are read on the grid placed by hand from the headers and by SimpleITK;
+``infer`` on a series gives the labels of its NIfTI conversion."""
 
 from __future__ import annotations
 

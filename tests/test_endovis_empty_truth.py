@@ -1,4 +1,4 @@
-"""EndoVis 2017 videos whose ground truth holds no instrument (issue 51): every label all
+"""EndoVis 2017 videos whose ground truth holds no instrument: every label all
 background, or a ``ground_truth/`` folder without label folders. Such a video is warned about
 once, by name, and left out of the Dice/IoU means of validation and of ``evaluate
 --predictions``, where it used to count 1.0 per frame for predicting nothing. A single empty frame

@@ -386,7 +386,7 @@ def test_progress_bar_writes_plain_lines_to_a_pipe(capfd):
 @pytest.mark.parametrize("written, calibrated", [("refine", False), ("light", False), ("light", True)])
 def test_3d_checkpoint_of_an_earlier_default_loads(tmp_path, written, calibrated):
     """A 3D checkpoint whose hyper-parameters lack ``full_res`` (written when the 3D default was
-    ``refine``, before commit 242743b, or ``light``, until session 17) loads with the level its
+    ``refine``, before commit 242743b, or ``light``, until commit bc6e5b4) loads with the level its
     weights hold and gives the same logits, also after ``hsmla-med calibrate`` (its weights
     under the temperature wrapper's ``network.network.`` prefix)."""
     torch.manual_seed(0)

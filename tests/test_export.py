@@ -156,7 +156,7 @@ def test_onnx_and_torchscript_3d_odd_size(tmp_path):
 
 @pytest.mark.parametrize("dims, size", [(2, (40, 48)), (3, (16, 24, 16))])
 def test_torchscript_holds_no_tensor_or_device_of_the_tracing_machine(dims, size):
-    """A model.ts traced on the CPU must run on a GPU (issue 32: on an H100 the traced b0 failed
+    """A model.ts traced on the CPU must run on a GPU (on an H100 the traced b0 once failed
     with 'found at least two devices, cuda:0 and cpu'). torch.jit.trace stores a tensor the
     forward takes from a cache (folded BatchNorm convolutions, the gate's block matrix, window
     masks) as a constant, and writes the device of torch.arange/torch.eye into the graph; moving

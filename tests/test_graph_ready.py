@@ -1,4 +1,4 @@
-"""A HSMLA forward a CUDA graph can capture (issue 50, items 1-2): no host sync, launch grids that
+"""A HSMLA forward a CUDA graph can capture: no host sync, launch grids that
 do not depend on the gate, and few launches.
 
 Without a GPU the CUDA path runs under Triton's interpreter (``backend="triton"`` on CPU tensors:

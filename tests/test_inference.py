@@ -194,8 +194,8 @@ def _with_codes(path, image, affine, qform_code, sform_code):
 
 @pytest.mark.parametrize("qform_code, sform_code", [(0, 0), (1, 0), (0, 1), (0, 2), (2, 0), (1, 2), (2, 1)])
 def test_labels_keep_the_input_header_codes_and_forms(tmp_path, qform_code, sform_code):
-    # a code 0 means "this form is not valid": the output must not declare it valid (issue 26:
-    # codes were forced to 1), and nibabel must read the same affine from both files
+    # a code 0 means "this form is not valid": the output must not declare it valid (codes were
+    # once forced to 1), and nibabel must read the same affine from both files
     shape = (37, 29, 7)
     rng = np.random.default_rng(2)
     image = np.where(rng.random(shape) > 0.5, 200.0, -100.0).astype(np.float32)

@@ -5,9 +5,9 @@ they run compiled and float16/bfloat16 cases and larger maps are added. Inputs a
 numbers every run; sizes are in the test ids. Output buffers handed to a kernel are filled with
 NaN first, so an element the kernel should write and does not fails the comparison; the
 refinement, which adds into its output in place, gets finite values on the tiles it must change
-and NaN on the ones it must leave alone. The forward must never wait for the device (issue 50:
-CUDA graph capture): the aten ops the kernels dispatch and their launches are recorded and
-checked.
+and NaN on the ones it must leave alone. The forward must never wait for the device (a CUDA
+graph cannot capture a host sync): the aten ops the kernels dispatch and their launches are
+recorded and checked.
 """
 
 import os
@@ -264,7 +264,7 @@ def test_refine_add_refuses_bad_inputs():
         refine.refine_add(*tensors, gate[:, :1], 0.5, 4, 3, 1e-6, out)
 
 
-# -- no host sync, no value-dependent launch (issue 50: CUDA graph capture) ---------------------
+# -- no host sync, no value-dependent launch (a CUDA graph captures neither) ---------------------
 
 # aten ops that copy a tensor's values to the host (or shape a result by them)
 SYNCING = ("aten::nonzero", "aten::_local_scalar_dense", "aten::item", "aten::bincount", "aten::masked_select",

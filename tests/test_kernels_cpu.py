@@ -395,7 +395,7 @@ def _channels_last(spatial_dims):
 
 @pytest.mark.parametrize("name", ["gate_cpu", "refine_cpu", "norm_cpu"])
 def test_parallel_regions_take_the_team_pytorchs_grain_rule_gives(name):
-    """Issue 54: every kernel's region runs on one thread per 32768 units of work (PyTorch's
+    """Every kernel's region runs on one thread per 32768 units of work (PyTorch's
     at::internal::GRAIN_SIZE), at most one per item and at most torch's thread count, which the
     kernels' libgomp shares with torch; hand-computed cases."""
     team = _cpu_build.library(name).hsmla_team_size

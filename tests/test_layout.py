@@ -1,5 +1,5 @@
-"""The package's layout: no module imports another that imports it back (issue 26, item 7), and
-every arrow between the package's parts runs down its layers (issue 52, item 3)."""
+"""The package's layout: no module imports another that imports it back, and every arrow between
+the package's parts runs down its layers."""
 
 import ast
 from pathlib import Path

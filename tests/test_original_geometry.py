@@ -1,4 +1,4 @@
-"""BTCV validation and ``evaluate --checkpoint`` score in the original geometry (issue 27, item 1):
+"""BTCV validation and ``evaluate --checkpoint`` score in the original geometry:
 each prediction is brought back to its image file's grid as ``infer`` brings it back and scored
 against the original label file at that file's spacing, so its Dice equals ``evaluate
 --predictions`` on ``infer``'s outputs of the same model, case by case; HD95 at the original

@@ -1,4 +1,4 @@
-"""Dataset fingerprints and plans (issue 29): the fingerprint against NumPy on the files, the
+"""Dataset fingerprints and plans: the fingerprint against NumPy on the files, the
 plan's rules on hand-made fingerprints (CT, MRI, anisotropic, multi-channel), and a config's own
 values kept over the plan."""
 

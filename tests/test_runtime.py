@@ -304,7 +304,7 @@ def test_prediction_installs_the_load_adaptive_threads(monkeypatch):
 
 
 def test_hsmla_networks_run_on_the_free_cpus_and_give_the_threads_back(monkeypatch):
-    """A library user's call of an HSMLA network (issue 54): beside a full machine its CPU
+    """A library user's call of an HSMLA network: beside a full machine its CPU
     inference forward runs on one thread and the caller's count is back after it, also after a
     forward that raises; training, HSMLA_MED_ADAPTIVE_THREADS=0 and a quiet machine keep the
     caller's count. The network deep-copies and pickles with its hooks."""

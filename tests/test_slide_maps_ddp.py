@@ -1,5 +1,5 @@
 """CAMELYON16 validation across processes: the per-patch rows reduced into per-slide maps give
-the summary that gathering every patch's record gave (issue 26, item 4), in one process and
+the summary that gathering every patch's record gave, in one process and
 in two gloo processes fed as Lightning's distributed sampler feeds them.
 
 Kept apart from test_camelyon16 so that the spawned processes import little."""

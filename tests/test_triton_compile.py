@@ -1,4 +1,4 @@
-"""Every Triton kernel compiled for real GPU targets on a machine without a GPU (issue 17).
+"""Every Triton kernel compiled for real GPU targets on a machine without a GPU.
 
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`` runs the whole pipeline
 down to a cubin with the ``ptxas`` that ships in the triton wheel; nothing asks a CUDA driver.

@@ -1,4 +1,4 @@
-"""Uncertainty maps and the review queue (issue 31, item 2): predictive entropy and mutual
+"""Uncertainty maps and the review queue: predictive entropy and mutual
 information against float64 references and hand cases; mirrored copies and ensembles that agree
 give a mutual information of 0; ``infer --uncertainty`` writes the map on the label map's grid
 (affine, shape) and ``uncertainty.csv`` sorted, its numbers those of the written files."""

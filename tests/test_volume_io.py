@@ -1,4 +1,4 @@
-"""The volume formats' registry (hsmla_med.io.volumes, issue 52 item 2): a label map written for
+"""The volume formats' registry (hsmla_med.io.volumes): a label map written for
 an input of each format, in that input's geometry, reads back with the same values on the same
 grid; the registry chooses each format by its file ending (the longest first) or a DICOM series
 folder; one rule names every prediction; a name it does not know is read as NIfTI and refused

@@ -45,7 +45,7 @@ def run(args, invocation: Invocation) -> dict:
     from hsmla_med.engine.callbacks import write_gate_example
     from hsmla_med.engine.run import evaluate
     from hsmla_med.errors import InputError
-    from hsmla_med.io import write_json
+    from hsmla_med.io import file_sha256, write_json
 
     if args.predictions is not None:
         return _score_predictions(args, invocation)
@@ -70,7 +70,13 @@ def run(args, invocation: Invocation) -> dict:
     if not first_process():  # every process holds the gathered summary; one writes and prints it
         return summary
     checkpoints = [str(c) for c in args.checkpoint]
-    write_json(output / "metrics.json", {**summary, **meta, "checkpoint": checkpoints[0] if len(checkpoints) == 1 else checkpoints,
+    # what identifies the model and its data once the checkpoint has moved: the files' sha256 and
+    # the fingerprint of the dataset its plan was made from (the report shows both)
+    digests = [file_sha256(c) if Path(c).is_file() else None for c in checkpoints]
+    one = len(checkpoints) == 1
+    write_json(output / "metrics.json", {**summary, **meta, "checkpoint": checkpoints[0] if one else checkpoints,
+                                         "checkpoint_sha256": digests[0] if one else digests,
+                                         "fingerprint": (getattr(module, "config", {}).get("plan") or {}).get("fingerprint"),
                                          "routing": args.routing or "gate"})
     reports = task.evaluation_reports(module, output)
     write_gate_example(module, output)

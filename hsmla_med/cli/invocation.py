@@ -79,6 +79,7 @@ class Invocation:
         provenance) and ``folder/report.html`` at the end of a command, by the first process; a
         report that cannot be written is a warning, not a failure: the command's results are
         already on disk."""
+        import os
         import platform
         from importlib.metadata import PackageNotFoundError, version
 
@@ -94,7 +95,8 @@ class Invocation:
                 versions[package] = version(package)
             except PackageNotFoundError:
                 versions[package] = None
-        write_json(folder / "command.json", {"command": shlex.join(["hsmla-med", *self.argv]), "versions": versions})
+        # the working folder: the command's relative names (a checkpoint given as run/best.ckpt) resolve against it
+        write_json(folder / "command.json", {"command": shlex.join(["hsmla-med", *self.argv]), "cwd": os.getcwd(), "versions": versions})
         try:
             print(f"report: {write_report(folder)}")
         except InputError as err:

@@ -270,12 +270,14 @@ class GatedModule(L.LightningModule, metaclass=ABCMeta):
 
     def _finish_gate_example(self) -> None:
         """:attr:`validation_gates` from the kept call: the image's first channel and each
-        layer's refined tiles, the middle slice of a volume, on the host."""
+        layer's refined tiles, the middle axial slice of a volume, on the host."""
         if self._gate_example is None:
             self.validation_gates = None
             return
         call, image, maps = self._gate_example
-        middle = lambda t: t[t.shape[0] // 2] if t.dim() == 3 else t  # noqa: E731 - (D, H, W) -> (H, W)
+        # volumes are (x, y, z) as MONAI loads them (RAS): the axial slice is the middle z, the plane
+        # the report draws a volume's slices in (the middle x was a sagittal plane)
+        middle = lambda t: t[..., t.shape[-1] // 2] if t.dim() == 3 else t  # noqa: E731 - (x, y, z) -> (x, y)
         self.validation_gates = {"call": call, "calls": self._calls, "image": middle(plain(image[0]).float()).cpu().numpy(),
                                  "refined": {name: middle(m).cpu().numpy() for name, m in maps.items()}}
         self._gate_example = None

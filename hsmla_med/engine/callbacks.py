@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm, convert_inf
 
@@ -23,12 +24,34 @@ GATES_PICTURE = "validation_gates.png"  # the report shows it with the slides' *
 def write_gate_example(module: L.LightningModule, output: Path) -> Path | None:
     """``OUTPUT/validation_gates.png``: where each gated layer refined for one input of the
     last validation (:attr:`~hsmla_med.engine.base.GatedModule.validation_gates`); nothing
-    where no gate ran."""
+    where no gate ran.
+
+    A slice of a volume (the inputs of the volumetric segmentation modules are RAS voxel arrays,
+    ``(x, y)`` slices in 2D mode) is drawn as the report draws the slices of a volume
+    (:func:`hsmla_med.report.worst.volume_views`): its first axis across, its second upward, so
+    that the gates and the worst cases above them in the report share one orientation. Frames
+    and patches are pictures already, rows downward, and are drawn as they are."""
     gates = getattr(module, "validation_gates", None)
     if not gates:
         return None
-    return gate_panels(Path(output) / GATES_PICTURE, gates["image"], gates["refined"],
+    image, refined = gates["image"], gates["refined"]
+    if _volume_slices(module):
+        image, refined = _upright(image), {name: _upright(tiles) for name, tiles in refined.items()}
+    return gate_panels(Path(output) / GATES_PICTURE, image, refined,
                        f"tiles refined (bright) for one validation input: network call {gates['call']} of {gates['calls']}")
+
+
+def _volume_slices(module: L.LightningModule) -> bool:
+    """Whether ``module`` works on slices of RAS volumes (BTCV, LUNA16), not on frames or patches."""
+    from hsmla_med.engine.segmentation import FrameSegmentationModule, SegmentationModule  # the modules import torch's losses
+
+    return isinstance(module, SegmentationModule) and not isinstance(module, FrameSegmentationModule)
+
+
+def _upright(plane: np.ndarray) -> np.ndarray:
+    """A slice ``(first axis, second axis)`` as picture rows (top down: the second axis from its
+    end) and columns (the first axis): what ``imshow`` of the transpose with ``origin="lower"`` shows."""
+    return np.flipud(np.asarray(plane).T)
 
 
 class MetricsWriter(L.Callback):

@@ -71,9 +71,9 @@ class ShareCPUs(L.Callback):
     """Several CPU processes on one node (``--devices N --strategy ddp`` on the CPU) share its
     CPUs: each runs ``available_cpus() // N`` threads, not PyTorch's default of one per CPU, so
     that processes x threads does not exceed the CPUs (N processes each spinning on every CPU
-    slow all of them: issue 34). Applied in every process when the trainer sets up; an
-    ``OMP_NUM_THREADS`` of the user's is left alone. DataLoader workers run one thread each
-    (PyTorch's default in workers) beside them.
+    slow all of them: each barrier waits for threads the kernel has descheduled). Applied in
+    every process when the trainer sets up; an ``OMP_NUM_THREADS`` of the user's is left alone.
+    DataLoader workers run one thread each (PyTorch's default in workers) beside them.
 
     In prediction on the CPU, the network's threads also give way to other processes' load
     (:class:`~hsmla_med.runtime.LoadAdaptiveThreads`, a forward pre-hook, removed at teardown).

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning_utilities.core.imports import module_available
 
@@ -116,7 +116,10 @@ def build_trainer(trainer_cfg: dict, output: Path, callbacks: list | None = None
     set); a value below 1 raises :class:`~hsmla_med.errors.ConfigError`. Checkpoints are written
     atomically (:class:`~hsmla_med.engine.checkpoint.AtomicCheckpointIO`); the progress bar, when
     enabled, counts the run's optimizer steps, and prints plain lines where standard output is not
-    a terminal (:class:`StepProgressBar`).
+    a terminal (:class:`StepProgressBar`). With ``loggers``, Lightning's ``LearningRateMonitor``
+    logs the learning rate of each logged step (``lr-AdamW``) to every one of them, beside the
+    loss: the schedule as it ran. Without loggers (evaluation) there is nothing to log it to, and
+    the monitor refuses to start.
     """
     max_steps, max_epochs = _limit(trainer_cfg, "max_steps"), _limit(trainer_cfg, "max_epochs")
     check_trainer_config(trainer_cfg)
@@ -137,7 +140,8 @@ def build_trainer(trainer_cfg: dict, output: Path, callbacks: list | None = None
         enable_progress_bar=progress_bar,
         enable_model_summary=False,
         logger=loggers or False,
-        callbacks=[*(callbacks or []), *([StepProgressBar()] if progress_bar else []), ShareCPUs()],
+        callbacks=[*(callbacks or []), *([LearningRateMonitor(logging_interval="step")] if loggers else []),
+                   *([StepProgressBar()] if progress_bar else []), ShareCPUs()],
         plugins=[AtomicCheckpointIO()],
     )
 
@@ -264,7 +268,7 @@ def load_module(
     level = _full_res_of(state) if isinstance(network, dict) and "full_res" not in network else None
     if level is not None:
         # A unet decoder whose hyper-parameters leave its full-resolution level to the default,
-        # which changed for 3D (refine until commit 242743b, then light, sum since session 17):
+        # which changed for 3D (refine until commit 242743b, then light, now sum):
         # the level its weights hold.
         config["network"] = {**network, "full_res": level}
     try:

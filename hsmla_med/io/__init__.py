@@ -9,6 +9,6 @@ score (:mod:`.smoothing`); the check of compressed voxels against their header's
 (:mod:`.compressed`). Those but :mod:`.atomic` are imported where used (pydicom, SimpleITK and
 scikit-image load slowly)."""
 
-from hsmla_med.io.atomic import atomic_path, is_temporary, read_npz_cache, remove_stale_temporaries, write_json, write_yaml
+from hsmla_med.io.atomic import atomic_path, file_sha256, is_temporary, read_npz_cache, remove_stale_temporaries, write_json, write_yaml
 
-__all__ = ["atomic_path", "is_temporary", "read_npz_cache", "remove_stale_temporaries", "write_json", "write_yaml"]
+__all__ = ["atomic_path", "file_sha256", "is_temporary", "read_npz_cache", "remove_stale_temporaries", "write_json", "write_yaml"]

@@ -9,6 +9,7 @@ temporary behind: :func:`is_temporary` recognises such files, and
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -55,6 +56,15 @@ def write_yaml(path: str | Path, data: dict) -> None:
 
     with atomic_path(path) as tmp:
         tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def file_sha256(path: str | Path) -> str:
+    """The SHA-256 of a file's bytes (hex), read in 1 MiB blocks: a checkpoint is hundreds of MB."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def is_temporary(path: str | Path) -> bool:

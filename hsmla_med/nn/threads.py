@@ -1,7 +1,8 @@
 """The CPU threads of an inference forward, for library users: on the CPUs other processes
-leave free (issue 54). :mod:`hsmla_med.runtime` holds the process-wide settings and the reading
-of the load; this holds the forward hooks, beside the networks that carry them (they need torch,
-which the runtime must not import: it configures OpenMP before torch loads)."""
+leave free, so that a thread their load deschedules does not hold up every barrier of the forward.
+:mod:`hsmla_med.runtime` holds the process-wide settings and the reading of the load; this holds
+the forward hooks, beside the networks that carry them (they need torch, which the runtime must
+not import: it configures OpenMP before torch loads)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ class FreeCPUThreads:
     ``torch.set_num_threads`` and the rest of their program are left as they were.
 
     Every HSMLA network carries one (:class:`~hsmla_med.nn.hsmla_net.GatedNetwork`), so a
-    script that calls the network directly gets what ``hsmla-med``'s prediction does (issue 54:
-    beside a background ``hsmla-med train ... &`` HSMLA-B2 took 4.1-4.5x its quiet time with two
+    script that calls the network directly gets what ``hsmla-med``'s prediction does (beside
+    a background ``hsmla-med train ... &``, HSMLA-B2 took 4.1-4.5x its quiet time with two
     threads and 1.6-2.3x with these hooks, docs/benchmarks.md). ``HSMLA_MED_ADAPTIVE_THREADS=0`` (or
     ``HSMLA_MED_CPU_DEFAULTS=0``) turns it off, read at each forward.
 

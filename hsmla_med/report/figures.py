@@ -25,7 +25,7 @@ from PIL import Image, UnidentifiedImageError
 
 from hsmla_med.report.page import figure, text
 
-__all__ = ["Images", "class_boxes", "curves", "froc", "refined_bars"]
+__all__ = ["Images", "class_boxes", "curves", "froc", "learning_rate", "refined_bars"]
 
 log = logging.getLogger("hsmla_med")
 
@@ -43,11 +43,17 @@ def _png(fig: Figure) -> bytes:
     return buffer.getvalue()
 
 
+def learning_rate(column: str) -> bool:
+    """Whether a logged column is a learning rate (``lr-AdamW``: Lightning's ``LearningRateMonitor``)."""
+    name = column.split("/", 1)[-1]
+    return name.startswith("lr") or "learning_rate" in name
+
+
 def _panel(column: str, names: set[str]) -> str:
     """The panel a logged column is drawn in: loss, learning rate and gate terms each share one;
     a metric shares its panel with its per-class columns (``dice`` with ``dice_spleen``, ...)."""
     name = column.split("/", 1)[-1]  # train/loss, val/dice -> loss, dice
-    if name.startswith("lr") or "learning_rate" in name:
+    if learning_rate(column):
         return "learning rate"
     if "loss" in name:
         return "loss"
@@ -59,7 +65,8 @@ def _panel(column: str, names: set[str]) -> str:
 
 def curves(rows: list[dict[str, float]]) -> bytes | None:
     """Every logged quantity against the step (the epoch, the row where there is no step), a
-    panel per quantity (:func:`_panel`); ``None`` when nothing was logged."""
+    panel per quantity (:func:`_panel`), each axis labelled with it; the learning rate, where it
+    was logged, in the last panel. ``None`` when nothing was logged."""
     columns = list(dict.fromkeys(k for row in rows for k in row if k not in NOT_CURVES))
     if not columns:
         return None
@@ -81,7 +88,7 @@ def curves(rows: list[dict[str, float]]) -> bytes | None:
             main = column.split("/", 1)[-1] == panel
             sparse = len(points) < 0.5 * len(rows)  # validation rows: markers, so a single one shows
             ax.plot(*zip(*points), marker="o" if sparse else None, ms=3, lw=1.8 if main else 0.9, label=column)
-        ax.set(title=panel, xlabel=x_key or "row")
+        ax.set(title=panel, xlabel=x_key or "row", ylabel=panel)
         ax.legend(fontsize=6 if len(panels[panel]) > 6 else 8, ncol=2 if len(panels[panel]) > 8 else 1)
         ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -5,7 +5,8 @@ The files, by the command that writes them:
 * ``train`` (and each ``fold_K`` of ``cross-validate``): ``config.yaml``, ``plans.json``,
   ``metrics.json`` (the last validation), ``metrics.csv`` (one row per validation),
   ``logs/version_N/metrics.csv`` and ``hparams.yaml`` (Lightning's CSV logger: ``train/loss``,
-  ``train/gate_*``, ``val/*``, and ``lr-*`` where a learning-rate monitor logs), ``*.ckpt``,
+  ``train/gate_*``, ``val/*``, and ``lr-AdamW``, the learning rate of each logged step, in runs
+  since the trainer logs it), ``*.ckpt``,
   ``validation_gates.png`` (also of ``evaluate --checkpoint``: the tiles each gated layer refined for one input);
 * ``evaluate``: ``metrics.json`` (with ``checkpoint`` and ``routing``), ``summary.json`` (a
   ``metric_per_case`` list: nnU-Net's per class ``metrics`` for btcv and endovis, a flat row

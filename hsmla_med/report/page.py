@@ -15,7 +15,7 @@ import html
 import math
 from collections.abc import Sequence
 
-__all__ = ["details", "figure", "page", "shown", "table", "text"]
+__all__ = ["details", "figure", "number", "page", "shown", "subsection", "table", "text"]
 
 #: what a cell may hold: a number, a text, a flag, or nothing (a JSON null, a CSV ``nan``)
 Value = float | int | str | bool | None
@@ -52,9 +52,14 @@ def _exact(value: Value) -> str:
     return repr(value) if isinstance(value, float) else str(value)
 
 
+def number(value: Value) -> str:
+    """``value`` in running text, shown as a cell shows it, with its exact ``data-value``."""
+    return f'<span class=value data-value="{text(_exact(value))}">{text(shown(value))}</span>'
+
+
 def _cell(value: Value) -> str:
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return f'<td data-value="{text(_exact(value))}"{" class=num" if number else ""}>{text(shown(value))}</td>'
+    numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return f'<td data-value="{text(_exact(value))}"{" class=num" if numeric else ""}>{text(shown(value))}</td>'
 
 
 def table(columns: Sequence[str], rows: Sequence[Sequence[Value]], caption: str = "", titles: dict[str, str] | None = None,
@@ -73,6 +78,14 @@ def details(summary: str, content: str) -> str:
     return f"<details><summary>{text(summary)}</summary><pre>{text(content)}</pre></details>"
 
 
+def subsection(anchor: str, heading: str, parts: Sequence[str]) -> list[str]:
+    """A section within a section (its own ``id``, a smaller heading), as a list of one part;
+    none where ``parts`` is empty, so that a question's section holds only what the folder has."""
+    if not parts:
+        return []
+    return [f'<section id="{anchor}"><h3>{text(heading)}</h3>\n' + "\n".join(parts) + "\n</section>"]
+
+
 def figure(uri: str, caption: str) -> str:
     """An image (a ``data:`` URI) with its caption."""
     return f'<figure><img src="{uri}" alt="{text(caption)}"><figcaption>{text(caption)}</figcaption></figure>'
@@ -80,7 +93,8 @@ def figure(uri: str, caption: str) -> str:
 
 _STYLE = """
 body{font:14px/1.4 system-ui,sans-serif;margin:1.5em auto;max-width:1400px;padding:0 1em;color:#222}
-h1{font-size:1.5em;margin-bottom:.2em} h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:1.6em}
+h1{font-size:1.5em;margin-bottom:.2em} h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:1.6em} h3{margin:1.2em 0 .4em}
+dl.answer{display:grid;grid-template-columns:max-content auto;gap:.3em 1em;font-size:15px} dl.answer dt{font-weight:600} dl.answer dd{margin:0}
 nav a{margin-right:1em} .note{color:#666}
 .scroll{overflow:auto;max-height:42em;margin:.5em 0 1em}
 table{border-collapse:collapse;font-size:13px} caption{text-align:left;font-weight:600;padding:.3em 0}
@@ -122,8 +136,8 @@ _SCRIPT = """
 
 
 def page(title: str, subtitle: str, sections: Sequence[tuple[str, str, Sequence[str]]]) -> str:
-    """The whole document: ``sections`` are ``(anchor, heading, html parts)``, listed in a
-    navigation bar at the top."""
+    """The whole document: ``sections`` are ``(anchor, heading, html parts)`` (parts may be
+    :func:`subsection` blocks), listed in a navigation bar at the top."""
     nav = " ".join(f'<a href="#{anchor}">{text(heading)}</a>' for anchor, heading, _ in sections)
     body = "\n".join(f'<section id="{anchor}"><h2>{text(heading)}</h2>\n' + "\n".join(parts) + "\n</section>"
                      for anchor, heading, parts in sections)

@@ -210,7 +210,8 @@ def _write_image(path: Path, voxels_zyx: np.ndarray, geometry: Geometry, compres
 def _cut_off(header: Path) -> None:
     """Cut the compressed voxels of ``header`` to half their length, and drop the header's
     CompressedDataSize (an optional field): ITK then inflates what the file holds, reports the
-    broken stream on stderr only and reads the rest of the scan as zeros (issue 51)."""
+    broken stream on stderr only and reads the rest of the scan as zeros; the pipeline must refuse
+    such a file by name instead."""
     zraw = header.with_suffix(".zraw")
     zraw.write_bytes(zraw.read_bytes()[: zraw.stat().st_size // 2])
     header.write_text("".join(line for line in header.read_text().splitlines(keepends=True) if not line.startswith("CompressedDataSize")))
