@@ -1,4 +1,4 @@
-"""``train --logger csv|tensorboard|mlflow`` (issue 53, item 2): Lightning's loggers; the CSV one
+"""``train --logger csv|tensorboard|mlflow``: Lightning's loggers; the CSV one
 always (the curve and the report read it); TensorBoard and MLflow optional extras, refused in one
 line with the command that installs them, before any data is read."""
 
