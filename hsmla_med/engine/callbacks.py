@@ -35,17 +35,10 @@ def write_gate_example(module: L.LightningModule, output: Path) -> Path | None:
     if not gates:
         return None
     image, refined = gates["image"], gates["refined"]
-    if _volume_slices(module):
+    if getattr(module, "volume_slices", False):
         image, refined = _upright(image), {name: _upright(tiles) for name, tiles in refined.items()}
     return gate_panels(Path(output) / GATES_PICTURE, image, refined,
                        f"tiles refined (bright) for one validation input: network call {gates['call']} of {gates['calls']}")
-
-
-def _volume_slices(module: L.LightningModule) -> bool:
-    """Whether ``module`` works on slices of RAS volumes (BTCV, LUNA16), not on frames or patches."""
-    from hsmla_med.engine.segmentation import FrameSegmentationModule, SegmentationModule  # the modules import torch's losses
-
-    return isinstance(module, SegmentationModule) and not isinstance(module, FrameSegmentationModule)
 
 
 def _upright(plane: np.ndarray) -> np.ndarray:

@@ -95,6 +95,8 @@ class SegmentationModule(GatedModule):
     """
 
     monitor = "dice"
+    #: its inputs are slices of RAS volumes, drawn as the report draws axial slices (x across, y up)
+    volume_slices = True
 
     def __init__(self, config: dict, network: nn.Module | None = None) -> None:
         super().__init__(config, network, "segmentation")
@@ -247,6 +249,8 @@ class FrameSegmentationModule(SegmentationModule):
     (:func:`~hsmla_med.metrics.frame_reference_scores`). ``config["inference"]`` as for
     :class:`SegmentationModule`, with ``slab`` 1 (a frame is one slice).
     """
+
+    volume_slices = False  # frames are pictures: drawn as they are
 
     def predict_probabilities(self, image: torch.Tensor, inference: dict | None = None) -> torch.Tensor:
         """Class probabilities ``(B, classes, H, W)`` of frames ``(B, C, H, W)``: a frame is a
