@@ -10,7 +10,7 @@ from hsmla_med.runtime import available_cpus
 
 # pytest-xdist workers (scripts/test.sh runs one per CPU) share the CPUs: each gets its share of
 # OpenMP threads, set before torch loads. Without it every worker starts a thread per CPU and the
-# spinning threads of the others slow it several-fold (docs/benchmarks.md, "Fast on a shared CPU").
+# spinning threads of the others slow it several-fold (docs/benchmarks.md, "CPU contention").
 if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(max(1, available_cpus() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
