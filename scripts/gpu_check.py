@@ -1,12 +1,12 @@
 """Whole HSMLA networks on CUDA in eval mode: ``backend="auto"`` (the Triton kernels) against the
-reference path, per variant, spatial rank, routing and dtype (issue 17, item 2), and the same
-network replayed from a CUDA graph against its eager forward (issue 50, item 3).
+reference path, per variant, spatial rank, routing and dtype, and the same network replayed from
+a CUDA graph against its eager forward.
 
 For each case one randomly initialised network (tau calibrated to alpha 0.3 for ``gate``) runs
 the same input three times: ``auto`` and ``reference`` in the case's dtype, and ``reference`` in
 float64 as the independent baseline. Reported: the relative error ``max|a - b| / max|b|`` of auto
 against reference (same dtype) and of each against float64, and whether every layer refined the
-same tiles. Tolerances (issue 3): float32 <= 1e-4, half precision <= 1e-2, on auto vs float64
+same tiles. Tolerances: float32 <= 1e-4, half precision <= 1e-2, on auto vs float64
 relative to reference vs float64 (the kernels must be no worse than the reference path in the
 same dtype, with that floor).
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 50's GPU measurements in one call of the lent device machine (a bare image with CUDA,
-# PyTorch, Triton, Lightning and transformers; no MONAI), at most 8 minutes: installs the wheels
+# The GPU measurements (hsmla-med bench --only gpu and --only kernels, the GPU checks, the kernel
+# tests) in one call of the lent device machine (a bare image with CUDA, PyTorch, Triton,
+# Lightning and transformers; no MONAI), at most 8 minutes: installs the wheels
 # carried in .whl/ and this checkout, prints the device, commit and versions, then runs the steps
 # below, most important first, each under its own time cap so that one hang or slow compile leaves
 # the rest measured. The log and a tarball of the results go to $OUT (log.txt, results.tgz of
@@ -21,7 +22,7 @@
 #   3d             HSMLA-B0 3D vs SegResNet and SwinUNETR, 96^3 fp16 (~70 s; 90)
 #   training       B2, SegFormer-B2, SwinUNETR-2D, 512^2 batch 8 bf16 AdamW, eager and compiled
 #                  (~100 s; 120)
-#   bench_kernels  scripts/bench_kernels.py: linear attention against copy bandwidth, refine_add
+#   bench_kernels  hsmla-med bench --only kernels: linear attention against copy bandwidth, refine_add
 #                  at alpha 0.3 against alpha 1, graph replay (~45 s; 60)
 #   wsi            wsi-heatmap patches/s against the forward alone on the GPU (HSMLA-B0, the
 #                  dense slide of 6400 tissue patches, 8 and 4 reader workers) (~45 s; 90)
@@ -99,7 +100,7 @@ if cuda:
     print("Triton kernels on CUDA:", k.triton_available("cuda"))
 PYEOF
 
-# 1. the floor: what a captured forward costs before any new kernel (issue 50, item 6)
+# 1. the floor: what a captured forward costs before any new kernel
 step floor 75 "${gpu[@]}" --tables floor --modes graph,eager --out "$res"
 # 2. correctness: the graph check first, then the Triton path against the reference and float64
 step check 110 "$py" scripts/gpu_check.py --out "$res/gpu_check.csv"
@@ -112,7 +113,7 @@ step 3d 90 "${gpu[@]}" --tables 3d --modes graph,eager,compiled --out "$res"
 # 6. training
 step training 120 "${gpu[@]}" --tables training --networks HSMLA-B2,SegFormer-B2,SwinUNETR-2D --modes eager,compiled --out "$res"
 # 7. the Triton kernels alone
-step bench_kernels 60 "$py" scripts/bench_kernels.py --alphas 0.3 1.0 --out "$res/kernels_2d.csv"
+step bench_kernels 60 "${hm[@]}" bench --only kernels --alphas 0.3 1.0 --out "$res/kernels_2d.csv"
 # 8. wsi-heatmap on the GPU against the forward alone
 step wsi 90 "${hm[@]}" bench --only wsi --device cuda --out "$res/wsi"
 # 9. the kernel tests natively (one process per 2 cores where pytest-xdist is there: Triton's compiles dominate)

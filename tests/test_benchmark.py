@@ -80,16 +80,6 @@ def test_forward_gflops_counts_a_hand_computed_network():
     assert benchmark.forward_gflops(Net(), torch.randn(1, 2, 8, 8)) * 1e9 == pytest.approx(expected)
 
 
-def test_bench_models_script_is_the_benchmark():
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_models.py"
-    done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and "--only" in done.stdout and "SegFormer" in done.stdout
-
-
 class _Toy(torch.nn.Module):
     """A stand-in network (2D or 3D convolutions) for the GPU benchmark's tables on the CPU."""
 

@@ -82,7 +82,7 @@ def test_perturbed_copy_differs_but_shows_the_same_anatomy(dataset):
 
 
 def test_perturbation_components_alone_and_together(dataset):
-    """perturb() with the bias field or the noise left out (scripts/scanner_shift.py): the
+    """perturb() with the bias field or the noise left out (hsmla-med bench --only scanner-shift): the
     geometry alone is the resampled slab; the bias alone multiplies it by a field reaching
     exactly 1 +- PERTURBED["bias"]; both together are the dataset's perturbed copy."""
     image, label = _load(dataset, "slab3"), _load(dataset, "slab3", "labels")

@@ -25,7 +25,8 @@ from hsmla_med.errors import DataError
 from hsmla_med.metrics.pathology import auc
 from hsmla_med.pipelines import camelyon16
 from hsmla_med.pipelines.task import InferenceOptions
-from tests.browser import check_page, chromium
+from hsmla_med.report.browser import chromium
+from tests.browser import check_page
 from tests.test_slide_maps_ddp import whole_gather_summary
 
 SMALL = {"num_normal": 2, "num_tumor": 3, "num_test": 2, "size": [1536, 1024], "seed": 0}
@@ -251,8 +252,8 @@ def write_svs_like_slide(path):
 
 
 def test_a_fractional_level_downsample_gives_every_patch_its_own_heatmap_cell(slides, tmp_path):
-    """Issue 26 target: a level of downsample 4.000121 (as in .svs pyramids) at ``--level 1``
-    gives exactly as many heatmap cells as patches; cells from ``corner // step`` collided."""
+    """A level of downsample 4.000121 (as in .svs pyramids) at ``--level 1`` gives exactly as many
+    heatmap cells as patches; cells from ``corner // step`` collided."""
     path = write_svs_like_slide(tmp_path / "cmu.tif")
     with openslide.OpenSlide(str(path)) as slide:
         assert round(slide.level_downsamples[1], 6) == 4.000121

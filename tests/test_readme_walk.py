@@ -1,6 +1,6 @@
-"""The README's walk after the demo (issue 53, item 4), run as a new user runs it: the demo of
-BTCV (tiny here), then every command of the README's "After the demo" block, with its paths moved
-under a temporary folder. A command that the README shows and the code refuses fails here."""
+"""The README's walk after the demo, run as a new user runs it: the demo of BTCV (tiny here), then
+every command of the README's "After the demo" block, with its paths moved under a temporary
+folder. A command that the README shows and the code refuses fails here."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 import yaml
 
 from hsmla_med.cli import main
-from tests.browser import check_page, chromium
+from hsmla_med.report.browser import chromium
+from tests.browser import check_page
 from tests.conftest import TINY
 
 ROOT = Path(__file__).resolve().parent.parent

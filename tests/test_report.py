@@ -9,7 +9,7 @@ import base64
 import hashlib
 import io
 import json
-import math
+import re
 import shutil
 import subprocess
 from html.parser import HTMLParser
@@ -21,15 +21,15 @@ import pytest
 import yaml
 from PIL import Image
 
+from hsmla_med.bench.report import write_evaluation as _evaluation
+from hsmla_med.bench.report import write_png as _png
 from hsmla_med.errors import DataError, InputError
 from hsmla_med.io import is_temporary
-from hsmla_med.metrics.summary import summarize_cases, write_reports
 from hsmla_med.report import REPORT_FILE, write_report
+from hsmla_med.report.browser import chromium, load_page
 from hsmla_med.report.figures import MAX_WIDTH
 from hsmla_med.report.inputs import LOOKED_FOR
-from tests.browser import check_page, chromium, load_page
-
-CLASSES = {1: "liver", 2: "spleen"}
+from tests.browser import check_page
 
 
 class Page(HTMLParser):
@@ -87,39 +87,6 @@ class Page(HTMLParser):
         return {row[0][0]: dict(zip(found["columns"], (value for value, _ in row), strict=True)) for row in found["rows"]}
 
 
-def _png(path: Path, size=(24, 16), noise: bool = False) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8) if noise else np.full((size[1], size[0], 3), 200, np.uint8)
-    Image.fromarray(pixels).save(path)
-    return path
-
-
-def _case_metrics(rng: np.random.Generator, classes: dict, absent: bool = False) -> dict:
-    """A case's per-class metrics as :func:`~hsmla_med.metrics.summary.case_metrics` gives them;
-    ``absent``: the last class in neither the reference nor the prediction (NaN scores)."""
-    out = {}
-    for k in classes:
-        dice = math.nan if absent and k == max(classes) else float(rng.uniform(0.4, 0.95))
-        out[k] = {"Dice": dice, "IoU": dice / (2 - dice), "HD95": math.nan if math.isnan(dice) else float(rng.uniform(1, 30)),
-                  "NSD": math.nan if math.isnan(dice) else float(rng.uniform(0.3, 1)), "TP": 10, "FP": 2, "FN": 3, "TN": 100,
-                  "n_pred": 12, "n_ref": 13}
-    return out
-
-
-def _evaluation(folder: Path, cases: int = 3, classes: dict = CLASSES) -> dict:
-    """``summary.json`` and ``metrics_per_case.csv`` as ``evaluate`` writes them (the real
-    writer), the second case missing the last class (null scores), plus ``metrics.json``."""
-    rng = np.random.default_rng(1)
-    scored = [{"reference_file": f"/data/labelsTr/case{i:03d}.nii.gz", "prediction_file": f"/out/validation/case{i:03d}.nii.gz",
-               "metrics": _case_metrics(rng, classes, absent=i == 1)} for i in range(cases)]
-    summary = summarize_cases(scored, list(classes), classes, draws=200, nsd_tolerance_mm=2.0)
-    write_reports(summary, folder)
-    (folder / "metrics.json").write_text(json.dumps({"dice": 0.75, "dice_per_class": {"liver": 0.8, "spleen": 0.7}, "cases": cases,
-                                                     "checkpoint": "/runs/btcv/best.ckpt", "routing": "gate"}))
-    return json.loads((folder / "summary.json").read_text())
-
-
 def _training_run(folder: Path) -> None:
     """A run folder as ``train`` leaves it: the CSV logger's file (two epochs), metrics.json,
     config.yaml, plans.json, a checkpoint."""
@@ -159,6 +126,9 @@ def test_written_atomically_and_self_contained(tmp_path):
     assert {"file": str(tmp_path / "run" / "best.ckpt"), "entry": "sha256 (of the file now)",
             "value": hashlib.sha256(b"weights").hexdigest()} in provenance
     assert {"file": "plans.json", "entry": "fingerprint", "value": "/data/dataset_fingerprint.json"} in provenance
+    # the curves show the logged learning rate, and say what schedule it follows
+    assert "The learning-rate panel: lr-AdamW, the rate the optimizer used at each logged step; the schedule: a linear warm-up" in document
+    assert 'Dice (mean over the foreground classes) <b><span class=value data-value="0.75">0.75</span></b>, no interval: one validation' in document
 
 
 def test_values_exact(tmp_path):
@@ -184,6 +154,32 @@ def test_values_exact(tmp_path):
     expected = {"ece": (0.1, 0.05), "brier": (0.2, 0.19), "nll": (0.3, 0.28)}
     assert {k: (float(v["before"]), float(v["after"])) for k, v in calibration.items()} == expected
     assert len(page.images) == 4  # reliability.png and the Dice, HD95, NSD box plots
+
+
+def test_the_page_opens_with_the_answer(tmp_path):
+    """An evaluation: before any table, the main score (summary.json's foreground mean Dice)
+    with its bootstrap interval and the number of cases, the worst case with its mean Dice, and
+    whether the probabilities are calibrated; then the sections, each named for a question."""
+    summary = _evaluation(tmp_path)
+    document = write_report(tmp_path).read_text()
+    start = document.index('<section id="answer">')
+    answer = document[start:document.index("</section>", start)]
+    assert start < document.index("<table")
+    low, high = summary["ci95"]["foreground_mean"]["Dice"]
+    assert f'Dice (mean over the foreground classes) <b><span class=value data-value="{summary["foreground_mean"]["Dice"]!r}">' in answer
+    assert f'95% bootstrap interval <span class=value data-value="{low!r}">' in answer and f'data-value="{high!r}"' in answer
+    assert 'over <span class=value data-value="3">3</span> cases' in answer
+    cases = Page(document).table("case")
+    worst = next(iter(cases))  # the case table's first: the lowest mean Dice
+    assert f'{worst}: mean Dice <b><span class=value data-value="{cases[worst]["mean Dice"]}">' in answer
+    assert "not calibrated (hsmla-med calibrate fits a temperature)" in answer
+    (tmp_path / "calibration.json").write_text(json.dumps({"before": {"ece": 0.125}, "after": {"ece": 0.0625}}))
+    document = write_report(tmp_path).read_text()
+    assert 'yes, by temperature scaling: ECE <span class=value data-value="0.125">0.125</span> before, <b><span class=value ' \
+           'data-value="0.0625">0.0625</span></b> after' in document
+    assert re.findall(r"<h2>(.*?)</h2>", document) == ["In short", "How good is it?", "Where does it fail?", "Can the probabilities be trusted?",
+                                                        "Where does the gate look?", "What produced these results?"]
+    assert re.findall(r"<h3>(.*?)</h3>", document) == ["Every case, worst first", "Provenance"]
 
 
 def test_table_from_csv_alone(tmp_path):
@@ -247,6 +243,74 @@ def test_slides_froc_gate(tmp_path):
     assert 'id="froc"' in document and 'id="gate"' in document and "predictions/tumor_001_gates.png" in document
     assert "predictions/broken_gates.png: not readable as an image" in document
     assert len(page.images) == 5  # 2 overlays, the FROC, 2 gate pictures
+    # LUNA16's answer: the CPM (no band for it in this summary) over its scans, the scan of most nodules missed
+    assert 'CPM (mean sensitivity at 1/8 to 8 false positives per scan) <b><span class=value data-value="0.5">0.5</span></b>, ' \
+           'no interval recorded over <span class=value data-value="2">2</span> scans' in document
+    assert '1.2.3: <b><span class=value data-value="1">1</span></b> of <span class=value data-value="2">2</span> nodules missed, ' \
+           '<span class=value data-value="3">3</span> false positives' in document
+
+
+def _checkpoint(path: Path, step: int, **hparams) -> Path:
+    """A checkpoint as train writes one (torch.save of a dict), its hyper-parameters ``hparams``."""
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"hyper_parameters": {"task": "btcv", **hparams}, "state_dict": {}, "epoch": 0, "global_step": step}, path)
+    return path
+
+
+def test_provenance_of_an_evaluation(tmp_path, monkeypatch):
+    """``evaluate --checkpoint`` records the name as given, here relative: the report finds it
+    against the working folder (command.json's ``cwd`` where recorded, else the report's own,
+    the command's where it writes its report at its end) and shows its sha256, the split, data
+    fingerprint and calibration it records, the fingerprint file's sha256, and the versions of
+    command.json. A file that no longer holds the evaluated step is said to be another."""
+    root = tmp_path.resolve()
+    fingerprint = root / "data" / "dataset_fingerprint.json"
+    fingerprint.parent.mkdir()
+    fingerprint.write_text('{"version": 1}')
+    split = {"file": str(root / "data" / "splits_final.json"), "fold": 0}
+    calibration = {"temperature": [1.5], "ece_before": 0.25, "ece_after": 0.0625}
+    checkpoint = _checkpoint(root / "runs" / "best.ckpt", 40, split=split, plan={"fingerprint": str(fingerprint)}, calibration=calibration)
+    folder = root / "eval"
+    folder.mkdir()
+    metrics = {"dice": 0.5, "cases": 2, "ece": 0.125, "epoch": 0, "step": 40, "checkpoint": "runs/best.ckpt", "routing": "gate"}
+    (folder / "metrics.json").write_text(json.dumps(metrics))
+    versions = {"python": "3.11.7", "hsmla-med": "0.1.0", "torch": "2.5.1", "monai": "1.4.0", "lightning": "2.4.0", "numpy": None}
+    command = {"command": "hsmla-med evaluate --checkpoint runs/best.ckpt --output eval", "versions": versions}
+    (folder / "command.json").write_text(json.dumps(command))
+    digest = {"entry": "sha256 (of the file now)", "value": hashlib.sha256(checkpoint.read_bytes()).hexdigest()}
+    fingerprinted = {"entry": "sha256 (of the file now)", "value": hashlib.sha256(fingerprint.read_bytes()).hexdigest()}
+    monkeypatch.chdir(root)
+    page = _report(folder)
+    provenance = page.rows("what the folder records of its origin")
+    assert {"file": str(checkpoint), **digest} in provenance
+    assert {"file": str(checkpoint), "entry": "recorded in the checkpoint: plan.fingerprint", "value": str(fingerprint)} in provenance
+    assert {"file": str(checkpoint), "entry": "recorded in the checkpoint: split.fold", "value": "0"} in provenance
+    assert {"file": str(fingerprint), **fingerprinted} in provenance
+    assert {r["package"]: r["version"] for r in page.rows("command.json: the versions that ran the command")} == \
+        {k: "" if v is None else v for k, v in versions.items()}
+    document = (folder / REPORT_FILE).read_text()
+    assert f"runs/best.ckpt: a relative name, resolved against the folder this report was written from ({root})" in document
+    assert "yes, runs/best.ckpt carries a fitted temperature" in document and 'data-value="0.125">0.125</span></b> as evaluated' in document
+    assert "not the file that was evaluated" not in document and "records no data fingerprint" not in document
+    # the working folder recorded: found from anywhere
+    (folder / "command.json").write_text(json.dumps({**command, "cwd": str(root)}))
+    monkeypatch.chdir(folder)
+    page = _report(folder)
+    assert {"file": str(checkpoint), **digest} in page.rows("what the folder records of its origin")
+    assert f"resolved against the command&#x27;s working folder {root} (command.json)" in (folder / REPORT_FILE).read_text()
+    # another file there now, of another step and with no plan: said so
+    _checkpoint(checkpoint, 50, split=split)
+    document = write_report(folder).read_text()
+    assert "now holds the weights of step 50, the evaluated checkpoint those of step 40: not the file that was evaluated" in document
+    assert "runs/best.ckpt records no data fingerprint" in document
+    # what evaluate may record itself: shown as written, the fingerprint file hashed
+    (folder / "metrics.json").write_text(json.dumps({**metrics, "checkpoint_sha256": "ab" * 32, "fingerprint": str(fingerprint)}))
+    provenance = _report(folder).rows("what the folder records of its origin")
+    assert {"file": "metrics.json", "entry": "checkpoint_sha256", "value": "ab" * 32} in provenance
+    assert {"file": "metrics.json", "entry": "fingerprint", "value": str(fingerprint)} in provenance
+    assert {"file": str(fingerprint), **fingerprinted} in provenance
 
 
 def test_crossval_folder(tmp_path):

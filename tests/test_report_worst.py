@@ -8,25 +8,21 @@ import base64
 import csv
 import io
 import json
+import re
 
-import nibabel as nib
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from hsmla_med.bench.report import write_nifti as _nifti
+from hsmla_med.bench.report import write_volume_pairs as _dataset
 from hsmla_med.evaluation import evaluate_folder
 from hsmla_med.nn import GatedNetwork
 from hsmla_med.report import write_report
 from hsmla_med.report.inputs import mean_dice
 from hsmla_med.report.worst import _canonical, _error_centre, axial_crop, image_of, missed_nodules, worst_rows
 from tests.test_report import Page
-
-
-def _nifti(path, data, affine=None):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    nib.save(nib.Nifti1Image(np.asarray(data), np.diag([1.5, 1.5, 3.0, 1.0]) if affine is None else affine), str(path))
-    return path
 
 
 def _section_images(document: str, section: str) -> list[Image.Image]:
@@ -75,25 +71,11 @@ def test_image_of_finds_the_dataset_pair(tmp_path):
     assert image_of(_nifti(tmp_path / "alone" / "labels" / "x.nii.gz", np.zeros((2, 2, 2), np.uint8))) is None
 
 
-def _dataset(root, errors: dict[str, int]):
-    """nnU-Net-style references and images, and predictions with ``errors[case]`` voxels of the
-    organ's block wrong: more errors, lower Dice."""
-    rng = np.random.default_rng(0)
-    for case, wrong in errors.items():
-        labels = np.zeros((20, 18, 10), np.uint8)
-        labels[4:14, 3:13, 2:8] = 1
-        labels[15:18, 14:17, 3:6] = 2
-        _nifti(root / "labelsTr" / f"{case}.nii.gz", labels)
-        _nifti(root / "imagesTr" / f"{case}_0000.nii.gz", rng.normal(0, 1, labels.shape).astype(np.float32) + 3 * labels)
-        predicted = labels.copy()
-        predicted.reshape(-1)[np.flatnonzero(labels == 1)[:wrong]] = 0
-        _nifti(root / "predictions" / f"{case}.nii.gz", predicted)
-
-
 def test_worst_volumes_in_the_report(tmp_path):
     """An evaluation by the real scorer of six cases: the report's "Worst cases" shows the four
     of lowest mean Dice, worst first, as the case table orders them; each a picture of three
-    views that decodes."""
+    views that decodes. Captions and the subtitle name files without their absolute paths: the
+    references and predictions outside the folder by their folder and name."""
     errors = {"c0": 10, "c1": 300, "c2": 0, "c3": 150, "c4": 40, "c5": 500}
     _dataset(tmp_path / "data", errors)
     summary = evaluate_folder(tmp_path / "data" / "predictions", tmp_path / "data" / "labelsTr", None, tmp_path / "eval", 2.0)
@@ -105,6 +87,12 @@ def test_worst_volumes_in_the_report(tmp_path):
     assert len(pictures) == 4 and all(p.width > 2 * p.height for p in pictures)  # three views side by side
     order = [document.index(f"{k}. {name}") for k, name in enumerate(["c5.nii.gz", "c1.nii.gz", "c3.nii.gz", "c4.nii.gz"], start=1)]
     assert order == sorted(order)
+    captions = re.findall(r"<figcaption>(.*?)</figcaption>", document) + re.findall(r'alt="(.*?)"', document)
+    subtitle = re.search(r"</h1><p class=note>(.*?)</p>", document).group(1)
+    assert len(captions) > 4 and not [c for c in [*captions, subtitle] if str(tmp_path) in c or str(tmp_path.resolve()) in c]
+    assert "1. c5.nii.gz: reference labelsTr/c5.nii.gz (solid), prediction predictions/c5.nii.gz (dotted), through the centre (+) of " \
+           "the largest error" in captions
+    assert subtitle.startswith("eval: evaluation")
 
 
 def test_a_missing_prediction_is_left_out_not_fatal(tmp_path):
@@ -129,8 +117,8 @@ def test_axial_crop_is_centred_on_the_nodule():
 
 
 def test_missed_nodules_crops_in_the_report(tmp_path):
-    """A LUNA16 summary's ``missed`` nodules with their scans: the FROC section shows one
-    picture of the crops of those whose scan is there, largest first."""
+    """A LUNA16 summary's ``missed`` nodules with their scans: the FROC drawn from it, and under
+    "Where does it fail?" one picture of the crops of those whose scan is there, largest first."""
     scan = _nifti(tmp_path / "scan.nii.gz", np.full((40, 40, 10), -800, np.int16), np.diag([0.8, 0.8, 2.0, 1.0]))
     rows = [{"seriesuid": "1.2.3", "nodules": 2, "TP": 0, "FP": 1, "ignored": 0, "missed": [[-10, -12, 8, 6.0], [-16, -16, 10, -1]],
              "scan_file": str(scan)},
@@ -140,7 +128,7 @@ def test_missed_nodules_crops_in_the_report(tmp_path):
     (tmp_path / "eval" / "summary.json").write_text(json.dumps({"cpm": 0.0, "froc": {"0.125": 0.0, "1": 0.0}, "metric_per_case": rows}))
     document = write_report(tmp_path / "eval").read_text()
     assert "largest first (2 of 3)" in document
-    assert len(_section_images(document, "froc")) == 2  # the FROC drawn from the summary, the crops
+    assert len(_section_images(document, "froc")) == 1 and len(_section_images(document, "missed")) == 1
 
 
 def test_uncertainty_queue_in_the_report(tmp_path):
@@ -241,3 +229,51 @@ def test_worst_frames_show_both_outlines(tmp_path):
     colour = np.array(class_colour(1))
     pixels = np.asarray(pictures[0].convert("RGB")).reshape(-1, 3).astype(int)
     assert (np.abs(pixels - colour).sum(axis=1) < 40).sum() > 50  # the outlines are drawn
+
+
+def _bright_quadrant(picture: np.ndarray) -> tuple[str, str]:
+    """Where the bright pixels lie in a drawn slice: the slice is the largest dark region of the
+    picture (its text is in small pieces); the answer is (``top``/``bottom``, ``left``/``right``)
+    of the bright pixels' centre within that region."""
+    from scipy import ndimage
+
+    rgb = picture[..., :3].astype(int)
+    regions, _ = ndimage.label(rgb.max(axis=2) < 140)
+    largest = 1 + int(np.argmax(np.bincount(regions.ravel())[1:]))
+    rows, cols = np.nonzero(regions == largest)
+    top, bottom, left, right = rows.min(), rows.max(), cols.min(), cols.max()
+    box = rgb[top:bottom + 1, left:right + 1]
+    bright_rows, bright_cols = np.nonzero((box[..., 0] > 200) & (box[..., 1] > 200))
+    return ("top" if bright_rows.mean() < box.shape[0] / 2 else "bottom", "left" if bright_cols.mean() < box.shape[1] / 2 else "right")
+
+
+def test_gate_pictures_are_drawn_as_the_report_draws_volume_slices(tmp_path):
+    """A volume bright at high x, low y: the report's axial view (x across, y up) shows it at
+    the bottom right, and the gates' picture of that axial slice, with the tiles there refined,
+    must show it there too (it was drawn as an image, rows = x downward: bottom left)."""
+    from hsmla_med.config import model_config
+    from hsmla_med.engine import SegmentationModule
+    from hsmla_med.engine.callbacks import write_gate_example
+    from hsmla_med.pipelines import btcv
+    from hsmla_med.report.worst import volume_views
+    from tests.conftest import tiny_config
+
+    image = np.zeros((24, 20, 6), np.float32)
+    image[15:21, 3:8, :] = 100.0
+    labels = (image > 0).astype(np.uint8)
+    predicted = labels.copy()
+    predicted[17:19, 4:6, 2:4] = 0  # the error, and so the slice shown, inside the bright block
+    _nifti(tmp_path / "imagesTr" / "c_0000.nii.gz", image, np.eye(4))
+    reference = _nifti(tmp_path / "labelsTr" / "c.nii.gz", labels, np.eye(4))
+    prediction = _nifti(tmp_path / "predictions" / "c.nii.gz", predicted, np.eye(4))
+    views = np.asarray(Image.open(io.BytesIO(volume_views({"reference_file": str(reference), "prediction_file": str(prediction)}, "c"))))
+    axial = views[:, : views.shape[1] // 3]
+    assert _bright_quadrant(axial) == ("bottom", "right")
+
+    config = tiny_config(tmp_path, tmp_path / "out")
+    module = SegmentationModule(btcv.module_config(config, model_config("b0"), ["bg", "a", "b"]))
+    tiles = np.zeros((6, 5), bool)  # 4 x 4 voxels a tile: the tile of the block's centre
+    tiles[4, 1] = True
+    module.validation_gates = {"call": 1, "calls": 1, "image": image[:, :, 3], "refined": {"layer": tiles}}
+    picture = np.asarray(Image.open(write_gate_example(module, tmp_path / "out")))
+    assert _bright_quadrant(picture) == _bright_quadrant(axial)

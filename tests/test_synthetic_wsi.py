@@ -132,7 +132,7 @@ def test_pixels_agree_with_outlines(root):
 
 
 def test_a_subtle_tumour_differs_from_normal_tissue_mainly_in_its_darker_nuclei(root, tmp_path):
-    # the stain-shift benchmark's slides (scripts/bench_stain.py --tumour subtle): the same tissue
+    # the stain-shift benchmark's slides (hsmla-med bench --only stain --tumour subtle): the same tissue
     # and outlines as the default's, metastases whose nuclei are darker but nearly as sparse
     subtle = generate_camelyon16(tmp_path / "subtle", num_normal=1, num_tumor=1, num_test=0, size=SIZE, seed=0, tumour="subtle")
     normal = "training/normal/normal_001.tif"

@@ -1,7 +1,7 @@
 """A census of what a forward dispatches: kernels, host syncs and launch grids, on any device.
 
 On a GPU a small network's batch-1 forward costs what the host spends launching kernels and
-waiting on syncs (docs/design.md §4), so both are budgets (issue 50: per HSMLA layer at most 8
+waiting on syncs (docs/design.md §4), so both are budgets (per HSMLA layer at most 8
 operations outside the attention kernels and 3 kernels inside, no host sync at all). They can
 be counted without a GPU: every ATen operation goes through PyTorch's dispatcher, where a
 ``TorchDispatchMode`` sees it, and every Triton launch through :class:`~hsmla_med.kernels._runtime.lazy_jit`,
@@ -11,11 +11,19 @@ Counted as a kernel: an ATen operation that computes (not a view, an allocation 
 dtype/shape query). What runs inside a Triton launch (the interpreter's own copies) is not
 counted; the launch is. A sync is an operation that makes the host wait for the device's values
 (``nonzero``, ``item``, ``equal``, ...): it forbids CUDA graph capture.
+
+``hsmla-med bench --only census`` counts one inference forward per network without a GPU: HSMLA
+networks run their CUDA path (``backend="triton"``) under Triton's interpreter on the CPU, the
+same Python code, operations and launches as on a GPU; the peers run their ordinary forward. (The
+GPU profiler's count is in ``hsmla-med bench --only gpu --tables kernels``.)
+
+    hsmla-med bench --only census [--size 512] [--networks HSMLA-B2,SegFormer-B2,SwinUNETR-2D]
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -23,7 +31,10 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Census", "census", "SYNCING", "is_kernel"]
+from hsmla_med.bench.common import own_parser, positive_int
+from hsmla_med.bench.models import build_models
+
+__all__ = ["Census", "census", "SYNCING", "is_kernel", "main"]
 
 #: ATen operations that read a device value on the host (or size an output from one)
 SYNCING = frozenset({
@@ -150,3 +161,31 @@ def census(fn: Callable, *args, **kwargs) -> tuple[object, Census]:
     with _recording_launches(result, recorder), recorder:
         out = fn(*args, **kwargs)
     return out, result
+
+
+def main(argv: list[str]) -> int:
+    parser = own_parser("census", __doc__)
+    parser.add_argument("--size", type=positive_int, default=512, help="square input side (default 512)")
+    parser.add_argument("--networks", default="HSMLA-B2,SegFormer-B2,SwinUNETR-2D",
+                        help="comma-separated names of hsmla_med.bench.models.build_models (default HSMLA-B2,SegFormer-B2,SwinUNETR-2D)")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    x = torch.randn(1, 1, args.size, args.size)
+    makers = build_models(x)
+    unknown = [n for n in args.networks.split(",") if n not in makers]
+    if unknown:
+        parser.error(f"--networks: unknown network(s) {unknown}; known: {', '.join(makers)}")
+    # the kernels are decorated at their first launch (lazy_jit), reading this then: in time here
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    print(f"| network ({args.size}², batch 1, eval) | kernels | ATen ops | Triton launches | host syncs | most frequent ops |")
+    print("|---|---|---|---|---|---|")
+    for name in args.networks.split(","):
+        net = makers[name]().eval()
+        if hasattr(net, "set_backend"):
+            net.set_backend("triton")
+        with torch.no_grad():
+            net(x)  # caches (folded weights, merged kernels) built before the count, as before a capture
+            _, seen = census(net, x)
+        top = ", ".join(f"{op.removeprefix('aten::')} {n}" for op, n in seen.ops.most_common(5))
+        print(f"| {name} | {seen.kernels} | {sum(seen.ops.values())} | {sum(seen.launches.values())} | {len(seen.syncs)} | {top} |", flush=True)
+    return 0

@@ -17,6 +17,12 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def own_parser(name: str, doc: str) -> Parser:
+    """The parser of a benchmark that takes options of its own: the arguments after
+    ``hsmla-med bench --only NAME``, its ``--help`` showing ``doc`` (the module's docstring)."""
+    return Parser(prog=f"hsmla-med bench --only {name}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def _integer(text: str, low: int) -> int:
     try:
         value = int(text)
@@ -112,7 +118,6 @@ def markdown(rows: list[dict]) -> str:
     for r in rows:
         lines.append("| " + " | ".join(f"{r[k]:.3g}" if isinstance(r.get(k), float) else str(r.get(k, "")) for k in keys) + " |")
     return "\n".join(lines)
-
 
 
 def status_kib(field: str) -> int:

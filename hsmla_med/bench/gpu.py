@@ -1,5 +1,6 @@
 """GPU benchmark (``hsmla-med bench --only gpu``): HSMLA networks against their peers on one CUDA
-device, every network measured the same way, in one run, side by side as ratios (issues 17, 50).
+device, every network measured the same way, in one run, side by side as ratios (one GPU start
+differs from the next too much for figures of separate runs to be compared).
 
 A batch-1 forward of these networks on a GPU is bound by the host launching kernels, not by the
 arithmetic (docs/benchmarks.md: SegFormer-B2 took 21.9 ms on one H100 start and 33.5 ms on the
@@ -25,7 +26,7 @@ Times: ``ms`` is the median of per-call CUDA-event times after ``--warmup`` call
 rotated among several copies (a graph mode's call: copying the input in, the replay, the output
 copied out, as the runner costs a user); ``replay_ms`` (graph modes) is
 ``triton.testing.do_bench_cudagraph``'s median of the forward replayed from its own graph, the
-issue's figure (blank where triton lacks it). ``peak_mib``: the peak allocated from the
+launch-free figure (blank where triton lacks it). ``peak_mib``: the peak allocated from the
 network's build to its last timed call (weights, capture, working memory).
 
 Tables, each ``--tables`` name writing ``gpu_NAME.csv`` into ``--out`` (rewritten after every
@@ -33,7 +34,7 @@ row, so that a run cut off keeps what it measured) and printed as markdown:
 
 - ``floor``: graph replay of HSMLA-B2 with the refinement off, on the ``dense`` backend (static
   shapes in PyTorch alone) and SegFormer-B2, ``--size``², float16, batch 1: what a captured
-  forward costs before any new kernel (issue 50, item 6);
+  forward costs before any new kernel;
 - ``inference``: ``--size``², float16, batches ``--batches`` (images/s at 16): HSMLA-B0/B1/B2
   (tau calibrated to alpha 0.3), SegFormer-B0/B2, SwinUNETR-2D, MONAI UNet; ratios to
   SegFormer-B2;
@@ -50,7 +51,7 @@ Every row carries the device, torch, triton and the git commit. ``--tables`` and
 in the order given and ``--networks`` (shared with the learning table) keeps the named networks
 of each table, in the table's order (most important first), so that a short GPU window measures
 what matters first and a later one the rest (``scripts/gpu_session.sh``). The Triton kernels
-alone: ``scripts/bench_kernels.py``.
+alone: ``hsmla-med bench --only kernels``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,10 @@
-"""Calibration, uncertainty and the gate as a signal on the real MRI of the learning benchmark
-(issue 31's measurements; ``scripts/bench_trust.py`` runs it).
+"""Calibration, uncertainty and the gate as a signal on the real MRI of the learning benchmark:
+whether the networks' probabilities, their uncertainty and the HSMLA gate can be trusted to say
+where a segmentation is wrong.
+
+    hsmla-med bench --only trust --out /tmp/bench-trust [--seeds 3] [--steps 2000] [--data-dir DIR]
+
+Seeds already done with the same settings are reused: ``--seeds 1``, then ``--seeds 3`` adds two.
 
 Per seed, the learning benchmark's default 2D arm (``hsmla-b0-unet``: HSMLA-B0, U-shaped decoder,
 its :func:`~hsmla_med.bench.learning.overlay` and crops) is trained through ``hsmla-med train
@@ -41,9 +46,8 @@ import torch
 from monai.inferers import sliding_window_inference
 from scipy.ndimage import distance_transform_edt, maximum_filter, minimum_filter
 from scipy.stats import spearmanr
-from torch.nn import functional as F
 
-from hsmla_med.bench.common import markdown
+from hsmla_med.bench.common import markdown, own_parser, positive_int
 from hsmla_med.bench.learning import NETWORKS, SPLITS, _cli, _eval_inputs, machine, overlay, scores
 from hsmla_med.data.mni import write_mni_dataset
 from hsmla_med.inference.uncertainty import predictive_entropy
@@ -52,7 +56,8 @@ from hsmla_med.metrics.calibration import calibration_metrics, flatten_maps
 from hsmla_med.nn.attention import HSMLA
 from hsmla_med.nn.functional import tile_average
 
-__all__ = ["NETWORK", "default_steps", "boundary_distance", "tile_samples", "correlations", "gate_signal", "run_seed", "measure", "summary", "bench_trust"]
+__all__ = ["NETWORK", "default_steps", "boundary_distance", "tile_samples", "correlations", "gate_signal", "run_seed", "measure", "summary",
+           "bench_trust", "main"]
 
 #: the learning benchmark's default 2D arm
 NETWORK = "hsmla-b0-unet"
@@ -313,3 +318,15 @@ def bench_trust(out: Path, seeds: int = 3, steps: int | None = None, data_dir: P
             tmp.write_text(markdown(table) + "\n")
         print(f"seed {seed} done: {out / 'trust.md'}", flush=True)
     return rows
+
+
+def main(argv: list[str]) -> int:
+    parser = own_parser("trust", __doc__)
+    parser.add_argument("--out", type=Path, required=True, help="working folder: runs, trust.json, trust.md")
+    parser.add_argument("--seeds", type=positive_int, default=3, help="training seeds 0..N-1 (default 3)")
+    parser.add_argument("--steps", type=positive_int, default=default_steps(),
+                        help="training steps (default: the btcv task's trainer.max_steps, what `hsmla-med train` runs; 400 is the learning benchmark's)")
+    parser.add_argument("--data-dir", type=Path, help="where the MNI dataset is written once (default ~/.cache/hsmla-med/mni-learning)")
+    args = parser.parse_args(argv)
+    bench_trust(args.out, args.seeds, args.steps, args.data_dir)
+    return 0

@@ -124,7 +124,7 @@ def perturb(image: nib.Nifti1Image, label: nib.Nifti1Image, bias: float = PERTUR
             ) -> tuple[nib.Nifti1Image, nib.Nifti1Image]:
     """The held-out case as another scanner might show it (see ``PERTURBED``): resampled, times
     a smooth quadratic bias field of amplitude ``bias``, with Rician noise of ``noise`` times
-    the intensity range (0 leaves one out: ``scripts/scanner_shift.py`` scores each alone)."""
+    the intensity range (0 leaves one out: ``hsmla-med bench --only scanner-shift`` scores each alone)."""
     image, label = _resample(image, label, PERTURBED["axcodes"], PERTURBED["zooms"])
     rng = np.random.default_rng(PERTURBED["seed"])
     data = np.asarray(image.dataobj, np.float32)

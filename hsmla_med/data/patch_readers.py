@@ -5,7 +5,7 @@ Patches are the hot path of whole-slide inference (thousands per slide). OpenSli
 region, for compositing the decoded tiles into a premultiplied ARGB canvas and converting it back;
 for the TIFF family (generic tiled TIFF, as CAMELYON16 ships, Aperio SVS) the tiles themselves
 are plain JPEG / deflate / JPEG 2000 streams that tifffile finds and imagecodecs
-(libjpeg-turbo) decodes several times faster (docs/benchmarks.md, ``scripts/bench_slide_reading.py``).
+(libjpeg-turbo) decodes several times faster (docs/benchmarks.md, ``hsmla-med bench --only slide-reading``).
 cuCIM does the same in C++ and needs no GPU for it. Tissue masks and thumbnails (once per slide)
 always go through OpenSlide (:mod:`hsmla_med.data.slides`).
 
@@ -45,7 +45,7 @@ READERS = ("auto", "openslide", "tifffile", "cucim")
 READER_ENV = "HSMLA_MED_SLIDE_READER"
 _SAMPLE = 256  # side of the level-0 region both readers decode before auto takes one
 # auto's order. tifffile first: through the whole heatmap it beat cuCIM in each of the three
-# paired rounds of docs/benchmarks.md (issue 30, session 18: 0.96 / 0.88 / 0.85 of the forward
+# paired rounds of docs/benchmarks.md, "Heatmaps at a real slide's scale" (0.96 / 0.88 / 0.85 of the forward
 # passes' speed against cuCIM's 0.90 / 0.87 / 0.82; best runs 39.4 s against 42.1 s), though
 # cuCIM decodes a patch alone a little faster (0.41 ms against 0.47); and it is always installed,
 # while importing cuCIM starts its CUDA probing (hsmla_med.quiet_cucim)

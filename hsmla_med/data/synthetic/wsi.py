@@ -76,7 +76,7 @@ _TUMOUR = dict(radius_um=6.0, coverage=0.45, nucleus=(1.35, 1.75), haematoxylin=
 # generate_camelyon16's ``tumour``: ``clear``, the default above, found by its shapes alone; and
 # ``subtle``, a tumour whose nuclei are only a little larger and denser than the normal tissue's
 # but darker (hyperchromatic), so its main cue is the strength of the haematoxylin, the thing a
-# second laboratory's stain changes (the stain-shift benchmark, scripts/bench_stain.py)
+# second laboratory's stain changes (the stain-shift benchmark, hsmla-med bench --only stain)
 TUMOURS = {"clear": _TUMOUR, "subtle": dict(radius_um=4.0, coverage=0.24, nucleus=(1.25, 1.55), haematoxylin=0.10, eosin=0.40)}
 
 _MIN_METASTASIS = 0.02  # smallest metastasis radius, as a share of the slide's shorter side

@@ -1,4 +1,4 @@
-"""Where one 3D training step of HSMLA-B0 goes, against MONAI's UNet-3D (issue 29, deliverable 3).
+"""Where the time of one 3D training step of HSMLA-B0 goes, against MONAI's UNet-3D.
 
 1. One optimizer step (forward, DiceCE + the gate regularisers, backward, AdamW) of the default
    HSMLA-B0 in 3D and of MONAI's UNet-3D as the learning benchmark configures it (16..256,
@@ -9,13 +9,12 @@
    backward of an op is attributed to the forward part that recorded it, through the
    profiler's sequence numbers).
 
-    python scripts/profile_3d_step.py [--rounds 5] [--size 64 | --shape 64 96 32] [--batch 2] [--classes 14]
+    hsmla-med bench --only profile-3d-step [--rounds 5] [--size 64 | --shape 64 96 32] [--batch 2] [--classes 14]
         [--plain] [--full-res refine light sum] [--no-profile]
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 from collections import defaultdict
@@ -24,7 +23,7 @@ import torch
 from monai.losses import DiceCELoss
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from hsmla_med.bench.common import interleaved
+from hsmla_med.bench.common import interleaved, own_parser, positive_int
 from hsmla_med.config import build_network, model_config
 from hsmla_med.nn import HSMLA
 from hsmla_med.nn.hsmla_net import FULL_RES
@@ -171,14 +170,14 @@ def breakdown(prof, top: int) -> None:
     print(f"| all (self CPU time under the profiler) | | | {total / 1e3:.0f} | |")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--size", type=int, default=64, help="cubic patches of this side")
-    parser.add_argument("--shape", type=int, nargs=3, help="patch shape instead of --size (the learning benchmark's: 64 96 32)")
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--classes", type=int, default=14)
-    parser.add_argument("--top", type=int, default=25)
+def main(argv: list[str]) -> int:
+    parser = own_parser("profile-3d-step", __doc__)
+    parser.add_argument("--rounds", type=positive_int, default=5, help="interleaved rounds after two warm-up steps each (default 5)")
+    parser.add_argument("--size", type=positive_int, default=64, help="cubic patches of this side (default 64)")
+    parser.add_argument("--shape", type=positive_int, nargs=3, help="patch shape instead of --size (the learning benchmark's: 64 96 32)")
+    parser.add_argument("--batch", type=positive_int, default=2, help="patches per step (default 2)")
+    parser.add_argument("--classes", type=positive_int, default=14, help="output classes (default 14, BTCV's)")
+    parser.add_argument("--top", type=positive_int, default=25, help="operators listed by self CPU time (default 25)")
     parser.add_argument("--no-profile", action="store_true", help="timings only")
     parser.add_argument(
         "--full-res", nargs="+", default=[], choices=FULL_RES, help="also time HSMLA-B0 with these full-resolution levels"
@@ -186,7 +185,7 @@ def main() -> None:
     parser.add_argument(
         "--plain", action="store_true", help="also time HSMLA-B0 with plain convolutions (hsmla_med.nn.conv's training forms off)"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     tune_cpu_allocator()
     torch.manual_seed(0)
     shape = args.shape or [args.size] * 3
@@ -214,7 +213,7 @@ def main() -> None:
         paired = statistics.median(a / b for a, b in zip(times[name], times["MONAI UNet-3D"]))
         print(f"{name} / UNet-3D: {med[name] / med['MONAI UNet-3D']:.2f} (median of per-round ratios {paired:.2f})")
     if args.no_profile:
-        return
+        return 0
     instrument(nets["HSMLA-B0"])
     step = steps["HSMLA-B0"]
     step()
@@ -222,7 +221,4 @@ def main() -> None:
         step()
     print("\nHSMLA-B0 step under torch.profiler (one step; the profiler itself adds time):\n")
     breakdown(prof, args.top)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

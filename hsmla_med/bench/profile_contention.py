@@ -1,12 +1,12 @@
-"""Where a network's time goes beside busy neighbours (issues 34, 54): a per-operator profile quiet
-and with the contention benchmark's two neighbouring PyTorch processes (2 threads of 1024^2
-matrix products each, ``hsmla_med.bench.contention.NEIGHBOUR``) or its background ``hsmla-med
-train`` (``--neighbour train``), in one process, interleaved.
+"""Where a network's time goes beside busy neighbours, operator by operator (which operators a
+shared CPU slows): a profile quiet and with the contention benchmark's two neighbouring PyTorch
+processes (2 threads of 1024^2 matrix products each, ``hsmla_med.bench.contention.NEIGHBOUR``)
+or its background ``hsmla-med train`` (``--neighbour train``), in one process, interleaved.
 
-Run it as hsmla-med runs (the OpenMP settings are read when torch loads, so they come from the
-environment; ``hsmla-med`` itself would set ``GOMP_SPINCOUNT=10000``):
+The OpenMP settings are read when torch loads: ``hsmla-med`` (and ``python -m hsmla_med.bench``)
+set them as for every command, unless the environment already does:
 
-    GOMP_SPINCOUNT=10000 python scripts/profile_contention.py --model HSMLA-B2 --rounds 3
+    hsmla-med bench --only profile-contention --model HSMLA-B2 --rounds 3
 
 Prints, per operator, the self CPU time per forward quiet and busy and its share of the busy
 forward's growth, and how many operators a forward runs.
@@ -14,16 +14,14 @@ forward's growth, and how many operators a forward runs.
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import time
 from collections import defaultdict
 
 import torch
 
 from hsmla_med import runtime
-from hsmla_med.bench.common import markdown
+from hsmla_med.bench.common import markdown, own_parser, positive_int
 from hsmla_med.bench.contention import MODELS, neighbours
 from hsmla_med.bench.models import build_models
 
@@ -42,16 +40,16 @@ def _profile(model, x, rounds: int) -> tuple[dict[str, float], dict[str, int], f
     return self_ms, calls, wall
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="HSMLA-B2", choices=MODELS)
-    parser.add_argument("--size", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=3, help="forwards profiled per load, per round (default 3)")
-    parser.add_argument("--repeats", type=int, default=2, help="quiet/busy alternations (default 2)")
-    parser.add_argument("--top", type=int, default=15)
+def main(argv: list[str]) -> int:
+    parser = own_parser("profile-contention", __doc__)
+    parser.add_argument("--model", default="HSMLA-B2", choices=MODELS, help="the network profiled (default HSMLA-B2)")
+    parser.add_argument("--size", type=positive_int, default=512, help="input side (default 512)")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="forwards profiled per load, per round (default 3)")
+    parser.add_argument("--repeats", type=positive_int, default=2, help="quiet/busy alternations (default 2)")
+    parser.add_argument("--top", type=positive_int, default=15, help="operators listed, by their growth (default 15)")
     parser.add_argument("--neighbour", choices=["pytorch", "train"], default="pytorch",
                         help="two PyTorch processes of matrix products (default), or a background hsmla-med train --task btcv")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument("--threads", type=positive_int, default=2, help="torch threads (default 2)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     runtime.tune_cpu_allocator()
@@ -80,7 +78,3 @@ def main(argv: list[str] | None = None) -> int:
           f"{sum(totals['busy'][1].values())} operator calls per forward; self CPU {sum(quiet.values()):.0f} -> {sum(busy.values()):.0f} ms")
     print(markdown(rows))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

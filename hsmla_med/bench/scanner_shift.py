@@ -1,13 +1,14 @@
-"""Which part of the "other scanner" costs a network its Dice (issue 29).
+"""Which part of the "other scanner" costs a network its Dice.
 
 The learning benchmark's perturbed copy of the held-out MNI slab changes four things at once
 (``hsmla_med.data.mni.perturb``): orientation and voxel size (LIA, 1.2 x 1.2 x 1.5 mm), a bias
-field and Rician noise. This script writes the held-out slab with the geometry change alone, with
+field and Rician noise. This benchmark writes the held-out slab with the geometry change alone, with
 the bias field or the noise added, and with both (the benchmark's copy), segments each with
 ``hsmla-med infer`` for every checkpoint given, and scores them as the learning benchmark does
-(``hsmla_med.bench.learning.scores``: Dice, HD95, NSD in the labels' geometry).
+(``hsmla_med.bench.learning.scores``: Dice, HD95, NSD in the labels' geometry). Writes
+``scanner_shift.csv`` into ``--out``.
 
-    python scripts/scanner_shift.py --data-dir /tmp/mni --out /tmp/shift \\
+    hsmla-med bench --only scanner-shift --data-dir /tmp/mni --out /tmp/shift \\
         --checkpoint hsmla=/tmp/bl/hsmla-b0-unet/seed0/train/last.ckpt --checkpoint unet=/tmp/bl/unet/seed0/train/last.ckpt
 """
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import nibabel as nib
 
-from hsmla_med.bench.common import markdown, write_csv
+from hsmla_med.bench.common import markdown, out_folder, own_parser, write_csv
 from hsmla_med.bench.learning import scores
 from hsmla_med.data.mni import PERTURBED, perturb, save_nifti, write_mni_dataset
 
@@ -45,17 +46,27 @@ def write_variants(data: Path, out: Path) -> list[dict]:
     return entries
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def _checkpoint(text: str) -> tuple[str, str]:
+    """argparse type: ``NAME=PATH`` of an existing checkpoint file."""
+    name, sep, path = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"not NAME=PATH: {text!r}")
+    if not Path(path).is_file():
+        raise argparse.ArgumentTypeError(f"{path}: no such checkpoint file")
+    return name, path
+
+
+def main(argv: list[str]) -> int:
+    parser = own_parser("scanner-shift", __doc__)
     parser.add_argument("--data-dir", type=Path, required=True, help="the learning benchmark's MNI dataset (written if absent)")
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--checkpoint", action="append", required=True, metavar="NAME=PATH")
+    parser.add_argument("--out", type=out_folder, required=True, help="folder for the variants, the predictions and scanner_shift.csv")
+    parser.add_argument("--checkpoint", type=_checkpoint, action="append", required=True, metavar="NAME=PATH",
+                        help="a checkpoint to score, under NAME (repeat the option for more)")
     args = parser.parse_args(argv)
     data = write_mni_dataset(args.data_dir)
     entries = write_variants(data, args.out)
     rows = []
-    for spec in args.checkpoint:
-        name, checkpoint = spec.split("=", 1)
+    for name, checkpoint in args.checkpoint:
         for entry in entries:
             inputs = args.out / "inputs" / entry["name"]
             inputs.mkdir(parents=True, exist_ok=True)
@@ -72,7 +83,3 @@ def main(argv: list[str] | None = None) -> int:
     write_csv(args.out / "scanner_shift.csv", rows)
     print("\n" + markdown(rows))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,18 +5,18 @@ replaces (:class:`hsmla_med.nn.blocks.InstanceNorm` then Hardswish) and with
 ``torch.nn.InstanceNorm2d`` (what the blocks used before), interleaved in one process, batch 1,
 1 -> 14 channels; medians and the median of the per-round ratios to batch norm.
 
-    python scripts/bench_norm.py [--variant b2] [--size 512] [--rounds 5]
+    hsmla-med bench --only norm [--variant b2] [--size 512] [--rounds 5]
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
-from hsmla_med.nn import HSMLASegNet, blocks
+from hsmla_med.bench.common import own_parser, positive_int
+from hsmla_med.nn import VARIANTS, HSMLASegNet, blocks
 from hsmla_med.runtime import tune_cpu_allocator
 
 
@@ -33,12 +33,12 @@ class _WithoutKernel(torch.nn.Module):
         self.net = net
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = blocks._kernels
-        blocks._kernels = lambda: self._Declines
+        kernels = blocks.kernels  # the blocks look the kernel up there at each call
+        blocks.kernels = self._Declines
         try:
             return self.net(x)
         finally:
-            blocks._kernels = kernels
+            blocks.kernels = kernels
 
 
 def networks(variant: str) -> dict[str, torch.nn.Module]:
@@ -54,12 +54,12 @@ def networks(variant: str) -> dict[str, torch.nn.Module]:
     return nets
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variant", default="b2")
-    parser.add_argument("--size", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
+def main(argv: list[str]) -> int:
+    parser = own_parser("norm", __doc__)
+    parser.add_argument("--variant", choices=sorted(VARIANTS), default="b2", help="HSMLA variant (default b2)")
+    parser.add_argument("--size", type=positive_int, default=512, help="input side (default 512)")
+    parser.add_argument("--rounds", type=positive_int, default=5, help="interleaved rounds after two warm-up calls (default 5)")
+    args = parser.parse_args(argv)
     tune_cpu_allocator()  # the heap top pad every hsmla-med command applies
     nets = networks(args.variant)
     x = torch.randn(1, 1, args.size, args.size)
@@ -77,7 +77,4 @@ def main() -> None:
     for name, values in times.items():
         paired = statistics.median(a / b for a, b in zip(values, times["batch"]))
         print(f"  {name:<36} {1000 * statistics.median(values):7.0f} ms   x{paired:.2f} batch norm (paired)")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

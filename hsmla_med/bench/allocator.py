@@ -5,7 +5,7 @@ Runs one HSMLA layer (inference, alpha 0.3) and the 1x1-convolution yardstick of
 after 2 warm-ups, in two fresh processes: glibc's default allocator and the pad. Prints one
 markdown row per setting.
 
-    .venv/bin/python scripts/bench_allocator.py
+    hsmla-med bench --only allocator
 """
 
 from __future__ import annotations
@@ -17,10 +17,13 @@ import subprocess
 import sys
 import time
 
+from hsmla_med.bench.common import own_parser
+
 SIDES = (64, 128, 256)
 
 
 def child() -> None:
+    """One setting's timings, in a fresh process whose environment sets the pad; one JSON line."""
     import torch
 
     from hsmla_med.bench.layers import _layer_and_input
@@ -41,17 +44,16 @@ def child() -> None:
     print(json.dumps({"pad": applied, "ms": ms}))
 
 
-def main() -> None:
+def main(argv: list[str]) -> int:
+    own_parser("allocator", __doc__).parse_args(argv)
     print("| heap top pad | HSMLA 64² / 128² / 256² (ms) | HSMLA ×(64²→256²) | 1×1 conv 64² / 256² (ms) | 1×1 conv ×(64²→256²) |")
     print("|---|---|---|---|---|")
     for pad in ("0", str(1 << 30)):
         env = dict(os.environ, HSMLA_MED_MALLOC_TOP_PAD=pad)
-        out = subprocess.run([sys.executable, __file__, "--child"], env=env, capture_output=True, text=True, check=True)
+        out = subprocess.run([sys.executable, "-c", "from hsmla_med.bench.allocator import child; child()"], env=env,
+                             capture_output=True, text=True, check=True)
         r = json.loads(out.stdout.strip().splitlines()[-1])
         h, c = (lambda s: r["ms"][f"hsmla@{s}"]), (lambda s: r["ms"][f"conv1x1@{s}"])
         print(f"| {'on' if r['pad'] else 'off'} | {h(64):.1f} / {h(128):.1f} / {h(256):.1f} | ×{h(256) / h(64):.1f} "
               f"| {c(64):.2f} / {c(256):.1f} | ×{c(256) / c(64):.1f} |", flush=True)
-
-
-if __name__ == "__main__":
-    child() if "--child" in sys.argv else main()
+    return 0

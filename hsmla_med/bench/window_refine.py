@@ -9,17 +9,16 @@ stride 32: 16 x 16, 12 heads of 32), and 3D at 96^3, batch 2 (stride 16: 6^3 tok
 stride 32: 3^3, 8 heads); block 4, window 7, float32, on the CPU. Timed in interleaved rounds
 (medians), so load from elsewhere hits the three alike.
 
-    python scripts/bench_window_refine.py [--rounds 7] [--threads 2]
+    hsmla-med bench --only window-refine [--rounds 7] [--threads 2]
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
 
-from hsmla_med.bench.common import interleaved
+from hsmla_med.bench.common import interleaved, own_parser, positive_int
 from hsmla_med.nn import functional as HF
 from hsmla_med.runtime import tune_cpu_allocator
 
@@ -44,11 +43,11 @@ def bench(shape: tuple[int, ...], rounds: int) -> dict[str, float]:
     return {name: statistics.median(t) * 1e3 for name, t in interleaved(fns, rounds).items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+def main(argv: list[str]) -> int:
+    parser = own_parser("window-refine", __doc__)
+    parser.add_argument("--rounds", type=positive_int, default=7, help="interleaved rounds after two warm-up calls each (default 7)")
+    parser.add_argument("--threads", type=positive_int, default=2, help="torch CPU threads (default 2)")
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     tune_cpu_allocator()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, block {BLOCK}, window {WINDOW}, "
@@ -60,7 +59,4 @@ def main() -> None:
         w = t["window_refine"]
         print(f"| {name} | {shape} | {w:.1f} | {t['local_refine']:.1f} | {t['dense_refine']:.1f} "
               f"| {t['local_refine'] / w:.2f} | {t['dense_refine'] / w:.2f} |", flush=True)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

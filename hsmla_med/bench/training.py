@@ -8,17 +8,16 @@
    (16..256, 2 residual units) and HSMLA-B0 with the U-shaped decoder, routing gate and off,
    timed in interleaved rounds (medians), so load from elsewhere hits them alike.
 
-    python scripts/bench_training.py [--rounds 8]
+    hsmla-med bench --only training [--rounds 8]
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
 
-from hsmla_med.bench.common import interleaved
+from hsmla_med.bench.common import interleaved, own_parser, positive_int
 from hsmla_med.config import build_network
 from hsmla_med.nn import functional as HF
 from hsmla_med.runtime import tune_cpu_allocator
@@ -72,15 +71,12 @@ def bench_steps(rounds: int) -> None:
         print(f"| {name} | {ms:.0f} | {ms / base:.2f} |")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=8)
-    args = parser.parse_args()
+def main(argv: list[str]) -> int:
+    parser = own_parser("training", __doc__)
+    parser.add_argument("--rounds", type=positive_int, default=8, help="interleaved rounds after two warm-up calls each (default 8)")
+    args = parser.parse_args(argv)
     tune_cpu_allocator()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     bench_refine(args.rounds)
     bench_steps(args.rounds)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -7,12 +7,11 @@ set-up). One synthetic CAMELYON16-format slide (JPEG tiles) is written to a temp
 patch grid (256 px at level 0) is read in grid order by each reader, interleaved, ``--rounds``
 times; the median ms per patch is reported, and whether both readers gave the same bytes.
 
-    python scripts/bench_slide_reading.py [--size 24576 18432] [--rounds 5]
+    hsmla-med bench --only slide-reading [--size 24576 18432] [--rounds 5]
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import statistics
 import tempfile
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hsmla_med.bench.common import own_parser, positive_int
 from hsmla_med.data.patch_readers import CuCIMPatches, OpenSlidePatches, TiffPatches
 from hsmla_med.data.slides import open_slide, thumbnail
 from hsmla_med.data.synthetic.wsi import generate_camelyon16
@@ -36,10 +36,11 @@ def _seconds(fn) -> float:
     return time.perf_counter() - start
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", type=int, nargs=2, default=[24576, 18432], metavar=("W", "H"))
-    p.add_argument("--rounds", type=int, default=5)
+def main(argv: list[str]) -> int:
+    p = own_parser("slide-reading", __doc__)
+    p.add_argument("--size", type=positive_int, nargs=2, default=[24576, 18432], metavar=("W", "H"),
+                   help="slide size at level 0 (default 24576 18432)")
+    p.add_argument("--rounds", type=positive_int, default=5, help="interleaved rounds (default 5)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         root = generate_camelyon16(Path(tmp) / "slides", num_normal=0, num_tumor=1, num_test=0, size=tuple(args.size), seed=1)
@@ -77,7 +78,4 @@ def main(argv=None) -> None:
         for name, picture in pictures.items():
             seconds = [_seconds(lambda: heatmap_overlay(Path(tmp) / "o.png", picture, prob)) for _ in range(args.rounds)]
             print(f"  heatmap overlay over {name}'s picture: {statistics.median(seconds):.3f} s")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,27 +1,27 @@
 """Where a quiet HSMLA forward spends its convolution time: torch's profiler over 3 forwards of
 a network of ``hsmla-med bench --only models`` (tau calibrated to alpha 0.3, 2 threads, the heap
-top pad), oneDNN convolutions grouped by input and weight shape, largest first (issue 34:
-the convolutions are three quarters of HSMLA-B2's forward at 512^2).
+top pad), oneDNN convolutions grouped by input and weight shape, largest first (the
+convolutions are three quarters of HSMLA-B2's forward at 512^2: which of them to make faster).
 
-    python scripts/profile_convolutions.py [--variant b2] [--size 512] [--top 18]
+    hsmla-med bench --only profile-convolutions [--variant b2] [--size 512] [--top 18]
 """
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from hsmla_med import runtime
+from hsmla_med.bench.common import own_parser, positive_int
 from hsmla_med.bench.models import _hsmla
+from hsmla_med.nn import VARIANTS
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variant", default="b2")
-    parser.add_argument("--size", type=int, default=512)
-    parser.add_argument("--top", type=int, default=18)
-    args = parser.parse_args()
+def main(argv: list[str]) -> int:
+    parser = own_parser("profile-convolutions", __doc__)
+    parser.add_argument("--variant", choices=sorted(VARIANTS), default="b2", help="HSMLA variant (default b2)")
+    parser.add_argument("--size", type=positive_int, default=512, help="input side (default 512)")
+    parser.add_argument("--top", type=positive_int, default=18, help="convolution shapes listed (default 18)")
+    args = parser.parse_args(argv)
     runtime.tune_cpu_allocator()
     torch.set_num_threads(2)
     x = torch.randn(1, 1, args.size, args.size)
@@ -39,7 +39,4 @@ def main() -> None:
     print("| ms per forward | calls | input | weight |\n|---|---|---|---|")
     for e in convs[: args.top]:
         print(f"| {e.self_cpu_time_total / 3e3:.1f} | {e.count // 3} | {e.input_shapes[0]} | {e.input_shapes[1]} |")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,5 +1,5 @@
 """3D inference on the CPU: the default HSMLA-B0 3D network against MONAI's 3D networks on one
-volume (issue 29's target: at 96^3 HSMLA-B0 stays >= 10x faster than SwinUNETR).
+volume (the target: at 96^3 HSMLA-B0 stays at least 10 times faster than SwinUNETR).
 
 One forward pass (eval, no gradients, batch 1, 1 -> 14 channels) per network and round, the
 networks interleaved in each round so that load from elsewhere hits them alike; medians and the
@@ -8,18 +8,17 @@ input first, as ``train`` leaves it. SwinUNETR and SegResNet as the learning ben
 builds them (``feature_size`` 24, ``init_filters`` 16), SwinUNETR also at ``feature_size`` 48
 (MONAI's BTCV tutorial).
 
-    python scripts/bench_3d_inference.py [--side 96] [--rounds 3]
+    hsmla-med bench --only inference-3d [--side 96] [--rounds 3]
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
 from monai.networks.nets import SegResNet, SwinUNETR, UNet
 
-from hsmla_med.bench.common import interleaved
+from hsmla_med.bench.common import interleaved, own_parser, positive_int
 from hsmla_med.config import build_network, model_config
 from hsmla_med.runtime import tune_cpu_allocator
 
@@ -38,11 +37,11 @@ def networks(side: int) -> dict[str, torch.nn.Module]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--side", type=int, default=96)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+def main(argv: list[str]) -> int:
+    parser = own_parser("inference-3d", __doc__)
+    parser.add_argument("--side", type=positive_int, default=96, help="cube side of the volume (default 96)")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="timed rounds after two warm-up calls each (default 3)")
+    args = parser.parse_args(argv)
     tune_cpu_allocator()
     torch.manual_seed(0)
     x = torch.randn(1, 1, args.side, args.side, args.side)
@@ -61,7 +60,4 @@ def main() -> None:
     for name, t in times.items():
         ratios = [statistics.median(s / a for s, a in zip(times[ref], t)) for ref in ("SwinUNETR (24)", "SwinUNETR (48)")]
         print(f"| {name} | {statistics.median(t):.2f} | {', '.join(f'{s:.2f}' for s in t)} | {ratios[0]:.1f} | {ratios[1]:.1f} |")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

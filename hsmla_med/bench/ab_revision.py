@@ -2,7 +2,7 @@
 in one process, interleaved: the change's effect on the refinement's cost without the drift of
 a shared machine between two runs.
 
-    .venv/bin/python scripts/bench_ab.py REV [ROUNDS]
+    hsmla-med bench --only ab-revision REV [ROUNDS]
 
 The revision's ``hsmla_med``, ``kernels`` and ``configs`` are extracted into a temporary folder
 and imported as ``hsmla_med_old``. Prints the median latency of each of the four networks and,
@@ -19,12 +19,13 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from hsmla_med.bench.common import own_parser, positive_int
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout this hsmla_med is imported from
 
 
-def _old_package(rev: str, folder: Path) -> None:
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "hsmla_med", "kernels", "configs"], capture_output=True, check=True)
-    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True)
+def _old_package(archive: bytes, folder: Path) -> None:
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
     package = folder / "hsmla_med_old"
     (folder / "hsmla_med").rename(package)
     (folder / "kernels").rename(package / "kernels")
@@ -34,11 +35,17 @@ def _old_package(rev: str, folder: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    rev, rounds = argv[0], int(argv[1]) if len(argv) > 1 else 30
+    parser = own_parser("ab-revision", __doc__)
+    parser.add_argument("rev", metavar="REV", help="the git revision to compare the working tree with")
+    parser.add_argument("rounds", metavar="ROUNDS", nargs="?", type=positive_int, default=30, help="interleaved rounds (default 30)")
+    args = parser.parse_args(argv)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.rev, "hsmla_med", "kernels", "configs"], capture_output=True)
+    if archive.returncode:
+        parser.error(f"REV {args.rev}: git archive in {ROOT} failed: {' '.join(archive.stderr.decode(errors='replace').split())}")
     with tempfile.TemporaryDirectory(prefix="bench_ab_") as folder:
-        _old_package(rev, Path(folder))
+        _old_package(archive.stdout, Path(folder))
         sys.path.insert(0, folder)
-        _compare(rev, rounds)
+        _compare(args.rev, args.rounds)
     return 0
 
 
@@ -74,7 +81,3 @@ def _compare(rev: str, rounds: int) -> None:
     for tag in ("old", "new"):
         ratio = statistics.median(g / o for g, o in zip(times[tag, "gate"], times[tag, "off"]))
         print(f"{tag} ({rev if tag == 'old' else 'working tree'}): gated / off {ratio:.3f}")
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -22,7 +22,9 @@ uniform noise thresholded at its ``1 - alpha`` quantile. The linear kernel's ach
 the same way. Writes a CSV and prints a markdown table; without a CUDA GPU it says so and
 exits 0. ``--check`` runs every timed callable once at a small size instead (no timing, on the
 CPU under Triton's interpreter where there is no GPU) and compares the Triton path with the
-reference, so that the script itself is exercised where it cannot measure anything.
+reference, so that the benchmark itself is exercised where it cannot measure anything.
+
+    hsmla-med bench --only kernels [--spatial-dims 2] [--alphas 0.3 1.0] [--out bench_out/kernels.csv] [--check]
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from hsmla_med import kernels
+from hsmla_med.bench.common import non_negative_int, own_parser, positive_int
 from hsmla_med.kernels.refine import refine_add
 from hsmla_med.nn import functional as HF
 
@@ -48,19 +51,19 @@ EPS = 1e-6
 CHECK_TOLERANCE = 1e-4  # --check: float32 under the interpreter, relative to max |reference|
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = own_parser("kernels", __doc__)
     p.add_argument("--spatial-dims", type=int, choices=[2, 3], default=2, help="2D maps (S^2 tokens) or 3D (S^3)")
-    p.add_argument("--sizes", type=int, nargs="+", help="map sides S (default 64 128 256 in 2D, 16 24 32 in 3D)")
+    p.add_argument("--sizes", type=positive_int, nargs="+", help="map sides S (default 64 128 256 in 2D, 16 24 32 in 3D)")
     p.add_argument("--alphas", type=float, nargs="+", default=[0.1, 0.3, 1.0], help="fractions of tiles refined")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--block", type=int, default=8, help="gate tile size")
-    p.add_argument("--window", type=int, default=7, help="local window size (odd)")
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--heads", type=positive_int, default=8)
+    p.add_argument("--head-dim", type=positive_int, default=32)
+    p.add_argument("--block", type=positive_int, default=8, help="gate tile size")
+    p.add_argument("--window", type=positive_int, default=7, help="local window size (odd)")
     p.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--warmup", type=non_negative_int, default=10)
+    p.add_argument("--reps", type=positive_int, default=50)
     p.add_argument("--out", type=Path, default=Path("bench_out/kernels.csv"), help="CSV to write")
     p.add_argument(
         "--check", action="store_true",
@@ -255,13 +258,13 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.check:
         with torch.inference_mode():
             return check(args)
     if not torch.cuda.is_available() or not kernels.triton_available("cuda"):
-        print("bench_kernels.py needs a CUDA GPU with triton; none found, nothing measured (--check runs without one).")
+        print("--only kernels needs a CUDA GPU with triton; none found, nothing measured (--check runs without one).")
         return 0
     if os.environ.get("TRITON_INTERPRET", "0") != "0":
         print("TRITON_INTERPRET is set: unset it to time compiled kernels.", file=sys.stderr)
@@ -276,7 +279,3 @@ def main(argv=None) -> int:
     print(markdown(rows))
     print(f"wrote {args.out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

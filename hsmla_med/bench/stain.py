@@ -1,5 +1,5 @@
 """Slide-level stain normalisation (``data.stain_normalization: macenko``) on two differently
-stained copies of the same synthetic CAMELYON16 slides (issue 30 targets).
+stained copies of the same synthetic CAMELYON16 slides, against the targets below.
 
 (a) Mean colour distance (RGB, grey levels) of the tissue pixels between the two copies of each
     slide, as written and after each copy is normalised with its own slide's stain matrix
@@ -12,14 +12,15 @@ stained copies of the same synthetic CAMELYON16 slides (issue 30 targets).
     other, and with a stain of its own per slide (:func:`mixed_stains`) (target: the drop on the
     other stain with normalisation at most half the drop without).
 
-    python scripts/bench_stain.py [--work /tmp/bench-stain] [--steps 200] [--seeds 0] [--size 4096 3072] [--skip-training | --skip-colour]
-                                  [--no-colour-augment] [--tumour clear|subtle] [--mixed-seed 0]
+    hsmla-med bench --only stain [--work /tmp/bench-stain] [--steps 200] [--seeds 0] [--size 4096 3072] [--skip-training | --skip-colour]
+                                 [--no-colour-augment] [--tumour clear|subtle] [--mixed-seed 0]
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 from monai.apps.pathology.transforms.stain.array import NormalizeHEStains
 
-from hsmla_med.cli import main as cli
+from hsmla_med.bench.common import non_negative_int, own_parser, positive_int
 from hsmla_med.config import merge_config, task_config
 from hsmla_med.data.slides import open_slide, read_region, tissue_mask
 from hsmla_med.data.stain import normalize_stain, slide_stain
@@ -179,21 +180,21 @@ def colour_part(roots: dict, cache: Path, counts: dict) -> tuple[dict, dict]:
     return distances, timing
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", type=Path, default=Path("/tmp/bench-stain"))
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--size", type=int, nargs=2, default=COUNTS["size"], help="slide width and height at level 0")
+def main(argv: list[str]) -> int:
+    parser = own_parser("stain", __doc__)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/bench-stain"), help="working folder (default /tmp/bench-stain)")
+    parser.add_argument("--steps", type=positive_int, default=200, help="(b) training steps (default 200)")
+    parser.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0], help="(b) training seeds (default 0)")
+    parser.add_argument("--size", type=positive_int, nargs=2, default=COUNTS["size"], help="slide width and height at level 0")
     parser.add_argument("--skip-training", action="store_true", help="(a) only")
     parser.add_argument("--skip-colour", action="store_true", help="(b) only")
     parser.add_argument("--tumour", choices=sorted(TUMOURS), default="clear",
                         help="the slides' metastases: clear (the default data, found by their shapes) or subtle (darker nuclei of "
                         "nearly normal size and density, found by the haematoxylin's strength, which the second stain moves)")
-    parser.add_argument("--mixed-seed", type=int, default=0, help="(b) the seed of the test slides' own stains")
+    parser.add_argument("--mixed-seed", type=non_negative_int, default=0, help="(b) the seed of the test slides' own stains")
     parser.add_argument("--no-colour-augment", action="store_true",
                         help="(b) without the per-channel colour jitter (data.augment.colour_prob 0): a classifier that has seen one stain's colours only")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(2)
     started = time.perf_counter()
     roots = {"first": args.work / "first-stain", "other": args.work / "other-stain"}
@@ -217,8 +218,10 @@ def main() -> None:
             write_yaml(args.work / f"{name}.yaml", overrides)
             run = args.work / name
             clock = time.perf_counter()
-            code = cli(["train", "--task", "camelyon16", "--data-dir", str(roots["first"]), "--config", str(args.work / f"{name}.yaml"),
-                        "--max-steps", str(args.steps), "--seed", str(seed), "--output", str(run)])
+            # hsmla-med train in a process of its own: the command line sits above the benchmarks
+            code = subprocess.run([sys.executable, "-m", "hsmla_med.cli", "train", "--task", "camelyon16", "--data-dir", str(roots["first"]),
+                                   "--config", str(args.work / f"{name}.yaml"), "--max-steps", str(args.steps), "--seed", str(seed),
+                                   "--output", str(run)]).returncode
             if code != 0:
                 raise SystemExit(f"training {name} failed ({code})")
             seconds = time.perf_counter() - clock
@@ -240,7 +243,4 @@ def main() -> None:
               "wall_s": time.perf_counter() - started}
     write_json(args.work / ("colour.json" if args.skip_training else "result.json"), result)
     print(f"wall time {time.perf_counter() - started:.0f} s")
-
-
-if __name__ == "__main__":
-    main()
+    return 0
