@@ -72,7 +72,7 @@ def _children() -> list[str]:
 
 
 def test_background_training_is_a_shell_job_in_our_session():
-    """Regression (issue 54): the background training was started in a session of its own,
+    """Regression: the background training was started in a session of its own,
     another autogroup, which the scheduler gives half the CPUs whatever its threads; a shell's
     ``hsmla-med train ... &`` stays in the caller's session, in a process group of its own."""
     import os

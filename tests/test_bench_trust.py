@@ -1,4 +1,4 @@
-"""The gate-as-a-signal helpers of hsmla_med.bench.trust (issue 31's measurements) against hand-made
+"""The gate-as-a-signal helpers of hsmla_med.bench.trust (the calibration and uncertainty measurements) against hand-made
 cases, and the gate pass of a tiny checkpoint against infer's probabilities."""
 
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""CPU contention (``hsmla-med bench --only contention``, issues 34 and 54): networks timed quiet,
+"""CPU contention (``hsmla-med bench --only contention``): networks timed quiet,
 beside a background ``hsmla-med train`` and beside two plain PyTorch processes, as a library
 user calls them and through ``hsmla-med infer``.
 
@@ -14,7 +14,7 @@ Cases, each in its own child process (OpenMP reads its settings when torch loads
 * ``library, hsmla_med first`` and ``library, torch first``: the networks built and called
   directly, as in a user's script, in the environment the user gave (nothing of hsmla-med's CLI);
   ``library, CPU defaults off``: the same with ``HSMLA_MED_CPU_DEFAULTS=0``, as a library user
-  ran before issue 54 (no OpenMP settings at import, no load-adaptive threads): the pairing;
+  ran before hsmla-med set OpenMP at import and adapted its threads to the load: the pairing;
   HSMLA-B2 (tau calibrated to alpha 0.3), the same compiled by ``torch.compile`` (inductor's CPU
   code with frozen weights), SegFormer-B2, MONAI's UNet and the floor (:data:`FLOORS`: matrix
   products, perfectly parallel work, with the free-CPU threads and with all threads)
@@ -56,7 +56,7 @@ MODELS = ("HSMLA-B2", "HSMLA-B2 (torch.compile)", "SegFormer-B2", "MONAI UNet", 
 COMPILED = "HSMLA-B2 (torch.compile)"  # inductor's CPU code, weights frozen: elementwise chains fused into the loops around them
 LOADS = ("quiet", "train", "pytorch")
 #: library cases: the module imported first, and variables added to the user's environment (the
-#: last: hsmla-med's CPU settings off, as a library user had them before issue 54, for pairing)
+#: last: hsmla-med's CPU settings off, as a library user had them before those settings, for pairing)
 CASES = {"library, hsmla_med first": ("hsmla_med", {}), "library, torch first": ("torch", {}),
          "library, CPU defaults off": ("hsmla_med", {"HSMLA_MED_CPU_DEFAULTS": "0"})}
 INFER = "hsmla-med infer"
@@ -125,7 +125,7 @@ def background(command: list[str], env: dict[str, str]) -> subprocess.Popen:
     session would be another terminal's job, which Linux's autogroup scheduling
     (``/proc/sys/kernel/sched_autogroup_enabled``) gives a share of the CPUs of its own, whatever
     its thread count: the background training the bench measured before took half the CPUs at
-    most, a shell's job takes a share per runnable thread (issue 54)."""
+    most, a shell's job takes a share per runnable thread."""
     return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             process_group=0)
 

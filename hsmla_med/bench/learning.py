@@ -89,7 +89,7 @@ NETWORKS = {
     "hsmla-b0-unet-3d": _UNET_3D,
     "hsmla-b0-unet-3d-routing-off": {**_UNET_3D, "attention": {"routing": "off"}},
     "hsmla-b0-unet-3d-routing-all": {**_UNET_3D, "attention": {"routing": "all"}},
-    # the full-resolution level refined by a DSConv, the 3D default before session 17 (docs/benchmarks.md)
+    # the full-resolution level refined by a DSConv, the former 3D default (docs/benchmarks.md)
     "hsmla-b0-unet-3d-light": {**_UNET, "full_res": "light"},
     # the plan's norm for MRI, in 3D
     "hsmla-b0-unet-3d-in": {**_UNET_3D, "norm": "instance"},

@@ -37,7 +37,7 @@ class _SegFormer(torch.nn.Module):
 
 
 class MatrixProducts(torch.nn.Module):
-    """The contention benchmark's floor (issue 54): ``count`` products of a 1024^2 float32 matrix,
+    """The contention benchmark's floor: ``count`` products of a 1024^2 float32 matrix,
     work that PyTorch runs as a few long parallel regions, perfectly parallel; beside the same
     neighbours its slowdown is what the scheduler's share leaves any process of as many threads.
     Returns its input."""

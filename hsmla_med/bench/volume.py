@@ -14,7 +14,7 @@ The same run's second table (``volume_dicom.csv``) sets ``per-class`` (NIfTI in,
 beside ``series-seg``: the same volume written as a CT DICOM series (one file per slice,
 :func:`~hsmla_med.data.synthetic.dicom_series.write_ct_series`) and segmented into a DICOM SEG
 (``output_formats=("dicom-seg",)``), also in a fresh process: wall time and peak resident set,
-their ratios series / NIfTI (issue 28's target: at most 1.3 each) and how many voxels of the
+their ratios series / NIfTI (the target: at most 1.3 each) and how many voxels of the
 SEG, read back onto the series' files (:func:`~hsmla_med.io.dicom_seg.read_seg`), differ from
 the NIfTI labels (target: at most 0.1 %).
 
@@ -187,7 +187,7 @@ def _checkpoint(path: Path) -> Path:
 
 
 _DDP = ["--devices", "2", "--strategy", "ddp"]
-# a user's thread count, and libgomp's own wait (hsmla-med's settings off: issue 34)
+# a user's thread count, and libgomp's own wait (hsmla-med's settings off: the untuned baseline)
 _USER_THREADS, _NO_DEFAULTS = {"OMP_NUM_THREADS": "2"}, {"HSMLA_MED_CPU_DEFAULTS": "0"}
 # (run, extra infer options, the variables it is given besides the environment hsmla-med was
 # given without OMP_NUM_THREADS, in which hsmla-med chooses the threads and the wait)
