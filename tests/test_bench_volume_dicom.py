@@ -1,4 +1,4 @@
-"""``hsmla-med bench --only volume``'s DICOM row (issue 28) at a small size: the same CT as NIfTI
+"""``hsmla-med bench --only volume``'s DICOM row at a small size: the same CT as NIfTI
 and as a DICOM series segmented into a DICOM SEG, both tables written. The
 timings are recorded in docs/benchmarks.md, never asserted."""
 
@@ -16,7 +16,7 @@ SHAPE = (64, 48, 20)  # not square: a SEG read back with rows and columns swappe
 def test_volume_dicom_row_at_a_small_size(monkeypatch, tmp_path, capsys):
     """``--only volume`` writes volume.csv and volume_dicom.csv; the series row names its 20 files,
     its ratios are its time and peak over the NIfTI run's, and the SEG read back onto the series
-    gives the NIfTI labels in at least 99.9 % of the voxels (issue 28's target)."""
+    gives the NIfTI labels in at least 99.9 % of the voxels."""
     monkeypatch.setattr(volume, "bench_volume", functools.partial(volume.bench_volume, shape=SHAPE, modes=("per-class",)))
     # in this process: a fresh one (the benchmark's) spends ~13 s importing torch and MONAI
     monkeypatch.setattr(volume, "_run", lambda source, out, mode: volume._measure(str(source), str(out), mode))
