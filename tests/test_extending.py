@@ -16,6 +16,8 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 
+from tests.test_task_cards import TOY_MODULE
+
 ROOT = Path(__file__).resolve().parents[1]
 # the installed layout (pyproject.toml's package-dir): the package, its pipelines, configs and kernels
 LAYOUT = {"hsmla_med": "hsmla_med", "pipelines": "hsmla_med/pipelines", "configs": "hsmla_med/configs", "kernels": "hsmla_med/kernels"}
@@ -58,22 +60,6 @@ def _append_card(src: Path, card: str) -> None:
     tasks.write_text(text.replace(anchor, card + anchor))
 
 
-TOY_PIPELINE = '''"""Toy: the volume pipeline under another name, whose inference takes a gain of its own."""
-from hsmla_med.engine.segmentation import SegmentationModule
-from hsmla_med.pipelines import btcv
-from hsmla_med.pipelines.task import Task
-
-datalist, datamodule, module_config, held_out, infer = btcv.datalist, btcv.datamodule, btcv.module_config, btcv.held_out, btcv.infer
-
-
-class Toy(Task):
-    name = "toy"
-    module_class = SegmentationModule
-    in_channels = 1
-
-
-TASK = Toy()
-'''
 TOY_CARD = '''    "toy": TaskCard(
         inputs="toy volumes", outputs="OUTPUT/<case>.nii.gz", monitor="dice", metrics="Dice",
         options=(TaskOption("--toy-gain", ("infer",), "the toy's own gain of its probabilities", {"type": float, "metavar": "G"}),),
@@ -83,7 +69,7 @@ TOY_CARD = '''    "toy": TaskCard(
 
 def test_a_fifth_task_with_its_own_option_touches_three_files(tmp_path):
     src = _copy(tmp_path)
-    (src / "pipelines" / "toy.py").write_text(TOY_PIPELINE)
+    (src / "pipelines" / "toy.py").write_text(TOY_MODULE)  # (the task cards' toy: BTCV's steps)
     (src / "configs" / "toy.yaml").write_text((src / "configs" / "btcv.yaml").read_text().replace("task: btcv", "task: toy"))
     _append_card(src, TOY_CARD)
     assert _touched(src) == ["configs/toy.yaml", "hsmla_med/tasks.py", "pipelines/toy.py"]
