@@ -47,7 +47,8 @@ def test_a_bug_raised_while_handling_an_input_error_is_not_one():
 
 def test_the_cli_gives_such_a_bug_its_traceback(monkeypatch, capsys):
     import hsmla_med.cli as cli
+    from hsmla_med.cli import export
 
-    monkeypatch.setattr(cli, "_export", lambda args: _bug_while_handling())
+    monkeypatch.setattr(export, "run", lambda args, invocation: _bug_while_handling())
     with pytest.raises(AttributeError):
         cli.main(["export", "--checkpoint", "x.ckpt", "--format", "onnx", "--output", "out"])

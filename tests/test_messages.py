@@ -69,10 +69,10 @@ def test_our_warnings_print_as_one_line_others_as_python_prints_them(capsys, mon
     slide gives it) is one ``hsmla-med: warning:`` line, without Python's file, line number and
     source line; another library's goes to Python's ``showwarning`` as before, and under
     ``--debug`` ours does too."""
-    from hsmla_med import cli
+    from hsmla_med.cli import evaluate
     from hsmla_med.data import slides
 
-    def command(args):
+    def command(args, invocation):
         warnings.warn_explicit("blank.tif: blank slide (uniform colour), no tissue found", UserWarning, slides.__file__, 228)
         warnings.warn_explicit("a library's own warning", UserWarning, np.__file__, 1)
         return 0
@@ -80,7 +80,7 @@ def test_our_warnings_print_as_one_line_others_as_python_prints_them(capsys, mon
     shown = []  # what Python's showwarning (here a recorder standing in for it) is given
     record = lambda message, category, filename, lineno, file=None, line=None: shown.append((str(message), filename))  # noqa: E731
     monkeypatch.setattr(warnings, "showwarning", record)
-    monkeypatch.setattr(cli, "_evaluate", command)
+    monkeypatch.setattr(evaluate, "run", command)
     argv = ["evaluate", "--task", "btcv", "--predictions", str(tmp_path), "--labels", str(tmp_path)]
     with warnings.catch_warnings():
         warnings.simplefilter("always")
