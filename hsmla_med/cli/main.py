@@ -11,14 +11,14 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from hsmla_med.cli import bench, calibrate, cross_validate, demo, evaluate, export, infer, report, train, wsi_features, wsi_heatmap
+from hsmla_med.cli import bench, calibrate, cross_validate, demo, evaluate, export, infer, report, serve, train, wsi_features, wsi_heatmap
 from hsmla_med.cli.invocation import Invocation, first_process
 from hsmla_med.cli.options import resolve_task
 
 log = logging.getLogger("hsmla_med")
 
 #: the command modules, in the order ``--help`` lists them; each has ``add_parser(sub)`` and ``run(args, invocation)``
-COMMANDS = (train, cross_validate, infer, evaluate, calibrate, report, wsi_heatmap, wsi_features, export, bench, demo)
+COMMANDS = (train, cross_validate, infer, evaluate, calibrate, report, wsi_heatmap, wsi_features, export, serve, bench, demo)
 
 _EPILOG = """examples:
   hsmla-med demo                                   # all four tasks on synthetic data, minutes on CPU

@@ -1,0 +1,14 @@
+"""``hsmla-med serve``: a DICOM node that a PACS sends image series to and that sends DICOM SEG
+results back.
+
+The parts, in the order an image goes through them: :mod:`.config` (the node's YAML), :mod:`.spool`
+(the C-STORE handler: each instance checked and written to ``spool/<Study>/<Series>/<SOP>.dcm``;
+a series that stopped growing is moved into a job's folder), :mod:`.routing` (which model takes a
+series, by its attributes), :mod:`.queue` (the durable job queue, SQLite in WAL mode),
+:mod:`.worker` (one job: the task's prediction on the series, then the sending), :mod:`.send`
+(C-STORE to each destination, with retries) and :mod:`.node` (the association handling, the
+scheduler and the workers, started and stopped together).
+
+Nothing here is imported by ``hsmla-med --help``: pynetdicom, torch and the pipelines load when
+the node starts.
+"""

@@ -1,0 +1,199 @@
+"""The node: a pynetdicom AE that answers C-ECHO and takes C-STORE (into the spool) from the
+calling AE titles and hosts of its configuration, a scheduler thread that turns each series that
+stopped growing into a job of the route that takes it, and worker threads that run the jobs.
+
+One node per spool: it holds an exclusive lock on ``spool/node.lock`` while it runs (the kernel
+drops it when the process ends, however it ends), so a job found ``running`` at the start is one
+of a node that was killed, and runs again. A stop (:meth:`Node.stop`) refuses new associations,
+lets the running jobs end within ``stop_grace_s`` and re-queues those that did not.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import ssl
+import threading
+import time
+import warnings
+
+from hsmla_med.errors import InputError
+from hsmla_med.serve.config import NodeConfig
+from hsmla_med.serve.queue import QUEUE_FILE, JobQueue
+from hsmla_med.serve.routing import choose_route, series_line
+from hsmla_med.serve.spool import Refused, Spool, instances
+from hsmla_med.serve.worker import Worker, load_models, run_job
+
+__all__ = ["Node", "LOCK_FILE", "server_context", "client_context"]
+
+log = logging.getLogger("hsmla_med")
+
+LOCK_FILE = "node.lock"
+# association rejection: permanent, by the service user, calling AE title not recognised (PS3.8 9.3.4)
+_REJECTED, _SERVICE_USER, _CALLING_AE_NOT_RECOGNISED = 0x01, 0x01, 0x03
+
+
+def server_context(tls) -> ssl.SSLContext:
+    """TLS on the node's port: its certificate, and a certificate signed by ``tls.ca`` required of every peer."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(tls.ca))
+    context.load_cert_chain(str(tls.certificate), str(tls.key))
+    context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def client_context(tls) -> ssl.SSLContext:
+    """TLS towards a destination: the node's certificate, the peer's checked against ``tls.ca`` and its host name."""
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(tls.ca))
+    context.load_cert_chain(str(tls.certificate), str(tls.key))
+    return context
+
+
+class Node:
+    """A running DICOM node of ``config`` (:meth:`start`, then :meth:`stop`)."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.spool = Spool(config.spool)
+        self.stopping = threading.Event()
+        self.server = None
+        self.workers: list[Worker] = []
+        self._threads: list[threading.Thread] = []
+        self._lock_fd: int | None = None
+        self._unrouted: dict = {}  # series folder -> the time it was found without a route (logged once per change)
+        self.queue: JobQueue | None = None
+        self.models: dict = {}
+        self._client_tls = None
+
+    def _lock(self) -> None:
+        import fcntl
+
+        self.config.spool.mkdir(parents=True, exist_ok=True)
+        path = self.config.spool / LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise InputError(f"spool {self.config.spool}: another node runs with it (pid {path.read_text().strip() or '?'})") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._lock_fd = fd
+
+    def start(self) -> None:
+        """Take the spool, recover what a killed node left, load the models, listen, and start
+        the scheduler and the workers."""
+        from pynetdicom import AE, ALL_TRANSFER_SYNTAXES, evt
+        from pynetdicom.presentation import AllStoragePresentationContexts
+        from pynetdicom.sop_class import Verification
+
+        config = self.config
+        self._lock()
+        self.spool.prepare()
+        self.queue = JobQueue(config.spool / QUEUE_FILE)
+        requeued = self.queue.requeue_running()
+        recovered = self.spool.recover(self.queue.folders())
+        if requeued or recovered:
+            log.info("spool %s: %d job(s) of an interrupted node queued again, %d series returned to the spool", config.spool, requeued, recovered)
+        self.models = load_models(config)
+        try:
+            server_tls = server_context(config.tls) if config.tls is not None else None
+            self._client_tls = client_context(config.tls) if config.tls is not None else None
+        except (ssl.SSLError, OSError) as err:
+            raise InputError(f"{config.source}: tls: cannot use the certificate, key and ca ({err})") from None
+        logging.getLogger("pynetdicom").setLevel(logging.CRITICAL)  # its lines repeat ours, per PDU; ours name the peer and the reason
+        # pydicom's warnings about odd values, per instance received or read: a refused instance
+        # has its one line with the reason, and hospital data would flood the log otherwise
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"pydicom(\.|$)")
+
+        ae = AE(ae_title=config.ae_title)
+        for context in AllStoragePresentationContexts:
+            ae.add_supported_context(context.abstract_syntax, ALL_TRANSFER_SYNTAXES)
+        ae.add_supported_context(Verification)
+        handlers = [(evt.EVT_REQUESTED, self._check_peer), (evt.EVT_C_ECHO, lambda event: 0x0000), (evt.EVT_C_STORE, self._store)]
+        try:
+            self.server = ae.start_server((config.bind, config.port), block=False, evt_handlers=handlers, ssl_context=server_tls)
+        except OSError as err:
+            raise InputError(f"{config.source}: port {config.port} on {config.bind}: cannot listen ({err.strerror or err})") from None
+        self._threads = [threading.Thread(target=self._schedule, name="hsmla-med-scheduler", daemon=True)]
+        self.workers = [Worker(i, self._run, self.queue, self.stopping) for i in range(config.workers)]
+        for thread in (*self._threads, *self.workers):
+            thread.start()
+        log.info("node %s listening on %s:%d%s: %d route(s), %d destination(s), %d worker(s); spool %s", config.ae_title, config.bind,
+                 config.port, " (TLS)" if config.tls else "", len(config.routes), len(config.destinations), config.workers, config.spool)
+
+    def _run(self, job) -> None:
+        run_job(job, self.models, self.config, self.spool, self.queue, self.stopping, self._client_tls)
+
+    def _check_peer(self, event) -> None:
+        """Refuse, before any negotiation, an association of a calling AE title and host the
+        configuration does not accept."""
+        assoc = event.assoc
+        calling = str(assoc.requestor.primitive.calling_ae_title).strip()
+        address = assoc.requestor.address
+        if not self.config.admits(calling, address):
+            log.warning("association from %r at %s refused: calling AE title not accepted from that host", calling, address)
+            assoc.acse.send_reject(_REJECTED, _SERVICE_USER, _CALLING_AE_NOT_RECOGNISED)
+            assoc.kill()  # as pynetdicom's own rejections: waits until the rejection is sent, then ends the association
+
+    def _store(self, event) -> int:
+        request = event.request
+        try:
+            path, _ = self.spool.store(event.encoded_dataset(), str(request.AffectedSOPClassUID), str(request.AffectedSOPInstanceUID))
+        except Refused as err:
+            log.warning("C-STORE from %s at %s of instance %.64s refused (status 0x%04X): %s", event.assoc.requestor.ae_title,
+                        event.assoc.requestor.address, request.AffectedSOPInstanceUID, err.status, err)
+            return err.status
+        return 0x0000
+
+    def _schedule(self) -> None:
+        tick = min(1.0, self.config.stable_after_s / 2)
+        while not self.stopping.wait(tick):
+            try:
+                self.queue_stable_series()
+            except Exception:  # a damaged folder must not stop the scheduling of the others
+                log.exception("scheduler")
+
+    def queue_stable_series(self) -> None:
+        """Each series that no instance reached for ``stable_after_s``: a job of the route that
+        takes it, or left in the spool (logged once per change) when none does."""
+        import pydicom
+
+        stable = self.spool.stable(self.config.stable_after_s)
+        self._unrouted = {folder: mtime for folder, mtime in stable if self._unrouted.get(folder) == mtime}  # forget those gone or changed
+        for folder, mtime in stable:
+            if self._unrouted.get(folder) == mtime:
+                continue
+            files = list(instances(folder))
+            ds = pydicom.dcmread(files[0], stop_before_pixels=True)
+            route = choose_route(self.config.routes, ds)
+            if route is None:
+                log.info("%s: no route takes it; left in the spool", series_line(ds))
+                self._unrouted[folder] = mtime
+                continue
+            token = self.spool.take(folder, mtime)
+            if token is None:
+                continue
+            self._unrouted.pop(folder, None)
+            job = self.queue.add(str(ds.StudyInstanceUID), str(ds.SeriesInstanceUID), str(ds.get("AccessionNumber") or ""), route.name, token,
+                                 len(files))
+            log.info("%s: %d instance(s) received, queued for route %s", job.line(), len(files), route.name)
+
+    def stop(self) -> None:
+        """Refuse new associations, end the running jobs within ``stop_grace_s`` or re-queue them."""
+        self.stopping.set()
+        if self.server is not None:
+            self.server.shutdown()
+            self.server = None
+        deadline = time.monotonic() + self.config.stop_grace_s
+        for thread in (*self._threads, *self.workers):
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        # this node's jobs that did not end (past the grace, or stopped between sending attempts);
+        # a worker still predicting past the grace cannot end its job after this (it is no longer
+        # running), and what it sends meanwhile is sent again with the same UIDs at the next start
+        requeued = self.queue.requeue_running() if self.queue is not None else 0
+        if requeued:
+            log.info("stopped with %d job(s) not done: queued again for the next start", requeued)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        log.info("node %s stopped", self.config.ae_title)

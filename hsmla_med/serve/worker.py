@@ -1,0 +1,172 @@
+"""Running a job: the route's model predicts on the job's series (the task's ``predict``, as
+``infer --output-format dicom-seg`` does), the route's burned-in series is drawn from the SEG
+(:mod:`.capture`), then each result goes to each destination that has not received it yet.
+
+The models are loaded once, when the node starts (a bad checkpoint stops the start, naming its
+route), and shared by the worker threads; a module holds the settings of the prediction it runs,
+so one route's model runs one prediction at a time (its lock), while other routes' and the
+sending of finished jobs go on beside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from hsmla_med.errors import ConfigError, InputError, find_input_error
+from hsmla_med.serve.config import NodeConfig, Route
+from hsmla_med.serve.queue import Job, JobQueue
+from hsmla_med.serve.send import SendError, Stopped, send_files
+from hsmla_med.serve.spool import BURNED_IN, OUTPUT, SERIES, Spool
+
+__all__ = ["Model", "load_models", "run_job", "Worker", "POLL_S"]
+
+log = logging.getLogger("hsmla_med")
+
+POLL_S = 0.5  # how often an idle worker looks for a job (another process may queue one: serve retry)
+
+
+@dataclass
+class Model:
+    """A route's loaded model and the options of its predictions."""
+
+    route: Route
+    task: object
+    module: object
+    options: object
+    lock: threading.Lock
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device {name}: no CUDA device on this machine; use device: cpu or auto")
+    return name
+
+
+def load_models(config: NodeConfig) -> dict[str, Model]:
+    """Each route's model, by route name, with the options ``infer`` would use for it (the
+    post-processing beside its checkpoint, as ``infer`` finds it); :class:`ConfigError` naming
+    the route for a checkpoint that cannot serve it."""
+    from hsmla_med.engine.checkpoint import written_task
+    from hsmla_med.pipelines import get_task
+    from hsmla_med.pipelines.task import InferenceOptions
+
+    device = _device(config.device)
+    models = {}
+    for i, route in enumerate(config.routes):
+        where = f"{config.source}: routes[{i}] ({route.name})"
+        try:
+            name = route.task or written_task(route.checkpoint)
+            if name is None:
+                raise ConfigError(f"checkpoint {route.checkpoint} does not record its task; give the route's task")
+            task = get_task(name)
+            unsupported = [f for f in route.output_formats if f not in task.card.output_formats]
+            if unsupported:
+                raise ConfigError(f"output_formats {', '.join(unsupported)}: task {task.name} does not write them")
+            module, _ = task.load(route.checkpoint)
+            declared = task.inference_values({}, [route.checkpoint], lambda line: log.info("route %s: %s", route.name, line))
+        except InputError as err:
+            raise ConfigError(f"{where}: {err}") from None
+        options = InferenceOptions(device=device, output_formats=route.output_formats, progress=lambda _: None, **declared)
+        models[route.name] = Model(route, task, module, options, threading.Lock())
+        log.info("route %s: %s model %s on %s", route.name, task.name, route.checkpoint, device)
+    return models
+
+
+def _sop_uid(path: Path) -> str:
+    import pydicom
+
+    return str(pydicom.dcmread(path, stop_before_pixels=True).SOPInstanceUID)
+
+
+def _results(seg: Path, model: Model, job: Job, folder: Path) -> list[Path]:
+    """The files a job sends: its SEG, and with the route's ``burned_in`` the Secondary Capture
+    series drawn from it over the series' slices."""
+    from hsmla_med.io.dicom import find_series
+    from hsmla_med.serve.capture import write_burned_in
+
+    if not model.route.burned_in:
+        return [seg]
+    (series,) = [s for s in find_series(folder / SERIES) if s.uid == job.series_uid]
+    return [seg, *write_burned_in(seg, series.files, model.module.label_names, folder / BURNED_IN, job.folder)]
+
+
+def _send(job: Job, results: list[Path], config: NodeConfig, queue: JobQueue, stop: threading.Event, tls) -> None:
+    """Each result to each destination that has not stored it (deliveries are recorded one by one)."""
+    uids = {path: _sop_uid(path) for path in results}
+    for destination in config.destinations:
+        todo = [path for path in results if not queue.delivered(job, destination.name, uids[path])]
+
+        def stored(path: Path, name: str = destination.name) -> None:
+            queue.record_delivery(job, name, uids[path])
+
+        if todo:
+            send_files(todo, destination, config.ae_title, config.retry, stop, tls if destination.tls else None, stored)
+
+
+def run_job(job: Job, models: dict[str, Model], config: NodeConfig, spool: Spool, queue: JobQueue, stop: threading.Event,
+            tls=None) -> None:
+    """Predict and send one claimed job, and record how it ended: ``sent`` (its folder then
+    removed), ``failed`` with the reason (its folder kept for ``serve retry``), or, when the node
+    stops while it waits to send again, still running (the stop re-queues it)."""
+    from hsmla_med.io.dicom_seg import SEG_SUFFIX
+
+    started = time.perf_counter()
+    log.info("%s: route %s, attempt %d", job.line(), job.route, job.attempts)
+    try:
+        model = models.get(job.route)
+        if model is None:
+            raise InputError(f"route {job.route!r} is not in {config.source} any more")
+        folder = spool.job_folder(job.folder)
+        if not (folder / SERIES).is_dir():
+            raise InputError(f"its series folder {folder / SERIES} is gone")
+        with model.lock:
+            written = model.task.predict(model.module, folder / SERIES, folder / OUTPUT, replace(model.options, series_uid=job.series_uid))
+        seg = next((p for p in written if p.name.endswith(SEG_SUFFIX)), None)
+        if seg is None:
+            result = "no foreground class predicted: no SEG to send"
+        else:
+            uid = _sop_uid(seg)
+            queue.set_seg(job, uid)
+            results = _results(seg, model, job, folder)
+            _send(job, results, config, queue, stop, tls)
+            burned = f" and {len(results) - 1} burned-in image(s)" if len(results) > 1 else ""
+            result = f"SEG {uid}{burned} sent to {', '.join(d.name for d in config.destinations)}"
+        if queue.finish(job, "sent", result=result):
+            spool.remove(job.folder)
+        log.info("%s: %s (%.1f s)", job.line(), result, time.perf_counter() - started)
+    except Stopped:
+        log.info("%s: stopped while waiting to send again; it runs again at the next start", job.line())
+    except SendError as err:
+        queue.finish(job, "failed", error=str(err))
+        log.warning("%s: failed: %s", job.line(), err)
+    except Exception as err:  # one job's failure (a damaged series, a bug) must not end the node
+        problem = find_input_error(err)
+        if problem is None:
+            log.exception("%s: failed", job.line())
+        else:
+            log.warning("%s: failed: %s", job.line(), problem)
+        queue.finish(job, "failed", error=str(problem) if problem is not None else f"{type(err).__name__}: {err}")
+
+
+class Worker(threading.Thread):
+    """A thread that claims jobs and runs them until the node stops."""
+
+    def __init__(self, number: int, run, queue: JobQueue, stop: threading.Event) -> None:
+        super().__init__(name=f"hsmla-med-worker-{number}", daemon=True)  # daemon: a stop past its grace does not wait for it
+        self._run_job, self._queue, self._stopping = run, queue, stop
+
+    def run(self) -> None:
+        while not self._stopping.is_set():
+            job = self._queue.claim()
+            if job is None:
+                self._stopping.wait(POLL_S)
+                continue
+            self._run_job(job)
