@@ -312,6 +312,7 @@ def infer(
     _output_formats(items, output, options.output_formats)
     # once: the weights' sha256 in every SEG's algorithm identification
     algorithm = model_record(module) if any(f.needs_series for item in items for f in item["formats"]) else None
+    seg_uids = _seg_uids(items, options.seg_uids) if options.seg_uids else {}
 
     def write(case: dict) -> list[Path]:
         source = Path(case["source"])
@@ -334,7 +335,8 @@ def infer(
             written.append(NIFTI.write_map(uncertainty_map_path(output, case["name"]), uncertainty, reference))
             write_json(_row_path(output, case["name"]), case_row(case["name"], uncertainty, labels, affine, options.uncertainty_threshold))
         named = f"DICOM series {case['name']} ({source})" if "dicom_files" in case else source.name  # a series' folder is no case name
-        predicted = PredictedVolume(source, case["name"], reference, case.get("dicom_files"), module.label_names, algorithm)
+        predicted = PredictedVolume(source, case["name"], reference, case.get("dicom_files"), module.label_names, algorithm,
+                                    seg_uids.get(case["name"]))
         for fmt in case["formats"]:  # the last marks the case done
             path = fmt.write_prediction(output, labels, predicted)
             if path is None:
@@ -352,6 +354,25 @@ def infer(
         return [write_review_queue(output / REVIEW_QUEUE, rows)]
 
     return predict_cases(module, items, pre, write, options, finish=review_queue if options.uncertainty is not None else None, settings=inference)
+
+
+def _seg_uids(items: list[dict], given: dict[str, str]) -> dict[str, str]:
+    """The SEG UIDs of ``options.seg_uids`` (by Series Instance UID) by case name; a series of
+    a given UID found in several cases (copies in two folders) is refused: their SEGs would be
+    one object of that UID."""
+    import pydicom
+
+    found: dict[str, str] = {}
+    for item in items:
+        if "dicom_files" not in item:
+            continue
+        series = str(pydicom.dcmread(item["dicom_files"][0], stop_before_pixels=True).SeriesInstanceUID)
+        if series not in given:
+            continue
+        if given[series] in found.values():
+            raise InputError(f"series {series}: found in several cases; its one SEG UID would name several SEGs (give one folder of the series)")
+        found[item["name"]] = given[series]
+    return found
 
 
 def _row_path(output: Path, name: str) -> Path:

@@ -11,6 +11,7 @@ what it supports (docs/design.md §5.3 has a worked example).
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -159,6 +160,19 @@ def synthetic_root(data: dict, task: str, files: str, nature: str, generate: Cal
 _SHAPES_OUTPUTS = {"shapes_outputs": True}
 
 
+_UID = re.compile(r"(0|[1-9][0-9]*)(\.(0|[1-9][0-9]*))*")  # DICOM PS3.5 9.1: numbers without leading zeros, joined by dots
+
+
+def _check_seg_uids(seg_uids: Mapping[str, str]) -> None:
+    """SEG UIDs that DICOM takes (digits and dots, at most 64 characters), one per series: two
+    series' SEGs of one UID would be one object to a PACS, which keeps only one of them."""
+    bad = next((uid for uid in seg_uids.values() if not (isinstance(uid, str) and len(uid) <= 64 and _UID.fullmatch(uid))), None)
+    if bad is not None:
+        raise InputError(f"seg_uids: {bad!r} is no valid DICOM UID (digits and dots, at most 64 characters)")
+    if len(set(seg_uids.values())) < len(seg_uids):
+        raise InputError("seg_uids: one SOP Instance UID given to several series; each series' SEG needs its own")
+
+
 @dataclass(frozen=True)
 class InferenceOptions:
     """The options of one inference run, given as arguments rather than written into a
@@ -196,6 +210,10 @@ class InferenceOptions:
         series_rules: rules that pick the series of DICOM inputs by their attributes
             (:class:`~hsmla_med.io.dicom.SeriesRules`: MONAI Deploy's format), instead of the
             checkpoint's ``inference.series_selection``; ``series_uid`` overrides both.
+        seg_uids: the SOP Instance UID of the DICOM SEG of a series, by the series' Series
+            Instance UID (series not named get new ones): a caller that records the SEG before
+            it exists (the DICOM node, when it queues a job) gets that object, also from a run
+            again. Not recorded as shaping the outputs: UIDs name the file's object, not its labels.
         uncertainty: also write a voxel-wise uncertainty map of each volume and the run's review
             queue (tasks whose card declares the kind, :attr:`~hsmla_med.pipelines.TaskCard.uncertainty`):
             ``entropy`` or ``mutual-information``
@@ -233,6 +251,7 @@ class InferenceOptions:
     overwrite: bool = False
     series_uid: str | None = None
     series_rules: dict | list | None = None
+    seg_uids: Mapping[str, str] = field(default_factory=dict)
     uncertainty: str | None = field(default=None, metadata=_SHAPES_OUTPUTS)
     uncertainty_threshold: float = field(default=DEFAULT_THRESHOLD, metadata=_SHAPES_OUTPUTS)
     extra: Mapping[str, Any] = field(default_factory=dict, metadata=_SHAPES_OUTPUTS)
@@ -256,6 +275,8 @@ class InferenceOptions:
             raise InputError(f"--num-workers must be >= 0, got {self.num_workers}")
         for name in self.output_formats:
             output_format(name)
+        if self.seg_uids:
+            _check_seg_uids(self.seg_uids)
         if self.uncertainty is not None and self.uncertainty not in UNCERTAINTY_KINDS:
             raise InputError(f"--uncertainty must be one of {', '.join(UNCERTAINTY_KINDS)}, got {self.uncertainty!r}")
         if not 0.0 <= self.uncertainty_threshold < 1.0:

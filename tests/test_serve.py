@@ -279,13 +279,15 @@ def test_result_for_a_destination_that_is_down_is_delivered_once_when_it_is_back
     assert len(seg["Instances"]) == 1
     done = queue.job(job.id)
     assert done.attempts == 2 and queue.deliveries(job.id) == [("pacs", done.seg_uid)]
-    # the SEG written before the outage is the one delivered, not a new prediction
+    # the SEG written before the outage is the one delivered, with the UID the job got when it was queued
+    assert done.seg_uid == job.seg_uid == queue.job(job.id).seg_uid
     assert pacs.get(f"/instances/{seg['Instances'][0]}/simplified-tags")["SOPInstanceUID"] == done.seg_uid
 
 
 def test_node_killed_during_a_job_sends_exactly_one_seg_after_restart(setup, tmp_path):
     """kill -9 while a job runs (predicting or sending); the restarted node runs it again and
-    Orthanc holds one SEG: a SEG written before the kill is sent as it is, with its UID."""
+    Orthanc holds one SEG, of the UID the job got when it was queued (whether the SEG was
+    written before the kill, and sent as it is, or predicted again)."""
     pacs, queue = setup["pacs"], _queue(setup)
     files = ct_series(tmp_path / "series", seed=7, BodyPartExamined="ABDOMEN")
     uid = pydicom.dcmread(files[0], stop_before_pixels=True).SeriesInstanceUID
@@ -303,6 +305,7 @@ def test_node_killed_during_a_job_sends_exactly_one_seg_after_restart(setup, tmp
     (seg,) = seg_series(pacs, study)
     assert len(seg["Instances"]) == 1
     assert queue.job(job.id).attempts == 2
+    assert pacs.get(f"/instances/{seg['Instances'][0]}/simplified-tags")["SOPInstanceUID"] == job.seg_uid == queue.job(job.id).seg_uid
 
 
 def test_dicomweb_destination_gets_the_seg_and_a_burned_in_series(setup, tmp_path, tiny_btcv_checkpoint):

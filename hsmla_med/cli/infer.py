@@ -9,6 +9,8 @@ from hsmla_med.cli.options import add_declared_options, add_prediction_options, 
 from hsmla_med.defaults import UNCERTAINTY_KINDS, UNCERTAINTY_THRESHOLD
 from hsmla_med.pipelines import CARDS, get_task, tasks_with
 
+SEND_AE_TITLE = "HSMLA_MED"  # the calling AE title of --send dimse:..., unless --send-ae-title
+
 
 def add_parser(sub) -> None:
     from hsmla_med.config import task_config
@@ -19,8 +21,16 @@ def add_parser(sub) -> None:
                    "network of hsmla-med export: model.ts or a bundle folder; several (the folds of cross-validate): their ensemble, the "
                    "mean of their class probabilities (float32) before the argmax (checkpoints of one task, label set, spatial dims and "
                    "data preparation)")
-    p.add_argument("--input", required=True, help="a file or a folder: " + "; ".join(f"{card.inputs} ({n})" for n, card in CARDS.items()))
+    p.add_argument("--input", required=True, help="a file or a folder: " + "; ".join(f"{card.inputs} ({n})" for n, card in CARDS.items())
+                   + "; or dicomweb:URL with --study: that study of a DICOMweb server (URL: the base of its /studies)")
     p.add_argument("--output", required=True, help="folder for the predictions")
+    p.add_argument("--study", metavar="UID", help="with --input dicomweb:URL: the study (StudyInstanceUID) to predict on; its series are "
+                   "found by QIDO-RS and retrieved by WADO-RS into OUTPUT/<Study>/<Series>/ first, then chosen as in a folder "
+                   "(--series-uid, --series-rules or the checkpoint's series selection)")
+    p.add_argument("--send", action="append", metavar="DEST", help="with --output-format dicom-seg: store the DICOM SEG results at "
+                   "dicomweb:URL (STOW-RS) or dimse:AETITLE@HOST:PORT (C-STORE), each tried 3 times; repeat it for several")
+    p.add_argument("--send-ae-title", default=SEND_AE_TITLE, metavar="AET", help=f"with --send dimse:...: the calling AE title "
+                   f"(default {SEND_AE_TITLE}), the one the destination must accept")
     p.add_argument("--tta", action="store_true", help="mirroring test-time augmentation")
     overlaps = ", ".join(f"{n} {c['inference']['overlap']}" for n in CARDS if "overlap" in (c := task_config(n))["inference"])
     p.add_argument("--overlap", type=float, help=f"sliding-window overlap in [0, 1) (default: the checkpoint's; as trained by default: {overlaps})")
@@ -55,6 +65,57 @@ def output_formats(given: list[str] | None, task) -> tuple[str, ...]:
     return formats
 
 
+def destinations(args, task, formats: tuple[str, ...]) -> list:
+    """The ``--send`` destinations (:class:`~hsmla_med.serve.config.Destination`), refused for
+    a run that writes no DICOM SEG."""
+    from hsmla_med.errors import InputError
+    from hsmla_med.serve.config import SEG_FORMAT
+    from hsmla_med.serve.dicomweb import destination
+
+    if not args.send:
+        return []
+    if SEG_FORMAT not in task.card.output_formats:
+        raise InputError(f"--send: task {task.name} writes no DICOM results to send (DICOM SEG: --task {', '.join(tasks_with('output_formats', SEG_FORMAT))})")
+    if SEG_FORMAT not in formats:
+        raise InputError(f"--send: sends the DICOM SEG results; add --output-format {SEG_FORMAT}")
+    return [destination(value) for value in args.send]
+
+
+def send(written: list, targets: list, calling_ae: str) -> None:
+    """The SEGs among ``written`` to each destination; a destination that did not store them
+    after its attempts is one :class:`InputError` line naming it."""
+    import threading
+
+    from hsmla_med.errors import InputError
+    from hsmla_med.io.dicom_seg import SEG_SUFFIX
+    from hsmla_med.serve.config import Retry
+    from hsmla_med.serve.send import SendError, send_files
+
+    segs = [p for p in written if p.name.endswith(SEG_SUFFIX)]
+    if not segs:
+        report("--send: no DICOM SEG written (no foreground class predicted): nothing sent")
+        return
+    for target in targets:
+        try:
+            send_files(segs, target, calling_ae, Retry(), threading.Event())
+        except SendError as err:
+            raise InputError(f"--send {err}") from None
+        report(f"{len(segs)} DICOM SEG(s) sent to {target.name}")
+
+
+def study_url(args) -> str | None:
+    """The DICOMweb server's base URL of ``--input dicomweb:URL`` (with ``--study``), ``None``
+    for a file or folder input."""
+    from hsmla_med.errors import InputError
+    from hsmla_med.serve.dicomweb import DICOMWEB, dicomweb_url
+
+    web = args.input.startswith(DICOMWEB)
+    if web != (args.study is not None):
+        raise InputError("--input dicomweb:URL needs --study UID, the study to retrieve" if web else
+                         "--study: only with --input dicomweb:URL (a DICOMweb server's study); a folder is read as it is")
+    return dicomweb_url(args.input, "--input") if web else None
+
+
 def run(args, invocation: Invocation) -> list:
     from hsmla_med.errors import InputError
 
@@ -63,13 +124,22 @@ def run(args, invocation: Invocation) -> list:
     formats = output_formats(args.output_format, task)
     if args.uncertainty is not None and args.uncertainty not in task.card.uncertainty:
         raise InputError(f"--uncertainty: only --task {', '.join(tasks_with('uncertainty', args.uncertainty))} writes uncertainty maps, not {task.name}")
+    targets = destinations(args, task, formats)
+    url = study_url(args)
     declared = task.inference_values(declared_values(args, "infer", task.name), args.checkpoint, report)
     options = prediction_options(args, output_formats=formats, uncertainty=args.uncertainty, uncertainty_threshold=args.uncertainty_threshold, **declared)
-    apart(args.input, args.output, "--input")
+    if url is None:
+        apart(args.input, args.output, "--input")
     output = invocation.writable_folder(args.output, "--output")
+    inputs = args.input
+    if url is not None:
+        from hsmla_med.serve.dicomweb import pull_study
+
+        inputs = pull_study(url, args.study, output, report)
     module, _ = task.load(args.checkpoint)
     started = time.perf_counter()
-    written = task.predict(module, args.input, output, options)
+    written = task.predict(module, inputs, output, options)
     report(f"{len(written)} output file(s) in {output} ({time.perf_counter() - started:.1f} s): "
            + ", ".join(p.name for p in written[:3]) + (", ..." if len(written) > 3 else ""))
+    send(written, targets, args.send_ae_title)
     return written

@@ -41,6 +41,7 @@ SEG_SUFFIX = ".seg.dcm"  # infer's output name: <case>.seg.dcm beside <case>.nii
 # from the first source; anonymised exports often drop them, so absent ones are set empty there
 _TYPE2_COPIED = ("PatientName", "PatientID", "PatientBirthDate", "PatientSex", "AccessionNumber", "StudyID", "StudyDate", "StudyTime",
                  "ReferringPhysicianName")
+_UID = re.compile(r"(0|[1-9][0-9]*)(\.(0|[1-9][0-9]*))*")  # DICOM PS3.5 9.1: numbers without leading zeros, joined by dots
 _SERIES_NUMBER = 300  # not a source series' number in the usual CT exports (1..20); viewers sort by it
 
 # normalised class name -> (pydicom codes.SCT keyword of the type, laterality keyword or None);
@@ -143,7 +144,7 @@ def _check_order(datasets: list) -> None:
 
 
 def write_seg(labels: np.ndarray, source_files: Sequence[str | Path], label_names: Sequence[str], output_path: str | Path,
-              algorithm: dict) -> Path:
+              algorithm: dict, sop_instance_uid: str | None = None) -> Path:
     """Write ``labels`` as a BINARY DICOM SEG referencing the series of ``source_files``, atomically.
 
     Args:
@@ -153,6 +154,10 @@ def write_seg(labels: np.ndarray, source_files: Sequence[str | Path], label_name
         output_path: the ``.dcm`` file to write (folders are created).
         algorithm: the model's record (:func:`~hsmla_med.engine.prediction.model_record`:
             ``sha256``, ``checkpoint``), written as the Algorithm Identification.
+        sop_instance_uid: the SEG's SOP Instance UID, fixed by the caller before the SEG exists
+            (the DICOM node records it when it queues a job, so a job run again writes the same
+            object); its Series Instance UID then derives from it, so that both stay the same.
+            Default: new UIDs.
 
     One segment per foreground class present, numbered 1.. in class order (classes absent from
     ``labels`` are left out, as are frames without any segment). Returns ``output_path``.
@@ -175,6 +180,10 @@ def write_seg(labels: np.ndarray, source_files: Sequence[str | Path], label_name
         raise ValueError("no foreground class in the label map: a DICOM SEG needs at least one segment")
     if present[-1] >= len(label_names):
         raise ValueError(f"label value {present[-1]} has no name among {len(label_names)} label names")
+    if sop_instance_uid is not None and not (len(sop_instance_uid) <= 64 and _UID.fullmatch(sop_instance_uid)):
+        raise ValueError(f"{sop_instance_uid!r} is no valid DICOM UID (digits and dots, at most 64 characters)")
+    sop_uid = sop_instance_uid or generate_uid()
+    series_uid = generate_uid(entropy_srcs=[sop_uid, "SEG series"]) if sop_instance_uid else generate_uid()
     model = _algorithm(algorithm)
     segments = [_segment(i + 1, value, label_names[value], model) for i, value in enumerate(present)]
     numbers = np.zeros(present[-1] + 1, np.uint8 if len(present) < 256 else np.uint16)
@@ -182,7 +191,7 @@ def write_seg(labels: np.ndarray, source_files: Sequence[str | Path], label_name
     frames = np.ascontiguousarray(numbers[labels].transpose(2, 1, 0))  # (z, rows = y, columns = x)
     seg = hd.seg.Segmentation(
         source_images=datasets, pixel_array=frames, segmentation_type=hd.seg.SegmentationTypeValues.BINARY, segment_descriptions=segments,
-        series_instance_uid=generate_uid(), series_number=_SERIES_NUMBER, sop_instance_uid=generate_uid(), instance_number=1,
+        series_instance_uid=series_uid, series_number=_SERIES_NUMBER, sop_instance_uid=sop_uid, instance_number=1,
         manufacturer=ALGORITHM_NAME, manufacturer_model_name=ALGORITHM_NAME, software_versions=__version__, device_serial_number="none",
         content_label="HSMLA_MED", content_description=f"{ALGORITHM_NAME} segmentation", series_description=f"{ALGORITHM_NAME} segmentation",
         omit_empty_frames=True,

@@ -67,6 +67,7 @@ class PredictedVolume:
         label_names: class names by label value.
         algorithm: the model's record (``sha256``, ``checkpoint``), for formats that name the
             algorithm that made them (a DICOM SEG's Algorithm Identification).
+        seg_uid: the SOP Instance UID its DICOM SEG gets (``None``: a new one).
     """
 
     source: Path
@@ -75,6 +76,7 @@ class PredictedVolume:
     series: Sequence[Path] | None = None
     label_names: Sequence[str] = ()
     algorithm: dict | None = None
+    seg_uid: str | None = None
 
 
 class VolumeFormat:
@@ -313,7 +315,7 @@ class DicomSeg(VolumeFormat):
         return read_seg(path, series, label_names), self.grid(series)[1]
 
     def write_labels(self, path: Path, labels: np.ndarray, reference: Sequence[str | Path], label_names: Sequence[str],
-                     algorithm: dict) -> Path:
+                     algorithm: dict, sop_instance_uid: str | None = None) -> Path:
         """Write ``labels`` as a SEG referencing a series, atomically
         (:func:`~hsmla_med.io.dicom_seg.write_seg`).
 
@@ -323,15 +325,17 @@ class DicomSeg(VolumeFormat):
             reference: the series' files, sorted along the slice normal.
             label_names: class names by label value, the segments' labels.
             algorithm: the model's record (``sha256``, ``checkpoint``), the SEG's Algorithm Identification.
+            sop_instance_uid: the SEG's SOP Instance UID (``None``: a new one).
         """
-        return write_seg(labels, reference, label_names, path, algorithm)
+        return write_seg(labels, reference, label_names, path, algorithm, sop_instance_uid)
 
     def write_prediction(self, folder: Path, labels: np.ndarray, case: PredictedVolume) -> Path | None:
         """The case's SEG referencing its series; none for a label map without foreground (a SEG
         holds at least one segment)."""
         if not labels.any():
             return None
-        return self.write_labels(prediction_path(folder, case.source, case.name, self), labels, case.series, case.label_names, case.algorithm)
+        return self.write_labels(prediction_path(folder, case.source, case.name, self), labels, case.series, case.label_names, case.algorithm,
+                                 case.seg_uid)
 
 
 NIFTI, NIFTI_PAIR, METAIMAGE, NRRD, DICOM_SEG = Nifti(), NiftiPair(), MetaImage(), Nrrd(), DicomSeg()

@@ -50,7 +50,8 @@ class Route:
     expression that must match the whole attribute value, case-insensitively (a multi-valued
     attribute as its values joined with ``\\``; an absent one as ``""``). ``burned_in``: also send
     a Secondary Capture series of the slices with the labels drawn in (:mod:`.capture`), for
-    viewers that do not show a SEG."""
+    viewers that do not show a SEG. ``structured_report``: also send a DICOM SR (TID 1500) with
+    each segment's volume in mL (:mod:`.report`)."""
 
     name: str
     match: dict[str, re.Pattern]
@@ -58,6 +59,7 @@ class Route:
     task: str | None
     output_formats: tuple[str, ...]
     burned_in: bool = False
+    structured_report: bool = False
 
 
 @dataclass(frozen=True)
@@ -229,7 +231,8 @@ def _route(reader: _Reader, value: Any, key: str) -> Route:
     from hsmla_med.io.volumes import OUTPUT_FORMATS
     from hsmla_med.tasks import task_name
 
-    entry = reader.mapping(value, key, ("name", "match", "checkpoint", "task", "output_formats", "burned_in"), ("name", "match", "checkpoint"))
+    entry = reader.mapping(value, key, ("name", "match", "checkpoint", "task", "output_formats", "burned_in", "structured_report"),
+                           ("name", "match", "checkpoint"))
     task = None
     if entry.get("task") is not None:
         try:
@@ -244,7 +247,8 @@ def _route(reader: _Reader, value: Any, key: str) -> Route:
         raise reader.error(f"{key}.output_formats", f"must hold {SEG_FORMAT}: the node sends DICOM SEG results")
     return Route(reader.text(entry["name"], f"{key}.name"), _match(reader, entry["match"], f"{key}.match"),
                  reader.file(entry["checkpoint"], f"{key}.checkpoint"), task, tuple(dict.fromkeys(formats)),
-                 reader.flag(entry.get("burned_in", False), f"{key}.burned_in"))
+                 reader.flag(entry.get("burned_in", False), f"{key}.burned_in"),
+                 reader.flag(entry.get("structured_report", False), f"{key}.structured_report"))
 
 
 def _destination(reader: _Reader, value: Any, key: str) -> Destination:

@@ -6,10 +6,12 @@ A job is one series: ``received`` when its series is complete (moved into its fo
 ``last_error``). A worker takes a job by one ``UPDATE ... RETURNING`` statement, which SQLite
 runs atomically, so no job runs twice at once, across threads and processes. Each delivery of a
 result to a destination is recorded (``deliveries``), so that a job run again (after a restart
-or ``serve retry``) sends only what did not arrive. A job re-run after its SEG was written
-sends that same file (its folder is kept until the job is sent, and the prediction skips a case
-whose output exists): a destination that received it once and gets it again receives the same
-SOP Instance UID, which a PACS stores once.
+or ``serve retry``) sends only what did not arrive.
+
+The SOP Instance UID of a job's SEG (``seg_uid``) is chosen when the job is queued, before any
+prediction: a job run again writes (or, when the SEG was written before, sends that same file:
+its folder is kept until the job is sent, and the prediction skips a case whose output exists)
+an object of that UID, which a destination that received it once stores once.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ class Job:
     state: str
     attempts: int
     last_error: str | None
-    seg_uid: str | None
+    seg_uid: str  # the SOP Instance UID of its SEG, when one is written (no foreground predicted: none is)
     result: str | None
     created: float
     updated: float
@@ -91,6 +93,16 @@ class JobQueue:
             with self._db() as db:
                 db.execute("PRAGMA journal_mode=WAL")  # persistent: readers never block the node's writers
                 db.executescript(_SCHEMA)
+                self._choose_missing_seg_uids(db)
+
+    @staticmethod
+    def _choose_missing_seg_uids(db: sqlite3.Connection) -> None:
+        """A queue of a node that chose the SEG's UID when it wrote it: its jobs not sent yet
+        (none of which wrote a SEG, which recorded its UID at once) get theirs now."""
+        from pydicom.uid import generate_uid
+
+        for (job_id,) in db.execute("SELECT id FROM jobs WHERE seg_uid IS NULL AND state != 'sent'").fetchall():
+            db.execute("UPDATE jobs SET seg_uid = ? WHERE id = ?", (generate_uid(), job_id))
 
     @contextmanager
     def _db(self) -> Iterator[sqlite3.Connection]:
@@ -101,11 +113,14 @@ class JobQueue:
             yield db
 
     def add(self, study_uid: str, series_uid: str, accession: str, route: str, folder: str, instances: int) -> Job:
+        """A new ``received`` job, with the SOP Instance UID its SEG will have."""
+        from pydicom.uid import generate_uid
+
         now = time.time()
         with self._db() as db:
-            row = db.execute(f"INSERT INTO jobs (study_uid, series_uid, accession, route, folder, instances, state, created, updated) "
-                             f"VALUES (?, ?, ?, ?, ?, ?, 'received', ?, ?) RETURNING {_COLUMNS}",
-                             (study_uid, series_uid, accession, route, folder, instances, now, now)).fetchone()
+            row = db.execute(f"INSERT INTO jobs (study_uid, series_uid, accession, route, folder, instances, state, seg_uid, created, updated) "
+                             f"VALUES (?, ?, ?, ?, ?, ?, 'received', ?, ?, ?) RETURNING {_COLUMNS}",
+                             (study_uid, series_uid, accession, route, folder, instances, generate_uid(), now, now)).fetchone()
         return Job(*row)
 
     def claim(self) -> Job | None:
@@ -123,10 +138,6 @@ class JobQueue:
             changed = db.execute("UPDATE jobs SET state = ?, result = COALESCE(?, result), last_error = ?, updated = ? "
                                  "WHERE id = ? AND state = 'running'", (state, result, error, time.time(), job.id)).rowcount
         return changed == 1
-
-    def set_seg(self, job: Job, sop_uid: str) -> None:
-        with self._db() as db:
-            db.execute("UPDATE jobs SET seg_uid = ?, updated = ? WHERE id = ?", (sop_uid, time.time(), job.id))
 
     def delivered(self, job: Job, destination: str, sop_uid: str) -> bool:
         with self._db() as db:

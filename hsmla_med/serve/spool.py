@@ -1,8 +1,8 @@
 """What the node receives: each C-STORE instance is checked, then written atomically (and
 synced) to ``spool/<StudyInstanceUID>/<SeriesInstanceUID>/<SOPInstanceUID>.dcm``; a series folder
 that no instance changed for ``stable_after_s`` is moved whole into a job's folder,
-``spool/jobs/<token>/series``, where the prediction reads it and writes beside it (``out``, and
-``burned_in``).
+``spool/jobs/<token>/series``, where the prediction reads it and writes beside it (``out``,
+``burned_in`` and ``report``).
 
 An instance is refused, with a C-STORE failure status, when it cannot be read as DICOM, when its
 UIDs are missing, malformed or not those of the request, or when it holds no pixel data or less
@@ -44,6 +44,7 @@ JOBS = "jobs"
 SERIES = "series"  # a job's input folder
 OUTPUT = "out"  # a job's prediction folder
 BURNED_IN = "burned_in"  # a job's Secondary Capture series (apart from the prediction's folder, which records its own outputs)
+REPORT = "report"  # a job's structured report (apart from the prediction's folder, as BURNED_IN)
 
 
 def is_uid(value: object) -> bool:

@@ -1,6 +1,7 @@
 """Running a job: the route's model predicts on the job's series (the task's ``predict``, as
-``infer --output-format dicom-seg`` does), the route's burned-in series is drawn from the SEG
-(:mod:`.capture`), then each result goes to each destination that has not received it yet.
+``infer --output-format dicom-seg`` does, the SEG's UID the one the job got when queued), the
+route's structured report (:mod:`.report`) and burned-in series (:mod:`.capture`) are made from
+the SEG, then each result goes to each destination that has not received it yet.
 
 The models are loaded once, when the node starts (a bad checkpoint stops the start, naming its
 route), and shared by the worker threads; a module holds the settings of the prediction it runs,
@@ -20,7 +21,7 @@ from hsmla_med.errors import ConfigError, InputError, find_input_error
 from hsmla_med.serve.config import NodeConfig, Route
 from hsmla_med.serve.queue import Job, JobQueue
 from hsmla_med.serve.send import SendError, Stopped, send_files
-from hsmla_med.serve.spool import BURNED_IN, OUTPUT, SERIES, Spool
+from hsmla_med.serve.spool import BURNED_IN, OUTPUT, REPORT, SERIES, Spool
 
 __all__ = ["Model", "load_models", "run_job", "Worker", "POLL_S"]
 
@@ -87,15 +88,23 @@ def _sop_uid(path: Path) -> str:
 
 
 def _results(seg: Path, model: Model, job: Job, folder: Path) -> list[Path]:
-    """The files a job sends: its SEG, and with the route's ``burned_in`` the Secondary Capture
-    series drawn from it over the series' slices."""
+    """The files a job sends: its SEG, with the route's ``structured_report`` the report of its
+    segments' volumes, and with its ``burned_in`` the Secondary Capture series drawn from it over
+    the series' slices."""
     from hsmla_med.io.dicom import find_series
     from hsmla_med.serve.capture import write_burned_in
+    from hsmla_med.serve.report import REPORT_NAME, write_volume_report
 
-    if not model.route.burned_in:
+    route = model.route
+    if not (route.burned_in or route.structured_report):
         return [seg]
     (series,) = [s for s in find_series(folder / SERIES) if s.uid == job.series_uid]
-    return [seg, *write_burned_in(seg, series.files, model.module.label_names, folder / BURNED_IN, job.folder)]
+    results = [seg]
+    if route.structured_report:
+        results.append(write_volume_report(seg, series.files, folder / REPORT / REPORT_NAME))
+    if route.burned_in:
+        results += write_burned_in(seg, series.files, model.module.label_names, folder / BURNED_IN, job.folder)
+    return results
 
 
 def _send(job: Job, results: list[Path], config: NodeConfig, queue: JobQueue, stop: threading.Event, tls) -> None:
@@ -128,17 +137,16 @@ def run_job(job: Job, models: dict[str, Model], config: NodeConfig, spool: Spool
         if not (folder / SERIES).is_dir():
             raise InputError(f"its series folder {folder / SERIES} is gone")
         with model.lock:
-            written = model.task.predict(model.module, folder / SERIES, folder / OUTPUT, replace(model.options, series_uid=job.series_uid))
+            written = model.task.predict(model.module, folder / SERIES, folder / OUTPUT,
+                                         replace(model.options, series_uid=job.series_uid, seg_uids={job.series_uid: job.seg_uid}))
         seg = next((p for p in written if p.name.endswith(SEG_SUFFIX)), None)
         if seg is None:
             result = "no foreground class predicted: no SEG to send"
         else:
-            uid = _sop_uid(seg)
-            queue.set_seg(job, uid)
             results = _results(seg, model, job, folder)
             _send(job, results, config, queue, stop, tls)
-            burned = f" and {len(results) - 1} burned-in image(s)" if len(results) > 1 else ""
-            result = f"SEG {uid}{burned} sent to {', '.join(d.name for d in config.destinations)}"
+            others = f" and {len(results) - 1} more result(s)" if len(results) > 1 else ""
+            result = f"SEG {job.seg_uid}{others} sent to {', '.join(d.name for d in config.destinations)}"
         if queue.finish(job, "sent", result=result):
             spool.remove(job.folder)
         log.info("%s: %s (%.1f s)", job.line(), result, time.perf_counter() - started)
