@@ -141,5 +141,6 @@ def run(args, invocation: Invocation) -> list:
     written = task.predict(module, inputs, output, options)
     report(f"{len(written)} output file(s) in {output} ({time.perf_counter() - started:.1f} s): "
            + ", ".join(p.name for p in written[:3]) + (", ..." if len(written) > 3 else ""))
-    send(written, targets, args.send_ae_title)
+    if targets:
+        send(written, targets, args.send_ae_title)
     return written
