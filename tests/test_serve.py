@@ -216,6 +216,29 @@ def test_peers_the_configuration_does_not_name_are_refused_at_association(setup)
     assert echo(port) == 0
 
 
+def _listening_addresses(port: int) -> list[str]:
+    """The local addresses of the TCP sockets listening on ``port`` (Linux's /proc/net/tcp and
+    tcp6: the kernel's own table, whoever opened them)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                if len(address) == 8:  # IPv4, little-endian
+                    found.append(".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0)))
+                else:
+                    found.append(address)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").is_file(), reason="no /proc/net/tcp (not Linux)")
+def test_nothing_listens_beyond_the_configured_address(setup):
+    """The node's configuration names no bind address: it listens on 127.0.0.1 alone, not on
+    every interface (0.0.0.0), so another machine cannot reach it."""
+    assert _listening_addresses(setup["port"]) == ["127.0.0.1"]
+
+
 def _instance_file(tmp_path: Path, cut: int | None = None, garbage: bool = False, pixels: bool = True) -> tuple[Path, str]:
     """A CT instance's file: whole, its data set cut ``cut`` bytes short, or garbage after the file meta."""
     path = ct_series(tmp_path / f"bad-{cut}-{garbage}-{pixels}", seed=5)[0]
