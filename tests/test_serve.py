@@ -257,6 +257,34 @@ def _instance_file(tmp_path: Path, cut: int | None = None, garbage: bool = False
     return path, str(ds.SOPInstanceUID)
 
 
+def test_a_full_spool_refuses_with_out_of_resources_and_leaves_no_half_file(tmp_path, monkeypatch):
+    """The disk fills while an instance is written (the kernel's ENOSPC, raised where the write is
+    made durable): the C-STORE answer is 0xA700 (out of resources) naming the folder, and neither
+    the instance nor a temporary of it stays in the spool."""
+    import errno
+    import os
+
+    from hsmla_med.serve import spool as spool_module
+    from hsmla_med.serve.spool import OUT_OF_RESOURCES, Refused, Spool
+
+    path, uid = _instance_file(tmp_path)
+    ds = pydicom.dcmread(path)
+    spool = Spool(tmp_path / "spool")
+    spool.prepare()
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(spool_module.os, "fsync", full)
+    with pytest.raises(Refused) as refused:
+        spool.store(path.read_bytes(), ds.SOPClassUID, uid)
+    assert refused.value.status == OUT_OF_RESOURCES and "No space left on device" in str(refused.value)
+    assert [p for p in (tmp_path / "spool").rglob("*") if p.is_file()] == []
+    monkeypatch.undo()
+    stored, _ = spool.store(path.read_bytes(), ds.SOPClassUID, uid)  # space again: the same instance is taken
+    assert stored.read_bytes() == path.read_bytes()
+
+
 def test_damaged_instances_get_a_failure_status_and_the_node_goes_on(setup, tmp_path, monkeypatch):
     """Sent as their bytes (pynetdicom's chunked sending does not parse the file): a truncated
     instance, garbage after the file meta, and a CT instance without pixel data."""
