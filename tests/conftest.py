@@ -116,6 +116,25 @@ def dataset(tmp_path) -> Path:
     return make_dataset(tmp_path / "data")
 
 
+def modules_loaded_by(commands: list[list[str]], packages: set[str]) -> list[str]:
+    """What parsing ``hsmla-med COMMAND`` (each of ``commands``: ``--help``, or an argument error)
+    loads in a fresh interpreter: the names among ``packages`` it imported, and any task pipeline
+    (``hsmla_med.pipelines.NAME``), sorted; empty when it loaded none of them."""
+    import subprocess
+    import sys
+
+    code = ("import sys, contextlib, io\n"
+            "from hsmla_med.cli import build_parser\n"
+            "parser = build_parser()\n"
+            f"for argv in {commands!r}:\n"
+            "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+            "        parser.parse_args(argv)\n"
+            f"loaded = {{m.split('.')[0] for m in sys.modules}} & {set(packages)!r}\n"
+            "print(*sorted(loaded | {m for m in sys.modules if m.startswith('hsmla_med.pipelines.')}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return out.split()
+
+
 def cli_error(capsys, argv) -> str:
     """``hsmla-med ARGV`` must fail as the README promises: exit status 2, no traceback, exactly
     one ``hsmla-med: error:`` line, which is returned."""

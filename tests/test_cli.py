@@ -242,21 +242,10 @@ def test_monai_network_trains_evaluates_and_infers_through_the_pipeline(capsys, 
 
 def test_help_and_argument_errors_load_no_framework():
     """``hsmla-med --help`` and the parser load neither torch, MONAI, Lightning nor the task
-    pipelines (seconds of imports: --help took 6 s when it loaded them): a fresh interpreter builds the
-    parser and prints help with none of them in sys.modules."""
-    import subprocess
-    import sys
+    pipelines (seconds of imports: --help took 6 s when it loaded them)."""
+    from tests.conftest import modules_loaded_by
 
-    code = ("import sys, contextlib, io\n"
-            "from hsmla_med.cli import build_parser\n"
-            "p = build_parser()\n"
-            "for argv in (['--help'], ['infer', '--help'], ['train']):\n"
-            "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
-            "        p.parse_args(argv)\n"
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'monai', 'lightning', 'numpy'}),"
-            " sorted(m for m in sys.modules if m.startswith('hsmla_med.pipelines.')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[] []"
+    assert modules_loaded_by([["--help"], ["infer", "--help"], ["train"]], {"torch", "monai", "lightning", "numpy"}) == []
 
 
 def test_task_from_the_checkpoint_and_the_generic_task_name(capsys, tmp_path, tiny_btcv_checkpoint):

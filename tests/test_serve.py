@@ -509,10 +509,6 @@ def test_documented_node_configuration_is_valid(tmp_path, tiny_btcv_checkpoint):
 
 
 def test_serve_help_loads_no_framework():
-    code = ("import sys, contextlib, io\n"
-            "from hsmla_med.cli import main\n"
-            "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
-            "    main(['serve', '--help'])\n"
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'pynetdicom', 'pydicom', 'numpy', 'lightning'}))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    from tests.conftest import modules_loaded_by
+
+    assert modules_loaded_by([["serve", "--help"]], {"torch", "pynetdicom", "pydicom", "numpy", "lightning"}) == []

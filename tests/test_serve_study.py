@@ -113,16 +113,9 @@ def test_infer_refuses_bad_dicomweb_inputs_and_destinations_in_one_line(pacs, tm
 
 
 def test_infer_help_loads_no_dicom_networking():
-    import subprocess
-    import sys
+    from tests.conftest import modules_loaded_by
 
-    code = ("import sys, contextlib, io\n"
-            "from hsmla_med.cli import main\n"
-            "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
-            "    main(['infer', '--help'])\n"
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'pynetdicom', 'dicomweb_client', 'requests', 'pydicom', 'torch'}))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    assert modules_loaded_by([["infer", "--help"]], {"pynetdicom", "dicomweb_client", "requests", "pydicom", "torch"}) == []
 
 
 def _node(pacs: Orthanc, folder: Path, checkpoint: str, **route):
