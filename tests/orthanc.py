@@ -69,8 +69,13 @@ class Orthanc:
         self.stop()
         raise RuntimeError(f"Orthanc did not start in {timeout} s:\n" + self.log.read_text()[-3000:])
 
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
+    def stop(self, at_once: bool = False) -> None:
+        """Stop it: by SIGTERM, Orthanc's own shutdown (which may take seconds and keeps serving
+        meanwhile), or ``at_once`` by SIGKILL, an outage that starts the moment this returns."""
+        if self.process is not None and self.process.poll() is None and at_once:
+            self.process.kill()
+            self.process.wait()
+        elif self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:
                 self.process.wait(timeout=20)

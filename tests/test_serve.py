@@ -315,7 +315,9 @@ def test_result_for_a_destination_that_is_down_is_delivered_once_when_it_is_back
     files = ct_series(tmp_path / "series", seed=6, BodyPartExamined="ABDOMEN")
     uid = pydicom.dcmread(files[0], stop_before_pixels=True).SeriesInstanceUID
     study, _ = _push(pacs, files)
-    pacs.stop()  # before the series is stable in the node: down when the result is ready
+    # down at once, before the series is stable in the node: down when the result is ready (a
+    # SIGTERM shutdown kept accepting for seconds under load, and the SEG arrived)
+    pacs.stop(at_once=True)
     job = wait_for("failed job", lambda: next((j for j in queue.jobs("failed") if j.series_uid == uid), None), log=setup["node"].text)
     assert job.last_error.startswith("destination pacs (PACS@127.0.0.1:") and "(after 2 attempt(s))" in job.last_error
     assert queue.deliveries(job.id) == []
