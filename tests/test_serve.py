@@ -1,4 +1,4 @@
-"""``hsmla-med serve`` end to end against a real Orthanc (tests/orthanc.py), no mocks: a CT series
+"""``hsmla-med serve`` end to end against a real Orthanc (hsmla_med/bench/orthanc.py), no mocks: a CT series
 uploaded to Orthanc and pushed to the node comes back as a DICOM SEG in its study, equal to
 ``infer`` on the same series; peers the configuration does not name are refused at association;
 damaged instances get a failure status while the node goes on; a result that finds its
@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import io
 import shutil
-import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,7 +21,8 @@ import pydicom
 import pytest
 import yaml
 
-from tests.orthanc import MISSING, ORTHANC, Orthanc, free_port
+from hsmla_med.bench import orthanc
+from hsmla_med.bench.orthanc import MISSING, ORTHANC, Orthanc, free_port
 
 pytestmark = pytest.mark.skipif(not ORTHANC.exists(), reason=MISSING)
 
@@ -48,30 +47,11 @@ def ct_series(folder: Path, seed: int = 3, **attributes) -> list[Path]:
     return files
 
 
-class NodeProcess:
-    """``hsmla-med serve --config CONFIG`` in a process of its own, its output in ``log``."""
-
-    def __init__(self, config: Path, log: Path) -> None:
-        self.config, self.log = config, log
-        with log.open("a") as out:
-            self.process = subprocess.Popen([sys.executable, "-m", "hsmla_med.cli", "serve", "--config", str(config)], stdout=out,
-                                            stderr=subprocess.STDOUT)
-
-    def text(self) -> str:
-        return self.log.read_text()
+class NodeProcess(orthanc.NodeProcess):
+    """The node in a process of its own, ready when it answers this module's C-ECHO."""
 
     def wait_ready(self, port: int, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, f"the node ended:\n{self.text()}"
-            if "listening on" in self.text() and echo(port) == 0:
-                return
-            time.sleep(0.2)
-        raise AssertionError(f"the node did not answer C-ECHO in {timeout} s:\n{self.text()}")
-
-    def stop(self) -> int:
-        self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout=90)
+        super().wait_ready(port, NODE_AET, SCU_AET, timeout)
 
 
 def associate(port: int, calling: str = SCU_AET):
@@ -90,13 +70,7 @@ def associate(port: int, calling: str = SCU_AET):
 
 def echo(port: int, calling: str = SCU_AET) -> int | None:
     """The C-ECHO status, ``None`` without an association."""
-    assoc = associate(port, calling)
-    if not assoc.is_established:
-        return None
-    try:
-        return int(assoc.send_c_echo().Status)
-    finally:
-        assoc.release()
+    return orthanc.echo(port, NODE_AET, calling)
 
 
 def wait_for(what: str, check, timeout: float = 90, log=None, every: float = 0.25):
@@ -361,6 +335,53 @@ def test_node_killed_during_a_job_sends_exactly_one_seg_after_restart(setup, tmp
     assert pacs.get(f"/instances/{seg['Instances'][0]}/simplified-tags")["SOPInstanceUID"] == job.seg_uid == queue.job(job.id).seg_uid
 
 
+def test_series_still_arriving_when_the_node_is_killed_completes_after_the_restart(setup, tmp_path, tiny_btcv_checkpoint):
+    """Half a series stored, then kill -9 (the sender's association breaks); the node restarts
+    and the sender sends the series again: one job of the whole series, one SEG. The half in the
+    spool, older than ``stable_after_s`` by the time the node is back, is not taken for a whole
+    series: its time counts from the node's start."""
+    from hsmla_med.serve.queue import QUEUE_FILE, JobQueue
+
+    pacs = setup["pacs"]
+    port = free_port()
+    pacs.request("PUT", "/modalities/restarted", {"AET": NODE_AET, "Host": "127.0.0.1", "Port": port})
+    config = tmp_path / "node.yaml"
+    config.write_text(yaml.safe_dump({
+        "ae_title": NODE_AET, "port": port, "spool": "spool", "stable_after_s": 6, "accept": [{"ae_title": pacs.aet}, {"ae_title": SCU_AET}],
+        "routes": [{"name": "ct", "match": {"Modality": "CT"}, "checkpoint": tiny_btcv_checkpoint}],
+        "destinations": [{"name": "pacs", "type": "dimse", "ae_title": pacs.aet, "host": "127.0.0.1", "port": pacs.dicom_port}]}))
+    files = ct_series(tmp_path / "series", seed=10)
+    answers = pacs.upload(files)
+    study, series = answers[0]["ParentStudy"], answers[0]["ParentSeries"]
+    source = pydicom.dcmread(files[0], stop_before_pixels=True)
+    node = NodeProcess(config, tmp_path / "node.log")
+    try:
+        node.wait_ready(port)
+        assoc = associate(port)
+        assert assoc.is_established
+        try:
+            assert [int(assoc.send_c_store(f).Status) for f in files[:3]] == [0, 0, 0]
+        finally:
+            assoc.release()
+        node.process.kill()
+        node.process.wait()
+        time.sleep(6)  # the half in the spool is older than stable_after_s when the node is back
+        node = NodeProcess(config, tmp_path / "node-restarted.log")
+        node.wait_ready(port)
+        time.sleep(2)  # the sender tries again a while later, within stable_after_s of the restart
+        pacs.push("restarted", series)  # the whole series
+        queue = JobQueue(tmp_path / "spool" / QUEUE_FILE, create=False)
+        wait_for("sent job", lambda: queue.counts()["sent"] == 1, log=node.text)
+        time.sleep(1)  # a second job would have been queued by now (the scheduler looks every second)
+    finally:
+        node.process.kill()
+        node.process.wait()
+    (job,) = queue.jobs(limit=10)
+    assert (job.series_uid, job.instances, job.attempts) == (source.SeriesInstanceUID, len(files), 1)
+    (seg,) = seg_series(pacs, study)
+    assert [pacs.get(f"/instances/{i}/simplified-tags")["SOPInstanceUID"] for i in seg["Instances"]] == [job.seg_uid]
+
+
 def test_dicomweb_destination_gets_the_seg_and_a_burned_in_series(setup, tmp_path, tiny_btcv_checkpoint):
     """A node in this process, sending by STOW-RS to Orthanc's DICOMweb plugin, for a route with
     burned_in: Orthanc's study gets the SEG and a Secondary Capture series, one RGB image per
@@ -369,9 +390,8 @@ def test_dicomweb_destination_gets_the_seg_and_a_burned_in_series(setup, tmp_pat
     from hsmla_med.io.dicom_seg import read_seg
     from hsmla_med.serve.config import load_node_config
     from hsmla_med.serve.node import Node
-    from tests.orthanc import dicomweb_plugin
 
-    if dicomweb_plugin() is None:
+    if orthanc.dicomweb_plugin() is None:
         pytest.skip("Orthanc's DICOMweb plugin is not installed (apt-get install orthanc-dicomweb)")
     pacs, port = setup["pacs"], free_port()
     pacs.request("PUT", "/modalities/web", {"AET": "WEBNODE", "Host": "127.0.0.1", "Port": port})

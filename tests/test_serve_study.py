@@ -1,4 +1,4 @@
-"""The DICOM node's other deliverables against a real Orthanc (tests/orthanc.py), no mocks:
+"""The DICOM node's other deliverables against a real Orthanc (hsmla_med/bench/orthanc.py), no mocks:
 ``infer`` on one study pulled by DICOMweb (QIDO-RS, WADO-RS) with its SEG stored back (STOW-RS
 and C-STORE); a route's structured report of the volumes, read back from Orthanc by highdicom;
 many series queued at once, each delivered once. And the SEG UID that a caller fixes before the
@@ -14,7 +14,7 @@ import pydicom
 import pytest
 import yaml
 
-from tests.orthanc import MISSING, ORTHANC, Orthanc, dicomweb_plugin, free_port
+from hsmla_med.bench.orthanc import MISSING, ORTHANC, Orthanc, dicomweb_plugin, free_port
 from tests.test_serve import LABEL_NAMES, ct_series, seg_series, wait_for
 
 @pytest.fixture(scope="module")

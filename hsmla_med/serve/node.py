@@ -63,6 +63,7 @@ class Node:
         self.queue: JobQueue | None = None
         self.models: dict = {}
         self._client_tls = None
+        self._started = 0.0
 
     def _lock(self) -> None:
         import fcntl
@@ -95,6 +96,7 @@ class Node:
         if requeued or recovered:
             log.info("spool %s: %d job(s) of an interrupted node queued again, %d series returned to the spool", config.spool, requeued, recovered)
         self.models = load_models(config)
+        self._started = time.time()  # series in the spool from before: quiet only from now on (Spool.stable)
         try:
             server_tls = server_context(config.tls) if config.tls is not None else None
             self._client_tls = client_context(config.tls) if config.tls is not None else None
@@ -158,7 +160,7 @@ class Node:
         takes it, or left in the spool (logged once per change) when none does."""
         import pydicom
 
-        stable = self.spool.stable(self.config.stable_after_s)
+        stable = self.spool.stable(self.config.stable_after_s, since=self._started)
         self._unrouted = {folder: mtime for folder, mtime in stable if self._unrouted.get(folder) == mtime}  # forget those gone or changed
         for folder, mtime in stable:
             if self._unrouted.get(folder) == mtime:

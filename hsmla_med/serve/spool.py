@@ -143,15 +143,17 @@ class Spool:
         return [series for study in sorted(self.root.iterdir()) if study.is_dir() and is_uid(study.name)
                 for series in sorted(study.iterdir()) if series.is_dir() and is_uid(series.name)]
 
-    def stable(self, seconds: float) -> list[tuple[Path, float]]:
+    def stable(self, seconds: float, since: float = 0.0) -> list[tuple[Path, float]]:
         """The series folders (with their modification time) that no instance was written to
         for ``seconds``: a write creates a temporary and renames it, each changing the folder's
-        time, which survives a restart of the node."""
+        time, which survives a restart of the node. The quiet time counts from ``since`` at the
+        earliest (the node's start): a series that was arriving when a node stopped gets
+        ``seconds`` after the restart for its sender to resume, as if it had arrived then."""
         now = time.time()
         found = []
         for folder in self.series_folders():
             mtime = folder.stat().st_mtime
-            if now - mtime >= seconds and any(instances(folder)):
+            if now - max(mtime, since) >= seconds and any(instances(folder)):
                 found.append((folder, mtime))
         return found
 

@@ -1,13 +1,20 @@
-"""A real Orthanc PACS for the tests of the DICOM node: started from ``/usr/sbin/Orthanc`` with a
-configuration of its own (free localhost ports for HTTP and DICOM, storage in a test folder, its
-AE title, the node as a modality, the DICOMweb plugin when installed), stopped at teardown. Its
-REST API (stdlib urllib) uploads instances, pushes them to a modality and lists what it holds."""
+"""A real Orthanc PACS for the DICOM node's benchmark and tests: started from ``/usr/sbin/Orthanc``
+with a configuration of its own (free localhost ports for HTTP and DICOM, storage in a folder of
+the caller's, its AE title, the node as a modality, the DICOMweb plugin when installed), stopped
+by the caller. Its REST API (stdlib urllib) uploads instances, pushes them to a modality and lists
+what it holds. And the node itself as a hospital runs it: ``hsmla-med serve`` in a process of its
+own (:class:`NodeProcess`).
+
+Here rather than under tests/ because ``hsmla-med bench --only dicom-node`` (an installed
+package, without the tests) measures the node against the same Orthanc."""
 
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -112,3 +119,49 @@ class Orthanc:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(self.request("GET", f"/instances/{instance}/file"))
         return path
+
+
+def echo(port: int, node_aet: str, calling: str) -> int | None:
+    """The C-ECHO status of the node at ``port`` called by ``calling``; ``None`` without an association."""
+    from pynetdicom import AE
+    from pynetdicom.sop_class import Verification
+
+    ae = AE(ae_title=calling)
+    ae.acse_timeout = ae.dimse_timeout = ae.network_timeout = 10
+    ae.add_requested_context(Verification)
+    assoc = ae.associate("127.0.0.1", port, ae_title=node_aet)
+    if not assoc.is_established:
+        return None
+    try:
+        return int(assoc.send_c_echo().Status)
+    finally:
+        assoc.release()
+
+
+class NodeProcess:
+    """``hsmla-med serve --config CONFIG`` in a process of its own, its output in ``log``."""
+
+    def __init__(self, config: Path, log: Path, env: dict | None = None) -> None:
+        self.config, self.log = config, log
+        with log.open("a") as out:
+            self.process = subprocess.Popen([sys.executable, "-m", "hsmla_med.cli", "serve", "--config", str(config)], stdout=out,
+                                            stderr=subprocess.STDOUT, env=env)
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def wait_ready(self, port: int, node_aet: str, calling: str, timeout: float = 120) -> None:
+        """Until it logs that it listens and answers a C-ECHO of ``calling``; an error with its log if it ends or does not."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the node ended:\n{self.text()}")
+            if "listening on" in self.text() and echo(port, node_aet, calling) == 0:
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"the node did not answer C-ECHO in {timeout} s:\n{self.text()}")
+
+    def stop(self) -> int:
+        """SIGTERM, and its exit status."""
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=90)
