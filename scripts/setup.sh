@@ -14,6 +14,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 torch_pin=torch==2.13.0
+# timm's torchvision, built for that torch: from the CPU index with the CPU torch; elsewhere
+# pyproject's requirement takes PyPI's (a CUDA build, whose C++ operators hsmla-med does without:
+# hsmla_med/torchvision_ops.py)
+torchvision_pin=torchvision==0.28.0
 cpu_index=https://download.pytorch.org/whl/cpu
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 stamp=.venv/.hsmla-med-installed
@@ -36,7 +40,7 @@ install_torch() {
       # attempt fails in seconds and the package index's build is installed below
       # (its errors are not shown: pip says "no matching distribution" or "conflicting
       # dependencies" for an index it could not reach, the line below says what happens instead)
-      if .venv/bin/python -m pip install -q --retries 0 --timeout 15 --index-url "$cpu_index" "$torch_pin" >/dev/null 2>&1; then
+      if .venv/bin/python -m pip install -q --retries 0 --timeout 15 --index-url "$cpu_index" "$torch_pin" "$torchvision_pin" >/dev/null 2>&1; then
         return
       fi
       echo "hsmla-med setup: $why, but pip reaches no CPU build of $torch_pin (PyTorch's CPU index $cpu_index, pip's local wheels): installing the package index's build" ;;
