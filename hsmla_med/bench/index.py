@@ -98,5 +98,7 @@ BENCHMARKS: dict[str, Benchmark] = {
                         "hsmla_med.bench.census:main"),
     "scanner-shift": Benchmark("which part of the perturbed 'other scanner' MRI (geometry, bias field, noise) costs a checkpoint its Dice",
                                "hsmla_med.bench.scanner_shift:main"),
+    "dicom-node": Benchmark("a CT from Orthanc through hsmla-med serve to its DICOM SEG in Orthanc against infer, and 20 series queued",
+                            "hsmla_med.bench.dicom_node:main"),
     "monai-wsi": Benchmark("MONAI's WSIReader and MaskedPatchWSIDataset against hsmla-med's patch reader and grid", "hsmla_med.bench.monai_wsi:main"),
 }
