@@ -311,18 +311,40 @@ def test_result_for_a_destination_that_is_down_is_delivered_once_when_it_is_back
     assert pacs.get(f"/instances/{seg['Instances'][0]}/simplified-tags")["SOPInstanceUID"] == done.seg_uid
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux's /proc)."""
+    return [int(stat.parent.name) for stat in Path("/proc").glob("[0-9]*/stat") if _stat_fields(stat)[1] == str(pid)]
+
+
+def _stat_fields(stat: Path) -> list[str]:
+    """State and parent pid of a /proc/PID/stat (after the command name, which may hold spaces)."""
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[:2]
+    except (OSError, IndexError):
+        return ["", ""]
+
+
+def _state(pid: int) -> str:
+    return _stat_fields(Path(f"/proc/{pid}/stat"))[0]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="no /proc (not Linux)")
 def test_node_killed_during_a_job_sends_exactly_one_seg_after_restart(setup, tmp_path):
-    """kill -9 while a job runs (predicting or sending); the restarted node runs it again and
-    Orthanc holds one SEG, of the UID the job got when it was queued (whether the SEG was
-    written before the kill, and sent as it is, or predicted again)."""
+    """kill -9 while a job runs (predicting or sending): the worker process running it ends with
+    the node; the restarted node runs it again and Orthanc holds one SEG, of the UID the job got
+    when it was queued (whether the SEG was written before the kill, and sent as it is, or
+    predicted again)."""
     pacs, queue = setup["pacs"], _queue(setup)
     files = ct_series(tmp_path / "series", seed=7, BodyPartExamined="ABDOMEN")
     uid = pydicom.dcmread(files[0], stop_before_pixels=True).SeriesInstanceUID
     study, _ = _push(pacs, files)
     job = wait_for("running job", lambda: next((j for j in queue.jobs("running") if j.series_uid == uid), None), every=0.01,
                    log=setup["node"].text)
+    workers = _children(setup["node"].process.pid)
+    assert workers  # the worker process (and multiprocessing's resource tracker)
     setup["node"].process.kill()
     setup["node"].process.wait()
+    wait_for("the workers' end", lambda: not any(Path(f"/proc/{pid}").exists() and _state(pid) != "Z" for pid in workers), timeout=10)
     assert queue.job(job.id).state == "running"  # killed before it could end
 
     setup["node"] = NodeProcess(setup["config"], setup["root"] / "node-restarted.log")

@@ -118,17 +118,18 @@ def test_infer_help_loads_no_dicom_networking():
     assert modules_loaded_by([["infer", "--help"]], {"pynetdicom", "dicomweb_client", "requests", "pydicom", "torch"}) == []
 
 
-def _node(pacs: Orthanc, folder: Path, checkpoint: str, **route):
-    """A node in this process that Orthanc knows as modality ``node``, sending by STOW-RS to
-    Orthanc, its one route taking every CT series (with ``route``'s options)."""
+def _node(pacs: Orthanc, folder: Path, checkpoint: str, workers: int = 1, **route):
+    """A node in this process (its ``workers`` processes of their own) that Orthanc knows as
+    modality ``node``, sending by STOW-RS to Orthanc, its one route taking every CT series (with
+    ``route``'s options)."""
     from hsmla_med.serve.config import load_node_config
     from hsmla_med.serve.node import Node
 
     port = free_port()
     pacs.request("PUT", "/modalities/node", {"AET": "STUDYNODE", "Host": "127.0.0.1", "Port": port})
     (folder / "node.yaml").write_text(yaml.safe_dump({
-        "ae_title": "STUDYNODE", "port": port, "spool": "spool", "stable_after_s": 0.5, "accept": [{"ae_title": pacs.aet}],
-        "routes": [{"name": "ct", "match": {"Modality": "CT"}, "checkpoint": checkpoint, **route}],
+        "ae_title": "STUDYNODE", "port": port, "spool": "spool", "stable_after_s": 0.5, "workers": workers,
+        "accept": [{"ae_title": pacs.aet}], "routes": [{"name": "ct", "match": {"Modality": "CT"}, "checkpoint": checkpoint, **route}],
         "destinations": [{"type": "dicomweb", "name": "web", "url": f"{pacs.url}/dicom-web"}]}))
     node = Node(load_node_config(folder / "node.yaml"))
     node.start()
@@ -175,10 +176,10 @@ def test_structured_report_holds_each_segments_volume_in_ml(pacs, tmp_path, tiny
 N_SERIES = 20
 
 
-def test_many_series_queued_at_once_are_each_delivered_once(pacs, tmp_path, tiny_btcv_checkpoint):
-    """N_SERIES small series (8 slices of 32 x 32) pushed to the node at once, in one C-STORE
-    association: Orthanc ends with one SEG per series, each the UID of its job, and each job
-    ran once and was delivered once."""
+def test_many_series_queued_at_once_are_each_delivered_once(pacs, tmp_path, capfd, tiny_btcv_checkpoint):
+    """N_SERIES small series (8 slices of 32 x 32) pushed at once, in one C-STORE association, to
+    a node with two worker processes: Orthanc ends with one SEG per series, each the UID of its
+    job, each job ran once and was delivered once, and both workers ran jobs."""
     from hsmla_med.serve.queue import QUEUE_FILE, JobQueue
     from tests.conftest import phantom
     from tests.test_dicom_seg import write_series
@@ -190,7 +191,7 @@ def test_many_series_queued_at_once_are_each_delivered_once(pacs, tmp_path, tiny
     studies = sorted({a["ParentStudy"] for a in uploaded})
     series = sorted({a["ParentSeries"] for a in uploaded})
     assert len(series) == N_SERIES
-    node = _node(pacs, tmp_path, tiny_btcv_checkpoint)
+    node = _node(pacs, tmp_path, tiny_btcv_checkpoint, workers=2)
     started = time.monotonic()
     try:
         pacs.post("/modalities/node/store", {"Resources": series, "Synchronous": True})
@@ -207,4 +208,6 @@ def test_many_series_queued_at_once_are_each_delivered_once(pacs, tmp_path, tiny
               for study in studies for s in seg_series(pacs, study) for i in s["Instances"]]
     assert sorted(stored) == sorted(job.seg_uid for job in jobs)
     assert len({job.series_uid for job in jobs}) == N_SERIES
+    sent = [line for line in capfd.readouterr().err.splitlines() if " sent to web (" in line]
+    assert len(sent) == N_SERIES and {line.split("]")[0] for line in sent} == {"hsmla-med: [worker 0", "hsmla-med: [worker 1"}
     print(f"{N_SERIES} series predicted and delivered in {elapsed:.1f} s")

@@ -1,28 +1,31 @@
 """The node: a pynetdicom AE that answers C-ECHO and takes C-STORE (into the spool) from the
 calling AE titles and hosts of its configuration, a scheduler thread that turns each series that
-stopped growing into a job of the route that takes it, and worker threads that run the jobs.
+stopped growing into a job of the route that takes it, and worker processes that run the jobs
+(:func:`~hsmla_med.serve.worker.work`).
 
 One node per spool: it holds an exclusive lock on ``spool/node.lock`` while it runs (the kernel
-drops it when the process ends, however it ends), so a job found ``running`` at the start is one
-of a node that was killed, and runs again. A stop (:meth:`Node.stop`) refuses new associations,
-lets the running jobs end within ``stop_grace_s`` and re-queues those that did not.
+drops it when the process ends, however it ends, and its workers end with it), so a job found
+``running`` at the start is one of a node that was killed, and runs again. A stop
+(:meth:`Node.stop`) refuses new associations, lets the running jobs end within ``stop_grace_s``,
+ends the workers and re-queues the jobs that did not end.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
+import queue as queues
 import ssl
 import threading
 import time
-import warnings
 
-from hsmla_med.errors import InputError
+from hsmla_med.errors import ConfigError, InputError
 from hsmla_med.serve.config import NodeConfig
 from hsmla_med.serve.queue import QUEUE_FILE, JobQueue
 from hsmla_med.serve.routing import choose_route, series_line
 from hsmla_med.serve.spool import Refused, Spool, instances
-from hsmla_med.serve.worker import Worker, load_models, run_job
+from hsmla_med.serve.worker import quiet_pydicom, work
 
 __all__ = ["Node", "LOCK_FILE", "server_context", "client_context"]
 
@@ -56,13 +59,12 @@ class Node:
         self.spool = Spool(config.spool)
         self.stopping = threading.Event()
         self.server = None
-        self.workers: list[Worker] = []
+        self.workers: list = []  # multiprocessing's processes
+        self._stop_workers = None  # their stop event
         self._threads: list[threading.Thread] = []
         self._lock_fd: int | None = None
         self._unrouted: dict = {}  # series folder -> the time it was found without a route (logged once per change)
         self.queue: JobQueue | None = None
-        self.models: dict = {}
-        self._client_tls = None
         self._started = 0.0
 
     def _lock(self) -> None:
@@ -81,8 +83,8 @@ class Node:
         self._lock_fd = fd
 
     def start(self) -> None:
-        """Take the spool, recover what a killed node left, load the models, listen, and start
-        the scheduler and the workers."""
+        """Take the spool, recover what a killed node left, start the workers (each loads the
+        models), listen, and start the scheduler."""
         from pynetdicom import AE, ALL_TRANSFER_SYNTAXES, evt
         from pynetdicom.presentation import AllStoragePresentationContexts
         from pynetdicom.sop_class import Verification
@@ -95,17 +97,14 @@ class Node:
         recovered = self.spool.recover(self.queue.folders())
         if requeued or recovered:
             log.info("spool %s: %d job(s) of an interrupted node queued again, %d series returned to the spool", config.spool, requeued, recovered)
-        self.models = load_models(config)
-        self._started = time.time()  # series in the spool from before: quiet only from now on (Spool.stable)
         try:
             server_tls = server_context(config.tls) if config.tls is not None else None
-            self._client_tls = client_context(config.tls) if config.tls is not None else None
-        except (ssl.SSLError, OSError) as err:
+        except (ssl.SSLError, OSError) as err:  # (the same files make the workers' client context)
             raise InputError(f"{config.source}: tls: cannot use the certificate, key and ca ({err})") from None
+        self._start_workers()
+        self._started = time.time()  # series in the spool from before: quiet only from now on (Spool.stable)
         logging.getLogger("pynetdicom").setLevel(logging.CRITICAL)  # its lines repeat ours, per PDU; ours name the peer and the reason
-        # pydicom's warnings about odd values, per instance received or read: a refused instance
-        # has its one line with the reason, and hospital data would flood the log otherwise
-        warnings.filterwarnings("ignore", category=UserWarning, module=r"pydicom(\.|$)")
+        quiet_pydicom()
 
         ae = AE(ae_title=config.ae_title)
         for context in AllStoragePresentationContexts:
@@ -115,16 +114,35 @@ class Node:
         try:
             self.server = ae.start_server((config.bind, config.port), block=False, evt_handlers=handlers, ssl_context=server_tls)
         except OSError as err:
+            self.stop()
             raise InputError(f"{config.source}: port {config.port} on {config.bind}: cannot listen ({err.strerror or err})") from None
         self._threads = [threading.Thread(target=self._schedule, name="hsmla-med-scheduler", daemon=True)]
-        self.workers = [Worker(i, self._run, self.queue, self.stopping) for i in range(config.workers)]
-        for thread in (*self._threads, *self.workers):
+        for thread in self._threads:
             thread.start()
         log.info("node %s listening on %s:%d%s: %d route(s), %d destination(s), %d worker(s); spool %s", config.ae_title, config.bind,
                  config.port, " (TLS)" if config.tls else "", len(config.routes), len(config.destinations), config.workers, config.spool)
 
-    def _run(self, job) -> None:
-        run_job(job, self.models, self.config, self.spool, self.queue, self.stopping, self._client_tls)
+    def _start_workers(self) -> None:
+        """Start the worker processes and wait until each has its models; a ConfigError with the
+        first one's problem (a checkpoint that cannot serve its route, a missing GPU) stops them all."""
+        context = multiprocessing.get_context("spawn")  # torch and CUDA in a forked copy of a threaded process are unsafe
+        self._stop_workers, ready = context.Event(), context.Queue()
+        self.workers = [context.Process(target=work, args=(self.config, i, self._stop_workers, ready, os.getpid()), name=f"hsmla-med-worker-{i}")
+                        for i in range(self.config.workers)]
+        for process in self.workers:
+            process.start()
+        waiting = len(self.workers)
+        while waiting:
+            try:
+                problem = ready.get(timeout=1)
+            except queues.Empty:
+                if not any(p.exitcode is not None for p in self.workers):
+                    continue
+                problem = "a worker process ended while loading the models (see the lines above)"
+            if problem is not None:
+                self.stop()
+                raise ConfigError(problem)
+            waiting -= 1
 
     def _check_peer(self, event) -> None:
         """Refuse, before any negotiation, an association of a calling AE title and host the
@@ -181,17 +199,24 @@ class Node:
             log.info("%s: %d instance(s) received, queued for route %s", job.line(), len(files), route.name)
 
     def stop(self) -> None:
-        """Refuse new associations, end the running jobs within ``stop_grace_s`` or re-queue them."""
+        """Refuse new associations, end the running jobs within ``stop_grace_s``, end the workers,
+        re-queue the jobs that did not end."""
         self.stopping.set()
         if self.server is not None:
             self.server.shutdown()
             self.server = None
+        if self._stop_workers is not None:
+            self._stop_workers.set()
         deadline = time.monotonic() + self.config.stop_grace_s
-        for thread in (*self._threads, *self.workers):
+        for thread in self._threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        # this node's jobs that did not end (past the grace, or stopped between sending attempts);
-        # a worker still predicting past the grace cannot end its job after this (it is no longer
-        # running), and what it sends meanwhile is sent again with the same UIDs at the next start
+        for process in self.workers:
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+            if process.exitcode is None:  # past the grace: its job runs again at the next start
+                process.kill()
+                process.join()
+        self.workers = []
+        # the jobs that did not end (past the grace, or stopped between sending attempts)
         requeued = self.queue.requeue_running() if self.queue is not None else 0
         if requeued:
             log.info("stopped with %d job(s) not done: queued again for the next start", requeued)

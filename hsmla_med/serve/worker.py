@@ -3,27 +3,34 @@
 route's structured report (:mod:`.report`) and burned-in series (:mod:`.capture`) are made from
 the SEG, then each result goes to each destination that has not received it yet.
 
-The models are loaded once, when the node starts (a bad checkpoint stops the start, naming its
-route), and shared by the worker threads; a module holds the settings of the prediction it runs,
-so one route's model runs one prediction at a time (its lock), while other routes' and the
-sending of finished jobs go on beside it.
+Jobs run in worker processes (:func:`work`, ``workers`` of the configuration), each with its own
+copy of every route's model on its own device (``auto``/``cuda``: worker ``i`` on GPU ``i`` modulo
+the GPUs; on the CPU, the CPUs shared out), each claiming jobs from the queue (SQLite's atomic
+update: a job is never run twice at once). A process rather than a thread: a prediction holds the
+GIL in its Python parts (reading the series, writing the SEG), and one model's settings serve one
+prediction at a time. The node's main process only listens, spools and queues. A worker dies with
+the node (``PR_SET_PDEATHSIG``): a killed node leaves no worker running its jobs, which the next
+start queues again.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hsmla_med.errors import ConfigError, InputError, find_input_error
 from hsmla_med.serve.config import NodeConfig, Route
-from hsmla_med.serve.queue import Job, JobQueue
+from hsmla_med.serve.queue import QUEUE_FILE, Job, JobQueue
 from hsmla_med.serve.send import SendError, Stopped, send_files
 from hsmla_med.serve.spool import BURNED_IN, OUTPUT, REPORT, SERIES, Spool
 
-__all__ = ["Model", "load_models", "run_job", "Worker", "POLL_S"]
+__all__ = ["Model", "load_models", "run_job", "work", "quiet_pydicom", "POLL_S"]
 
 log = logging.getLogger("hsmla_med")
 
@@ -38,28 +45,28 @@ class Model:
     task: object
     module: object
     options: object
-    lock: threading.Lock
 
 
-def _device(name: str) -> str:
+def _device(name: str, worker: int = 0) -> str:
+    """The device of worker ``worker``: ``auto`` and ``cuda`` take the GPUs in turn, ``cuda:N`` and ``cpu`` as they say."""
     import torch
 
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "auto" and not torch.cuda.is_available():
+        return "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device {name}: no CUDA device on this machine; use device: cpu or auto")
-    return name
+    return f"cuda:{worker % torch.cuda.device_count()}" if name in ("auto", "cuda") else name
 
 
-def load_models(config: NodeConfig) -> dict[str, Model]:
-    """Each route's model, by route name, with the options ``infer`` would use for it (the
-    post-processing beside its checkpoint, as ``infer`` finds it); :class:`ConfigError` naming
-    the route for a checkpoint that cannot serve it."""
+def load_models(config: NodeConfig, worker: int = 0) -> dict[str, Model]:
+    """Each route's model, by route name, on worker ``worker``'s device, with the options
+    ``infer`` would use for it (the post-processing beside its checkpoint, as ``infer`` finds
+    it); :class:`ConfigError` naming the route for a checkpoint that cannot serve it."""
     from hsmla_med.engine.checkpoint import written_task
     from hsmla_med.pipelines import get_task
     from hsmla_med.pipelines.task import InferenceOptions
 
-    device = _device(config.device)
+    device = _device(config.device, worker)
     models = {}
     for i, route in enumerate(config.routes):
         where = f"{config.source}: routes[{i}] ({route.name})"
@@ -76,7 +83,7 @@ def load_models(config: NodeConfig) -> dict[str, Model]:
         except InputError as err:
             raise ConfigError(f"{where}: {err}") from None
         options = InferenceOptions(device=device, output_formats=route.output_formats, progress=lambda _: None, **declared)
-        models[route.name] = Model(route, task, module, options, threading.Lock())
+        models[route.name] = Model(route, task, module, options)
         log.info("route %s: %s model %s on %s", route.name, task.name, route.checkpoint, device)
     return models
 
@@ -136,9 +143,8 @@ def run_job(job: Job, models: dict[str, Model], config: NodeConfig, spool: Spool
         folder = spool.job_folder(job.folder)
         if not (folder / SERIES).is_dir():
             raise InputError(f"its series folder {folder / SERIES} is gone")
-        with model.lock:
-            written = model.task.predict(model.module, folder / SERIES, folder / OUTPUT,
-                                         replace(model.options, series_uid=job.series_uid, seg_uids={job.series_uid: job.seg_uid}))
+        written = model.task.predict(model.module, folder / SERIES, folder / OUTPUT,
+                                     replace(model.options, series_uid=job.series_uid, seg_uids={job.series_uid: job.seg_uid}))
         seg = next((p for p in written if p.name.endswith(SEG_SUFFIX)), None)
         if seg is None:
             result = "no foreground class predicted: no SEG to send"
@@ -164,17 +170,69 @@ def run_job(job: Job, models: dict[str, Model], config: NodeConfig, spool: Spool
         queue.finish(job, "failed", error=str(problem) if problem is not None else f"{type(err).__name__}: {err}")
 
 
-class Worker(threading.Thread):
-    """A thread that claims jobs and runs them until the node stops."""
+def quiet_pydicom() -> None:
+    """pydicom's warnings about odd values, per instance received or read: a refused instance has
+    its one line with the reason, and hospital data would flood the log otherwise."""
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"pydicom(\.|$)")
 
-    def __init__(self, number: int, run, queue: JobQueue, stop: threading.Event) -> None:
-        super().__init__(name=f"hsmla-med-worker-{number}", daemon=True)  # daemon: a stop past its grace does not wait for it
-        self._run_job, self._queue, self._stopping = run, queue, stop
 
-    def run(self) -> None:
-        while not self._stopping.is_set():
-            job = self._queue.claim()
-            if job is None:
-                self._stopping.wait(POLL_S)
-                continue
-            self._run_job(job)
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel end this process with SIGKILL when the node's process ends, however it
+    ends (Linux's ``prctl(PR_SET_PDEATHSIG)``; elsewhere the loop of :func:`work` notices)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # the node ended before the request took effect
+        os._exit(1)
+
+
+def _share_cpus(workers: int) -> None:
+    """On the CPU, each of ``workers`` processes takes its share of the CPUs for torch's threads,
+    unless the user set ``OMP_NUM_THREADS`` (hsmla-med's own setting is the whole machine's)."""
+    import torch
+
+    from hsmla_med.runtime import applied_variables, available_cpus
+
+    if workers > 1 and ("OMP_NUM_THREADS" not in os.environ or "OMP_NUM_THREADS" in applied_variables()):
+        torch.set_num_threads(max(1, available_cpus() // workers))
+
+
+def work(config: NodeConfig, number: int, stop, ready, parent: int) -> None:
+    """A worker process (``multiprocessing``'s spawn): load the routes' models, put ``None`` on
+    ``ready`` (or the error that stops the node's start, in one line), then claim and run jobs
+    until ``stop`` is set. SIGINT and SIGTERM are the node's to handle (a Ctrl-C or a service
+    manager reaches the whole process group): the node's stop sets ``stop``, waits for the
+    running job up to ``stop_grace_s``, then ends the process."""
+    from hsmla_med.errors import find_input_error
+
+    _die_with_parent(parent)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"hsmla-med: [worker {number}] %(message)s"))  # the command line's, and which worker
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    quiet_pydicom()
+    try:
+        _share_cpus(config.workers)
+        models = load_models(config, number)
+        tls = None
+        if config.tls is not None:
+            from hsmla_med.serve.node import client_context
+
+            tls = client_context(config.tls)
+    except Exception as err:
+        problem = find_input_error(err)
+        ready.put(str(problem) if problem is not None else f"worker {number}: {type(err).__name__}: {err}")
+        return
+    ready.put(None)
+    queue, spool = JobQueue(config.spool / QUEUE_FILE), Spool(config.spool)
+    while not stop.is_set() and os.getppid() == parent:
+        job = queue.claim()
+        if job is None:
+            stop.wait(POLL_S)
+            continue
+        run_job(job, models, config, spool, queue, stop, tls)
