@@ -19,6 +19,7 @@ import logging
 from collections.abc import Iterable
 from pathlib import Path
 
+import lightning as L
 from monai.transforms import Compose
 
 from hsmla_med.data.datalist import Datalist
@@ -89,9 +90,11 @@ def extract_features(module: ClassificationModule, inputs: str | Path | Iterable
     slides or a list of them, in CLAM's layout (:class:`SlideFeatures`): ``h5_files/<slide>.h5``
     and ``pt_files/<slide>.pt`` under ``output``. A patch's features are the classifier's
     penultimate activations, the input of its final linear layer
-    (:func:`~hsmla_med.engine.classification.penultimate`); the patches are the heatmap's (the
-    same grid, reading, loop, processes and shards as :func:`infer`). A slide whose h5 this
-    checkpoint wrote with the same options is skipped (the h5 is written last).
+    (:func:`~hsmla_med.engine.classification.penultimate`), of the patches scaled to 0..1 at the
+    patch size (``mean`` 0, ``std`` 1 and ``input_size`` the patch size in the h5); the patches
+    are the heatmap's (the same grid, reading, loop, processes and shards as :func:`infer`). A
+    slide whose h5 this checkpoint wrote with the same options is skipped (the h5 is written last).
+    Any other encoder (timm, TorchScript): :func:`~hsmla_med.pipelines.camelyon16.encoders.encode_slides`.
 
     Returns (first process) every slide's h5; on other processes, the files they wrote.
 
@@ -99,17 +102,39 @@ def extract_features(module: ClassificationModule, inputs: str | Path | Iterable
         ConfigError: the network has no final linear layer (before any slide is read).
         DataError: naming a slide OpenSlide cannot read.
     """
-    output = Path(output)
     name, layer = final_linear(module.network, getattr(module, "checkpoint_path", None) or "the network")
     slides, data = _run_slides(module, inputs, options, "features")
-    encoder = f"{getattr(module, 'checkpoint_path', None) or type(module.network).__name__}: input of {name}"
-    features = SlideFeatures(output, data, layer.in_features, encoder, options.progress)
-    items = [{"name": slide.stem, "slide": str(slide), "output": output / FEATURES_H5 / f"{slide.stem}.h5"} for slide in slides]
+    encoder = {"encoder": f"{getattr(module, 'checkpoint_path', None) or type(module.network).__name__}: input of {name}",
+               "mean": (0.0, 0.0, 0.0), "std": (1.0, 1.0, 1.0), "input_size": int(data["patch_size"])}
     module.predict_features = True
     try:
-        return _predict_patches(module, items, features, options, folder=output)
+        return _write_features(module, slides, data, layer.in_features, encoder, output, options)
     finally:
         module.predict_features = False
+
+
+def _write_features(module: L.LightningModule, slides: list[Path], data: dict, width: int, encoder: dict, output: str | Path,
+                   options: InferenceOptions) -> list[Path]:
+    """The features of ``slides`` in CLAM's layout under ``output`` (:class:`SlideFeatures`),
+    through the heatmap's loop (:func:`_predict_patches`): ``module.predict_step`` gives each
+    batch's ``features`` ``(B, width)`` with the patches' places. What :func:`extract_features`
+    and :func:`~hsmla_med.pipelines.camelyon16.encoders.encode_slides` share.
+
+    Args:
+        module: the LightningModule that predicts (its ``config["inference"]["batch_size"]``
+            when ``options`` gives none; its weights' digest and options say whose outputs are in
+            ``output``, so that slides done before by the same are skipped).
+        slides: the slide files.
+        data: the data section the grid is cut by (:func:`grid_patches`).
+        width: ``D``, the features per patch.
+        encoder: the ``features`` attributes that describe the encoder (:class:`SlideFeatures`).
+        output: the run's folder.
+        options: the run's options.
+    """
+    output = Path(output)
+    features = SlideFeatures(output, data, width, encoder, options.progress)
+    items = [{"name": slide.stem, "slide": str(slide), "output": output / FEATURES_H5 / f"{slide.stem}.h5"} for slide in slides]
+    return _predict_patches(module, items, features, options, folder=output)
 
 
 def _run_slides(module: ClassificationModule, inputs: str | Path | Iterable[str | Path], options: InferenceOptions,

@@ -211,20 +211,24 @@ class SlideFeatures(_SlideSink):
     ``patch_size_level0`` (``patch_size`` times the level's downsample, rounded: the patch's
     level-0 footprint), ``downsample`` (x, y), ``level_dim`` and ``downsampled_level_dim`` (the
     level's width, height), ``level0_width``, ``level0_height`` and ``name`` (the slide's stem);
-    ``features`` carries ``name`` and ``encoder`` (the checkpoint and the layer whose input the
-    features are).
+    ``features`` carries ``name``, what ``encoder`` holds (``encoder``: what made the features;
+    ``mean``, ``std``: the normalisation of the patches scaled to 0..1; ``input_size``: the side
+    the encoder saw them at), ``patch_size`` (pixels at the grid's level) and ``mpp`` (the µm per
+    pixel of the patches: the slide's level-0 mpp times the level's downsample; NaN where the
+    slide records none).
 
     Args:
         output: the run's folder (``h5_files``, ``pt_files`` go under it).
         data: the data section the grid is cut by (:func:`grid_patches`).
-        width: ``D``, the features per patch (the final linear layer's ``in_features``).
-        encoder: what made the features, for the ``encoder`` attribute.
+        width: ``D``, the features per patch.
+        encoder: the attributes of ``features`` that describe the encoder (``encoder``, ``mean``,
+            ``std``, ``input_size``).
         progress: called with one line per slide done.
     """
 
     empty = "its feature files hold no patch"
 
-    def __init__(self, output: Path, data: dict, width: int, encoder: str, progress: Callable[[str], None]) -> None:
+    def __init__(self, output: Path, data: dict, width: int, encoder: dict, progress: Callable[[str], None]) -> None:
         self.output, self.data, self.width, self.encoder, self.progress = output, data, width, encoder, progress
         self.slides: list[dict] = []
 
@@ -252,8 +256,12 @@ class SlideFeatures(_SlideSink):
             "downsample": (downsample, downsample), "level_dim": grid["level_dimensions"], "downsampled_level_dim": grid["level_dimensions"],
             "level0_width": grid["dimensions"][0], "level0_height": grid["dimensions"][1], "name": stem,
         }
+        handle = open_slide(slide["slide"])
+        mpp = slide_mpp(handle)
+        handle.close()
+        described = {"name": stem, **self.encoder, "patch_size": int(self.data["patch_size"]), "mpp": mpp * downsample if mpp else math.nan}
         with atomic_path(slide["output"]) as tmp, h5py.File(tmp, "w") as f:  # closed before the rename
-            f.create_dataset("features", data=features).attrs.update({"name": stem, "encoder": self.encoder})
+            f.create_dataset("features", data=features).attrs.update(described)
             f.create_dataset("coords", data=np.asarray(grid["coords"], np.int64).reshape(-1, 2)).attrs.update(coords)
         self.progress(f"{Path(slide['slide']).name}: {len(features)} patches x {self.width} features -> {pt}, {slide['output']}")
         slide["features"] = None
