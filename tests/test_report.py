@@ -228,6 +228,8 @@ def test_slides_froc_gate(tmp_path):
         (predictions / f"{name}.json").write_text(json.dumps({"slide": f"/slides/{name}.tif", "score": 0.5, "detections": 1,
                                                               "patches": 40, "mean_alpha": alpha}))
     (predictions / "broken_gates.png").write_bytes(b"not a png")  # named in the page, not shown
+    # other JSON beside them is no slide record, whatever it holds (train's splits_final.json is a list)
+    (tmp_path / "splits_final.json").write_text(json.dumps([{"train": ["tumor_001"], "val": ["normal_002"]}]))
     (tmp_path / "summary.json").write_text(json.dumps({
         "task": "luna16", "cpm": 0.5, "froc": {"0.125": 0.25, "1": 0.5, "8": 0.75},
         "bootstrap": {"froc": {"0.125": {"mean": 0.25, "low": 0.1, "high": 0.4}, "1": {"mean": 0.5, "low": 0.3, "high": 0.7},

@@ -250,7 +250,10 @@ def _slides(folder: Path, docs: dict[str, dict]) -> CaseTable | None:
         name = str(path.relative_to(folder))
         if name in docs or not _visible(path, folder):
             continue
-        doc = _read_json(path)
+        try:
+            doc = _read_json(path)
+        except DataError:  # not a record of wsi-heatmap's (splits_final.json is a list): no slide of the report
+            continue
         if SLIDE_KEYS <= set(doc):
             records.append(doc)
             names.append(name)
