@@ -100,5 +100,7 @@ BENCHMARKS: dict[str, Benchmark] = {
                                "hsmla_med.bench.scanner_shift:main"),
     "dicom-node": Benchmark("a CT from Orthanc through hsmla-med serve to its DICOM SEG in Orthanc against infer, and 20 series queued",
                             "hsmla_med.bench.dicom_node:main"),
+    "slide-features": Benchmark("patch features per second on the CPU: the HSMLA-B0 classifier, a timm ViT-S/16 and a ResNet-50 on the same slides",
+                                "hsmla_med.bench.slide_features:main"),
     "monai-wsi": Benchmark("MONAI's WSIReader and MaskedPatchWSIDataset against hsmla-med's patch reader and grid", "hsmla_med.bench.monai_wsi:main"),
 }
