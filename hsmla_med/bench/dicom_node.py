@@ -28,7 +28,8 @@ elsewhere hits every path alike:
 uploaded to Orthanc, then sent to the node in one request (one association, as the node's test
 of many series does), for each ``--workers``: from the request until every SEG is in Orthanc;
 against one ``hsmla-med infer`` process over a folder holding the same series (one model load,
-series after series).
+series after series). ``jobs_s``: the node's jobs' own times summed (claimed to sent, from its
+log), the rest being the wait for the series to be stable and the queue's hand-over.
 
 Prints the tables and writes ``dicom_node_latency.csv`` and ``dicom_node_throughput.csv`` to
 ``--out``; the series, Orthanc's storage and the node's spool live in a temporary folder.
@@ -37,6 +38,7 @@ Prints the tables and writes ``dicom_node_latency.csv`` and ``dicom_node_through
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -51,6 +53,7 @@ from hsmla_med.bench.common import markdown, out_folder, own_parser, positive_in
 
 NODE_AET = "HSMLA"
 SIDE = 512
+_JOB_DONE = re.compile(r"\] job \d+ .*: SEG .* sent to .*\((\d+(?:\.\d+)?) s\)$")  # a worker's line of a job sent, with its time
 
 
 def _positive_float(text: str) -> float:
@@ -211,7 +214,7 @@ def throughput(bench: _Bench, folders: list[Path], workers: list[int]) -> list[d
     (together,) = {folder.parent for folder in folders}
     command = _infer_command(bench.checkpoint, together, bench.root / "infer-all")
     rows = [{"path": f"hsmla-med infer over a folder of {len(folders)} series (1 process)", "seconds": round(command, 1),
-             "series_per_hour": round(3600 * len(folders) / command), "relative": 1.0}]
+             "series_per_hour": round(3600 * len(folders) / command), "relative": 1.0, "jobs_s": None}]
     print(f"  infer over {len(folders)} series: {command:.1f} s", flush=True)
     uploaded = [bench.upload(folder) for folder in folders]
     studies, series = [s for s, _ in uploaded], [s for _, s in uploaded]
@@ -222,8 +225,10 @@ def throughput(bench: _Bench, folders: list[Path], workers: list[int]) -> list[d
         finally:
             node.stop()
         seconds = sending + seg
+        jobs = sum(float(m.group(1)) for m in map(_JOB_DONE.search, node.text().splitlines()) if m)
         rows.append({"path": f"node, workers: {n} (request to the last SEG in Orthanc)", "seconds": round(seconds, 1),
-                     "series_per_hour": round(3600 * len(folders) / seconds), "relative": round(command / seconds, 3)})
+                     "series_per_hour": round(3600 * len(folders) / seconds), "relative": round(command / seconds, 3),
+                     "jobs_s": round(jobs, 1)})
         print(f"  node, {n} worker(s): {seconds:.1f} s (sending {sending:.1f} s)", flush=True)
     return rows
 
