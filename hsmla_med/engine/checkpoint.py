@@ -28,7 +28,7 @@ from hsmla_med.engine.onnx_runtime import onnx_metadata, onnx_network
 from hsmla_med.errors import DataError
 from hsmla_med.io import atomic_path
 
-__all__ = ["AtomicCheckpointIO", "EXPORT_META", "FORMAT_VERSION", "exported_file", "load_exported", "quiet_torchscript", "read_checkpoint", "read_hparams"]
+__all__ = ["AtomicCheckpointIO", "EXPORT_META", "FORMAT_VERSION", "exported_file", "load_exported", "quiet_torchscript", "read_checkpoint", "read_torchscript", "read_hparams"]
 
 #: extra file of an exported TorchScript network holding its checkpoint's hyper-parameters
 EXPORT_META = "hsmla_med.json"
@@ -243,7 +243,7 @@ def load_exported(path: str | Path, module_class, task: str | None = None, infer
         network, meta = onnx_network(ts)
         kind, carrier = "an ONNX model", "metadata"
     else:
-        network, meta = _torchscript(ts)
+        network, meta = read_torchscript(ts)
         kind, carrier = "a TorchScript file", EXPORT_META
     try:
         config = meta["hparams"]
@@ -275,7 +275,7 @@ def quiet_torchscript():
         yield
 
 
-def _torchscript(ts: Path):
+def read_torchscript(ts: Path):
     """``(network, metadata)`` of an exported TorchScript file: the network on the CPU and the
     :data:`EXPORT_META` it carries (``None`` when absent or not JSON)."""
     import torch

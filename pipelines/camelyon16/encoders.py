@@ -19,7 +19,7 @@ from torch import nn
 
 from hsmla_med.config import task_config
 from hsmla_med.engine.base import plain
-from hsmla_med.engine.checkpoint import _torchscript
+from hsmla_med.engine.checkpoint import read_torchscript
 from hsmla_med.errors import DataError, InputError
 from hsmla_med.inference.cuda_graph import GraphedCallable, weights_version
 from hsmla_med.io import file_sha256
@@ -191,7 +191,7 @@ def _torchscript_encoder(path: Path) -> tuple[nn.Module, dict, str]:
     own (the patches' size), and its description."""
     if not path.is_file():
         raise DataError(f"{path}: --encoder torchscript file not found")
-    network, _ = _torchscript(path)
+    network, _ = read_torchscript(path)
     return network, {"mean": IMAGENET_MEAN, "std": IMAGENET_STD, "input_size": None}, f"torchscript:{path.name} (sha256 {file_sha256(path)})"
 
 
