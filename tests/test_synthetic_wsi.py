@@ -26,6 +26,7 @@ EXPECTED = {
     "testing/lesion_annotations/test_001.xml",
     "testing/Ground_Truth/Masks/test_001_Mask.tif",
     "testing/reference.csv",
+    "slide_labels.csv",
     "synthetic.json",
 }
 ANNOTATED = {
@@ -77,6 +78,9 @@ def test_layout(root):
     files = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
     assert files == EXPECTED  # no temporary files either
     assert (root / "testing" / "reference.csv").read_text() == "test_001,Tumor,Micro\n"
+    # every slide's diagnosis and split, as CLAM's slide-label training reads them
+    assert (root / "slide_labels.csv").read_text() == ("slide_id,label,split\nnormal_001,0,train\ntumor_001,1,train\ntumor_002,1,train\n"
+                                                      "test_001,1,test\n")
     meta = json.loads((root / "synthetic.json").read_text())
     assert meta["synthetic"] is True and set(meta["files"]) == EXPECTED - {"synthetic.json"}
     assert meta["generator"]["size"] == [1023, 767] and meta["generator"]["seed"] == 0  # odd sides

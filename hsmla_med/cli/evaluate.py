@@ -30,7 +30,11 @@ def add_parser(sub) -> None:
     p.add_argument("--predictions", metavar="P", help="predictions of any tool, scored without a checkpoint: btcv (default) a folder of NIfTI / MetaImage / NRRD "
                    "label maps; luna16 a submission CSV (or the folder infer wrote it in); camelyon16 a folder of lesion CSVs and the slide CSV; endovis a folder of mask PNGs")
     p.add_argument("--labels", metavar="L", help="with --predictions, the reference: btcv a folder of label maps (same file names, same shape "
-                   "and affine); luna16 annotations.csv (or a LUNA16 folder, whose CSVs are found there); camelyon16 the folder of annotation XMLs; endovis the dataset folder")
+                   "and affine); luna16 annotations.csv (or a LUNA16 folder, whose CSVs are found there); camelyon16 the folder of annotation XMLs; endovis the dataset folder; "
+                   "with --features, the slides' label CSV")
+    p.add_argument("--features", metavar="FEATS", help="camelyon16, a checkpoint of train --supervision slide: the feature folder (CLAM's "
+                   "h5_files) of the slides to score, their labels in --labels; writes summary.json, attention/ and, with --data-dir holding "
+                   "the slides, heatmaps/ with the lesion FROC")
     p.add_argument("--tta", action="store_true", help="mirroring test-time augmentation")
     p.add_argument("--allow-training-cases", action="store_true", help="score validation cases the checkpoint trained on (refused by default: "
                    "the checkpoint records its fold's case IDs)")
@@ -51,7 +55,11 @@ def run(args, invocation: Invocation) -> dict:
         return _score_predictions(args, invocation)
     if args.checkpoint is None:
         raise InputError("evaluate needs --checkpoint, or --predictions DIR --labels DIR")
+    if args.features is not None:
+        return _score_slide_labels(args, invocation)
     args.task = checkpoint_task(args)  # the config of the cases to score is this task's
+    if args.features is None and args.task == "camelyon16" and _slide_labels(args.checkpoint):
+        raise InputError(f"--checkpoint {' '.join(args.checkpoint)}: trained on slide labels (patch features); score it with --features FEATS --labels CSV")
     task = get_task(args.task)
     declared = declared_values(args, "evaluate", task.name)
     if args.output is None:  # the default of this mode (predictions mode writes beside the predictions)
@@ -83,6 +91,36 @@ def run(args, invocation: Invocation) -> dict:
     print_summary(task, summary, output)
     if reports:
         print(f"per case: {', '.join(map(str, reports))}")
+    invocation.write_html_report(output)
+    return summary
+
+
+def _slide_labels(checkpoints: list[str]) -> bool:
+    """Whether the checkpoints are of slide-label training (``train --supervision slide``)."""
+    from hsmla_med.pipelines.camelyon16.mil import slide_checkpoint
+
+    return all(map(slide_checkpoint, checkpoints))
+
+
+def _score_slide_labels(args, invocation: Invocation) -> dict:
+    """``evaluate --checkpoint CK --features FEATS --labels CSV``: a checkpoint of slide-label
+    training on the slides of a feature folder (:func:`~hsmla_med.pipelines.camelyon16.mil.evaluate_slides`)."""
+    from hsmla_med.cli.train import slide_summary_lines
+    from hsmla_med.errors import InputError
+    from hsmla_med.pipelines.camelyon16.mil import evaluate_slides
+
+    if args.task not in (None, "camelyon16"):
+        raise InputError(f"--features: slide-label checkpoints are camelyon16's, not --task {args.task}'s")
+    args.task = "camelyon16"
+    if args.labels is None:
+        raise InputError("--features needs --labels, the slides' label CSV")
+    if len(args.checkpoint) != 1 or not _slide_labels(args.checkpoint):
+        raise InputError(f"--features: --checkpoint {' '.join(args.checkpoint)} is no single checkpoint of train --supervision slide")
+    output = invocation.writable_folder(args.output or "runs/evaluate", "--output")
+    summary = evaluate_slides(args.checkpoint[0], args.features, args.labels, output, run_config(args)["trainer"], args.data_dir,
+                              args.allow_training_cases)
+    if first_process():
+        print("\n".join(slide_summary_lines(summary, output)))
     invocation.write_html_report(output)
     return summary
 

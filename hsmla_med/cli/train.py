@@ -20,10 +20,71 @@ def add_parser(sub) -> None:
     add_training_options(p, "run folder (config: output, default runs/<task>)")
     p.add_argument("--resume", action="store_true", help="continue from OUTPUT/last.ckpt (weights, optimizer, schedule, step)")
     p.add_argument("--fold", type=int, help="cross-validation fold of splits_final.json to train (config: fold, default 0)")
+    g = p.add_argument_group("slide labels alone (camelyon16): attention multiple-instance learning on patch features")
+    g.add_argument("--supervision", choices=["patch", "slide"], default="patch", help="patch (default): a patch classifier from the lesion "
+                   "outlines; slide: MONAI's MILModel on bags of frozen patch features from each slide's diagnosis alone, scored on the "
+                   "held-out slides (summary.json, attention/, heatmaps/: its attention as wsi-heatmap's files, with the lesion FROC)")
+    g.add_argument("--features", metavar="FEATS", help="with --supervision slide: the feature folder (CLAM's h5_files/<slide>.h5, as "
+                   "wsi-features writes it); default: the dataset's slides encoded with config mil.features into OUTPUT/features")
+    g.add_argument("--labels", metavar="CSV", help="with --supervision slide: the slides' labels, CLAM's slide_id,label[,split] or "
+                   "CAMELYON16's reference.csv; held out: split test, else the slides named test_*, else the fold's validation slides; "
+                   "default: the dataset's slide_labels.csv")
+    g.add_argument("--mil-mode", choices=["att", "att_trans"], help="with --supervision slide: MILModel's pooling (config: mil.mil_mode, default att)")
 
 
 def run(args, invocation: Invocation) -> dict:
+    from hsmla_med.errors import InputError
+
+    if args.supervision == "slide":
+        return train_slide_labels(args, invocation)
+    for option in ("features", "labels", "mil_mode"):
+        if getattr(args, option) is not None:
+            raise InputError(f"--{option.replace('_', '-')}: an option of --supervision slide (multiple-instance learning from slide labels)")
     return train(run_config(args), invocation, args.resume)
+
+
+def train_slide_labels(args, invocation: Invocation) -> dict:
+    """``train --task camelyon16 --supervision slide``: attention MIL on patch features from the
+    slides' labels alone (:func:`~hsmla_med.pipelines.camelyon16.mil.train_slides`); its
+    held-out summary."""
+    import lightning as L
+
+    from hsmla_med.config import task_config
+    from hsmla_med.errors import InputError
+    from hsmla_med.io import write_yaml
+    from hsmla_med.pipelines.camelyon16.mil import train_slides
+
+    if args.task != "camelyon16":
+        raise InputError(f"--supervision slide: slide-label training is camelyon16's; --task {args.task} trains on its labels")
+    for option in ("model", "mode"):
+        if getattr(args, option) is not None:
+            raise InputError(f"--{option} with --supervision slide: the model is MONAI's MILModel on patch features (--mil-mode, config mil)")
+    config = run_config(args)
+    if args.mil_mode is not None:
+        config["mil"]["mil_mode"] = args.mil_mode
+    if args.max_steps is None and args.max_epochs is None:
+        config["trainer"].update(max_epochs=config["mil"]["epochs"], max_steps=None)
+    if args.output is None and config["output"] == task_config("camelyon16")["output"]:  # apart from the patch classifier's run
+        config["output"] = f"{config['output']}_slide"
+    output = invocation.writable_folder(config["output"], "--output")
+    L.seed_everything(config["seed"], workers=True, verbose=False)
+    if first_process():
+        write_yaml(output / "config.yaml", config)
+    summary = train_slides(config, output, args.features, args.labels, args.resume)
+    if first_process():
+        print("\n" + "\n".join(slide_summary_lines(summary, output)))
+    invocation.write_html_report(output)
+    return summary
+
+
+def slide_summary_lines(summary: dict, output: Path) -> list[str]:
+    """What ``train`` and ``evaluate`` print of a slide-label summary."""
+    fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
+    interval = summary["auc_ci95"]
+    spread = f" (95% bootstrap {fmt(interval[0])} to {fmt(interval[1])})" if interval else ""
+    lesions = f"; lesion FROC {fmt(summary['froc'])} over {summary['lesions']} lesions" if summary.get("lesions") is not None else ""
+    return [f"{summary['auc_slides']} held-out slides: slide AUC {fmt(summary['auc'])}{spread}, balanced accuracy "
+            f"{fmt(summary['balanced_accuracy'])}{lesions}", f"summary: {output / 'summary.json'}"]
 
 
 def train(config: dict, invocation: Invocation, resume: bool = False) -> dict:

@@ -7,7 +7,8 @@ user without it gets this stand-in with the same layout::
     training/lesion_annotations/tumor_001.xml ...
     testing/images/test_001.tif ...           testing/lesion_annotations/test_001.xml ...
     testing/Ground_Truth/Masks/test_001_Mask.tif ...
-    testing/reference.csv                     synthetic.json
+    testing/reference.csv                     slide_labels.csv
+    synthetic.json
 
 Slides are RGB pyramidal tiled JPEG TIFFs (:func:`hsmla_med.io.tiff.write_pyramidal_tiff`)
 that OpenSlide opens, with the microns per pixel in the TIFF resolution. Their sides are odd (an
@@ -25,6 +26,9 @@ a ``_0`` metastasis. Each test slide with metastases has its ground-truth mask T
 challenge's ``Ground_Truth/Masks`` (0/255, ASAP's rasterisation of the XML and its
 nearest-neighbour pyramid; what ``Evaluation_FROC.py`` reads). ``reference.csv`` lists the test slides as CAMELYON16's does
 (``test_001,Tumor,Micro`` / ``test_002,Normal``, no header); odd-numbered test slides have tumour.
+``slide_labels.csv`` gives the diagnosis of every slide, training and test, as CLAM's slide-label
+training reads it (``slide_id,label,split``: 1 tumour, 0 normal; ``train`` or ``test``), for
+multiple-instance learning from slide labels alone.
 
 The default ``mpp`` of 0.972 µm is 4 x 0.243 µm, the level-0 pixel of CAMELYON16's Radboudumc
 scanner: a slide is its level 2 (about a 10x objective), at which nuclei are still a few pixels
@@ -52,9 +56,11 @@ from hsmla_med.io import atomic_path, write_json
 from hsmla_med.data.asap import asap_mask, read_asap_xml
 from hsmla_med.io.annotations import write_asap_xml
 
-__all__ = ["generate_camelyon16", "DEFAULT_STAIN", "OTHER_STAIN", "TUMOURS"]
+__all__ = ["generate_camelyon16", "DEFAULT_STAIN", "OTHER_STAIN", "SLIDE_LABELS", "TUMOURS"]
 
-_GENERATOR_VERSION = 4  # 2: odd sides, fractional level downsamples; 3: an ITC cluster and a lesion under half a patch; 4: test masks
+# 2: odd sides, fractional level downsamples; 3: an ITC cluster and a lesion under half a patch; 4: test masks; 5: slide_labels.csv
+_GENERATOR_VERSION = 5
+SLIDE_LABELS = "slide_labels.csv"  # every slide's diagnosis, CLAM's slide_id,label,split
 _MIN_SIDE = 256  # pixels; smaller slides leave no room for tissue islands with metastases
 
 # Optical density per unit stain (Ruifrok & Johnston's H&E vectors, normalised), and of glass.
@@ -107,6 +113,7 @@ def generate_camelyon16(
             every tumour slide has an ASAP XML file in ``training/lesion_annotations``.
         num_test: slides in ``testing/images``; odd-numbered ones have metastases (and XML files
             in ``testing/lesion_annotations``), and ``testing/reference.csv`` lists them all.
+            ``slide_labels.csv`` lists every slide with its label and split.
         size: (width, height) of level 0 in pixels, each at least 256; an even side is cut by
             one pixel (fractional level downsamples, see the module's docstring).
         mpp: microns per pixel of level 0, stored in the TIFF resolution.
@@ -174,7 +181,7 @@ def generate_camelyon16(
     for i in range(1, num_test + 1):
         xml = f"testing/lesion_annotations/test_{i:03d}.xml" if i % 2 else None  # odd numbers: metastases
         slides.append((f"testing/images/test_{i:03d}.tif", xml, (seed, 2, i)))
-    files, reference = [], []
+    files, reference, labels = [], [], []
     for slide_rel, xml_rel, key in slides:
         number = key[2]
         exclusion = xml_rel is not None and number % 2 == 1
@@ -192,10 +199,14 @@ def generate_camelyon16(
             files.append(mask_rel)
         if slide_rel.startswith("testing/"):
             reference.append(_reference_line(Path(slide_rel).stem, polygons, mpp))
+        labels.append(f"{Path(slide_rel).stem},{int(xml_rel is not None)},{'test' if slide_rel.startswith('testing/') else 'train'}")
     if num_test:
         with atomic_path(root / "testing" / "reference.csv") as tmp:
             tmp.write_text("".join(line + "\n" for line in reference))
         files.append("testing/reference.csv")
+    with atomic_path(root / SLIDE_LABELS) as tmp:
+        tmp.write_text("slide_id,label,split\n" + "".join(line + "\n" for line in labels))
+    files.append(SLIDE_LABELS)
     write_json(
         marker,
         {

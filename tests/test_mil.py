@@ -1,0 +1,173 @@
+"""Slide-label training (train --supervision slide): attention MIL on patch features of the
+synthetic slides of its own default (mil.synthetic, fewer of them), scored on their held-out
+slides; its attention checked against the lesion outlines; the label CSV layouts; bad input
+refused in one line."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import h5py
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from conftest import cli_error
+from hsmla_med.cli import main
+from hsmla_med.config import task_config
+from hsmla_med.data.asap import asap_mask, read_asap_xml
+from hsmla_med.data.slides import open_slide
+from hsmla_med.data.synthetic.wsi import SLIDE_LABELS
+from hsmla_med.errors import DataError
+from hsmla_med.pipelines.camelyon16.bags import held_out, load_bags, read_slide_labels
+
+MIL = task_config("camelyon16")["mil"]
+PATCH = MIL["features"]["patch_size"]  # level-0 pixels (features.level 0)
+COUNTS = {"num_normal": 12, "num_tumor": 12, "num_test": 8}  # the default's slides (mil.synthetic), fewer of them
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One slide-label run as the demo's, without --data-dir or --features: the default's
+    synthetic slides (12 + 12 training, 8 test) generated into the cache and encoded by the run
+    itself (random ResNet18), trained, scored on the test slides."""
+    root = tmp_path_factory.mktemp("mil")
+    config = root / "mil.yaml"
+    config.write_text(yaml.safe_dump({"data": {"cache_dir": str(root / "cache")}, "trainer": {"accelerator": "cpu", "progress_bar": False},
+                                      "mil": {"synthetic": COUNTS}}))
+    output = root / "run"
+    assert main(["train", "--task", "camelyon16", "--supervision", "slide", "--config", str(config), "--output", str(output)]) == 0
+    return {"data": root / "cache" / "camelyon16-slide-synthetic", "output": output, "config": config,
+            "summary": json.loads((output / "summary.json").read_text())}
+
+
+def test_held_out_auc_and_outputs(run):
+    summary, output = run["summary"], run["output"]
+    rows = summary["metric_per_case"]
+    assert {r["slide"] for r in rows} == {f"test_{i:03d}" for i in range(1, 9)} and all(r["split"] == "test" for r in rows)
+    assert [r["label"] for r in rows] == [1, 0] * 4  # odd-numbered test slides have tumour
+    assert summary["auc"] >= 0.95, rows
+    low, high = summary["auc_ci95"]
+    assert low <= summary["auc"] <= high
+    assert summary["balanced_accuracy"] is not None and summary["froc"] is not None
+    for name in ("best.ckpt", "last.ckpt", "report.html", "heatmaps/slides.csv", "heatmaps/lesions/test_001.csv", "heatmaps/test_001_heatmap.tif",
+                 "heatmaps/test_001_overlay.png", "heatmaps/test_001.geojson"):
+        assert (output / name).is_file(), name
+    for row in rows:  # every patch's attention, a distribution over the slide's patches at its coords
+        with h5py.File(output / "features" / "h5_files" / f"{row['slide']}.h5", "r") as f:
+            coords = f["coords"][:]
+        table = list(csv.DictReader((output / "attention" / f"{row['slide']}.csv").open()))
+        assert np.array_equal(np.array([[int(r["x"]), int(r["y"])] for r in table]), coords)
+        assert len(table) == row["n_patches"] and np.isclose(sum(float(r["attention"]) for r in table), 1.0, atol=1e-5)
+
+
+def test_final_weights_of_every_training_slide(run):
+    """No checkpoint chosen on validation slides: all 24 training slides train for mil.epochs
+    epochs (one bag a step), the only validation is the last step's, and the weights scored are
+    the final ones, which best.ckpt holds too."""
+    output = run["output"]
+    assert run["summary"]["checkpoint"] == str(output / "last.ckpt")
+    best, last = (torch.load(output / name, map_location="cpu", weights_only=True) for name in ("best.ckpt", "last.ckpt"))
+    assert best["global_step"] == last["global_step"] == MIL["epochs"] * (COUNTS["num_normal"] + COUNTS["num_tumor"])
+    assert best["state_dict"].keys() == last["state_dict"].keys()
+    assert all(torch.equal(best["state_dict"][k], last["state_dict"][k]) for k in best["state_dict"])
+    assert sorted(last["hyper_parameters"]["split"]["train"]) == sorted([f"normal_{i:03d}" for i in range(1, 13)] +
+                                                                        [f"tumor_{i:03d}" for i in range(1, 13)])
+
+
+def test_attention_falls_inside_the_lesions(run):
+    """The top-ranked patches of each held-out tumour slide by attention: their centres inside the
+    tumour mask made from the slide's ASAP XML. Of the top 10, or of the top n where the slide
+    has only n < 10 lesion patches (patch centres inside the mask)."""
+    shares = {}
+    for row in run["summary"]["metric_per_case"]:
+        if not row["label"]:
+            continue
+        table = list(csv.DictReader((run["output"] / "attention" / f"{row['slide']}.csv").open()))
+        corners = np.array([[int(r["x"]), int(r["y"])] for r in table])
+        attention = np.array([float(r["attention"]) for r in table])
+        slide = open_slide(run["data"] / "testing" / "images" / f"{row['slide']}.tif")
+        tumour = asap_mask(read_asap_xml(run["data"] / "testing" / "lesion_annotations" / f"{row['slide']}.xml"), slide.dimensions, 1)
+        slide.close()
+        centres = corners + PATCH // 2
+        inside = tumour[centres[:, 1], centres[:, 0]]
+        top = np.argsort(-attention, kind="stable")[: min(10, int(inside.sum()))]
+        shares[row["slide"]] = float(inside[top].mean())
+    print("share of the top-attended patches inside the lesions:", shares)
+    assert np.mean(list(shares.values())) >= 0.8, shares
+    reported = {r["slide"]: r["attention_in_lesions"] for r in run["summary"]["metric_per_case"] if r["label"]}
+    assert reported == pytest.approx(shares, abs=0.1)  # point-in-polygon at the centres against the ASAP mask's pixels
+    assert run["summary"]["attention_top10_in_lesions"] == pytest.approx(np.mean(list(reported.values())))
+
+
+def test_evaluate_reproduces_the_held_out_summary(run, tmp_path):
+    output = tmp_path / "evaluate"
+    assert main(["evaluate", "--checkpoint", run["summary"]["checkpoint"], "--features", str(run["output"] / "features"),
+                 "--labels", str(run["data"] / SLIDE_LABELS), "--data-dir", str(run["data"]), "--config", str(run["config"]),
+                 "--output", str(output)]) == 0
+    summary = json.loads((output / "summary.json").read_text())
+    for key in ("auc", "auc_ci95", "balanced_accuracy", "froc", "metric_per_case"):
+        assert summary[key] == run["summary"][key], key
+
+
+def test_label_csv_layouts_parse_alike(tmp_path):
+    reference = tmp_path / "reference.csv"
+    reference.write_text("test_001,Tumor,Micro\ntest_002,Normal\ntest_003,Tumor,Macro\n")
+    clam = tmp_path / "clam.csv"
+    clam.write_text("case_id,slide_id,label\nc1,test_001,tumor\nc2,test_002,0\nc3,test_003.tif,1\n")
+    expected = [{"slide": "test_001", "label": 1, "split": None}, {"slide": "test_002", "label": 0, "split": None},
+                {"slide": "test_003", "label": 1, "split": None}]
+    assert read_slide_labels(reference) == read_slide_labels(clam) == expected
+    assert held_out(expected) == ["test_001", "test_002", "test_003"]  # CAMELYON16's own test set
+    split = tmp_path / "split.csv"
+    split.write_text("slide_id,label,split\na,NORMAL,train\nb,Tumour,test\n")
+    assert held_out(read_slide_labels(split)) == ["b"]
+
+
+def _bag(folder, name: str, patches: int, dim: int = 8) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    with h5py.File(folder / f"{name}.h5", "w") as f:
+        f.create_dataset("features", data=np.ones((patches, dim), np.float32))
+        f.create_dataset("coords", data=np.zeros((patches, 2), np.int64))
+
+
+def test_bad_bags_are_refused_naming_the_file(tmp_path):
+    h5 = tmp_path / "feats" / "h5_files"
+    _bag(h5, "a", 3)
+    _bag(h5, "b", 3, dim=16)
+    _bag(h5, "empty", 0)
+    labels = tmp_path / "labels.csv"
+    labels.write_text("slide_id,label\na,1\nmissing,0\n")
+    with pytest.raises(DataError, match=r"labels.csv: slide missing has no features"):
+        load_bags(tmp_path / "feats", read_slide_labels(labels), labels)
+    labels.write_text("slide_id,label\na,1\nb,0\n")
+    with pytest.raises(DataError, match=r"b.h5: 16 features per patch, but .*a.h5 has 8"):
+        load_bags(tmp_path / "feats", read_slide_labels(labels), labels)
+    labels.write_text("slide_id,label\nempty,1\n")
+    with pytest.raises(DataError, match=r"empty.h5: an empty bag \(0 patches\)"):
+        load_bags(tmp_path / "feats", read_slide_labels(labels), labels)
+
+
+@pytest.mark.parametrize("rows, message", [
+    ("slide_id,label\na,1\nmissing,0\n", "slide missing has no features"),
+    ("slide_id,label\na,1\nb,0\n", "16 features per patch"),
+    ("slide_id,label\nempty,1\n", "an empty bag (0 patches)"),
+    ("slide_id,label\na,2\n", "label '2' of slide a is not 0, 1, normal or tumor"),
+])
+def test_cli_refuses_bad_input_in_one_line(tmp_path, capsys, rows, message):
+    h5 = tmp_path / "feats" / "h5_files"
+    _bag(h5, "a", 3)
+    _bag(h5, "b", 3, dim=16)
+    _bag(h5, "empty", 0)
+    labels = tmp_path / "labels.csv"
+    labels.write_text(rows)
+    line = cli_error(capsys, ["train", "--task", "camelyon16", "--supervision", "slide", "--features", str(tmp_path / "feats"),
+                              "--labels", str(labels), "--output", str(tmp_path / "run")])
+    assert message in line and ("labels.csv" in line or ".h5" in line), line
+
+
+def test_slide_options_need_slide_supervision(tmp_path, capsys):
+    line = cli_error(capsys, ["train", "--task", "camelyon16", "--features", str(tmp_path), "--output", str(tmp_path / "run")])
+    assert "--features: an option of --supervision slide" in line
