@@ -58,6 +58,16 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # tests cover it: its wheel alone reads TIFF slides on the CPU; its dependencies (cupy and the
   # CUDA libraries, gigabytes) serve GPU decoding only
   .venv/bin/python -m pip install -q --no-deps cucim-cu12==26.10.0
+  # a torchvision whose C++ operators cannot load beside this torch (PyPI's CUDA build): every
+  # Python of .venv installs hsmla_med's import hook (hsmla_med/torchvision_ops.py) at start, so
+  # that Lightning (torchmetrics imports torchvision) imports in a script that imports it first
+  site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])
+import hsmla_med
+from torchvision import extension
+if extension._has_ops(): raise SystemExit(1)' 2>/dev/null) || site=
+  if [ -d "$site" ]; then
+    echo "import hsmla_med.torchvision_ops as m; m.declare_missing_operators_on_import()" > "$site/hsmla_med_torchvision.pth"
+  fi
   echo "$want" > "$stamp"
 fi
 

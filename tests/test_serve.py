@@ -472,7 +472,8 @@ def test_tls_node_takes_tls_associations_and_refuses_plain_ones(tmp_path, tiny_b
     from pynetdicom.sop_class import Verification
 
     from hsmla_med.serve.config import Destination, Retry, Tls, load_node_config
-    from hsmla_med.serve.node import Node, client_context
+    from hsmla_med.serve.node import Node
+    from hsmla_med.serve.tls import client_context
     from hsmla_med.serve.send import send_files
 
     certs = _certificates(tmp_path / "certs")

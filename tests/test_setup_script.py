@@ -65,13 +65,14 @@ def run_setup(tmp_path: Path, gpu: bool, cpu_index: str, build: str | None = Non
 
 
 def torch_installs(calls: list[str]) -> list[str]:
-    return [call for call in calls if call.startswith("-m pip install") and call.endswith("torch==2.13.0")]
+    return [call for call in calls if call.startswith("-m pip install") and (call.endswith(" torch==2.13.0") or " torch==2.13.0 torchvision==" in call)]
 
 
 @no_gpu_here
 def test_without_a_gpu_the_cpu_index_gives_the_cpu_build_and_a_second_run_installs_nothing(tmp_path):
     out, calls = run_setup(tmp_path, gpu=False, cpu_index="up")
-    assert torch_installs(calls) == [f"-m pip install -q --retries 0 --timeout 15 --index-url {CPU_INDEX} torch==2.13.0"]
+    # torchvision for that torch from the same index (timm's; PyPI's is a CUDA build)
+    assert torch_installs(calls) == [f"-m pip install -q --retries 0 --timeout 15 --index-url {CPU_INDEX} torch==2.13.0 torchvision==0.28.0"]
     editable = next(i for i, call in enumerate(calls) if " -e " in call)
     assert calls.index(torch_installs(calls)[0]) < editable  # torch first: nothing else resolves it
     assert out == ["hsmla-med setup: torch 2.13.0+cpu (CPU build) in .venv"]

@@ -25,30 +25,16 @@ from hsmla_med.serve.config import NodeConfig
 from hsmla_med.serve.queue import QUEUE_FILE, JobQueue
 from hsmla_med.serve.routing import choose_route, series_line
 from hsmla_med.serve.spool import Refused, Spool, instances
+from hsmla_med.serve.tls import server_context
 from hsmla_med.serve.worker import quiet_pydicom, work
 
-__all__ = ["Node", "LOCK_FILE", "server_context", "client_context"]
+__all__ = ["Node", "LOCK_FILE"]
 
 log = logging.getLogger("hsmla_med")
 
 LOCK_FILE = "node.lock"
 # association rejection: permanent, by the service user, calling AE title not recognised (PS3.8 9.3.4)
 _REJECTED, _SERVICE_USER, _CALLING_AE_NOT_RECOGNISED = 0x01, 0x01, 0x03
-
-
-def server_context(tls) -> ssl.SSLContext:
-    """TLS on the node's port: its certificate, and a certificate signed by ``tls.ca`` required of every peer."""
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(tls.ca))
-    context.load_cert_chain(str(tls.certificate), str(tls.key))
-    context.verify_mode = ssl.CERT_REQUIRED
-    return context
-
-
-def client_context(tls) -> ssl.SSLContext:
-    """TLS towards a destination: the node's certificate, the peer's checked against ``tls.ca`` and its host name."""
-    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(tls.ca))
-    context.load_cert_chain(str(tls.certificate), str(tls.key))
-    return context
 
 
 class Node:

@@ -221,7 +221,7 @@ def work(config: NodeConfig, number: int, stop, ready, parent: int) -> None:
         models = load_models(config, number)
         tls = None
         if config.tls is not None:
-            from hsmla_med.serve.node import client_context
+            from hsmla_med.serve.tls import client_context
 
             tls = client_context(config.tls)
     except Exception as err:
