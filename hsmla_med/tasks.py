@@ -71,6 +71,8 @@ class TaskCard:
         synthetic: the synthetic stand-in of the benchmark that ``train`` uses without
             ``--data-dir`` and ``demo`` trains on (``configs/<task>_demo.yaml``); empty: the task
             needs a dataset and ``demo`` leaves it out.
+        slide_labels: ``train --supervision slide`` trains it from slide labels alone (attention
+            MIL on patch features) and ``evaluate --features`` scores such a checkpoint.
         options: the command-line options of the task's own (:class:`TaskOption`).
     """
 
@@ -83,6 +85,7 @@ class TaskCard:
     calibration: str = ""
     bundle: bool = False
     synthetic: str = ""
+    slide_labels: bool = False
     options: tuple[TaskOption, ...] = ()
 
 
@@ -139,6 +142,7 @@ CARDS = {
         metrics="slide AUC, patch AUC and lesion FROC",
         calibration="patches",
         synthetic="CAMELYON16 slides",
+        slide_labels=True,
         options=(
             TaskOption("--masks", ("evaluate",), "with --predictions: the ground-truth mask TIFFs <slide>_Mask.tif that Evaluation_FROC.py "
                        "reads (default: Masks or Ground_Truth/Masks beside --labels, if there; else each slide's XML, rasterised as ASAP "

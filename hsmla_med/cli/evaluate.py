@@ -10,7 +10,7 @@ from hsmla_med.cli.invocation import Invocation, first_process
 from hsmla_med.cli.options import (PREDICTIONS_TASK, add_declared_options, add_graph_option, add_task_options, add_trainer_options, checkpoint_task,
                                    declared_values, run_config)
 from hsmla_med.cli.train import print_summary
-from hsmla_med.pipelines import CARDS, get_task, task_name
+from hsmla_med.pipelines import CARDS, get_task, task_name, tasks_with
 
 log = logging.getLogger("hsmla_med")
 
@@ -58,7 +58,7 @@ def run(args, invocation: Invocation) -> dict:
     if args.features is not None:
         return _score_slide_labels(args, invocation)
     args.task = checkpoint_task(args)  # the config of the cases to score is this task's
-    if args.features is None and args.task == "camelyon16" and _slide_labels(args.checkpoint):
+    if args.features is None and args.task in tasks_with("slide_labels") and _slide_labels(args.checkpoint):
         raise InputError(f"--checkpoint {' '.join(args.checkpoint)}: trained on slide labels (patch features); score it with --features FEATS --labels CSV")
     task = get_task(args.task)
     declared = declared_values(args, "evaluate", task.name)
@@ -109,9 +109,10 @@ def _score_slide_labels(args, invocation: Invocation) -> dict:
     from hsmla_med.errors import InputError
     from hsmla_med.pipelines.camelyon16.mil import evaluate_slides
 
-    if args.task not in (None, "camelyon16"):
-        raise InputError(f"--features: slide-label checkpoints are camelyon16's, not --task {args.task}'s")
-    args.task = "camelyon16"
+    (slide_task,) = tasks_with("slide_labels")
+    if args.task not in (None, slide_task):
+        raise InputError(f"--features: slide-label checkpoints are {slide_task}'s, not --task {args.task}'s")
+    args.task = slide_task
     if args.labels is None:
         raise InputError("--features needs --labels, the slides' label CSV")
     if len(args.checkpoint) != 1 or not _slide_labels(args.checkpoint):

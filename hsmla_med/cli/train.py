@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hsmla_med.cli.invocation import Invocation, first_process
 from hsmla_med.cli.options import add_training_options, run_config
-from hsmla_med.pipelines import CARDS, get_task
+from hsmla_med.pipelines import CARDS, get_task, tasks_with
 
 log = logging.getLogger("hsmla_med")
 
@@ -54,8 +54,8 @@ def train_slide_labels(args, invocation: Invocation) -> dict:
     from hsmla_med.io import write_yaml
     from hsmla_med.pipelines.camelyon16.mil import train_slides
 
-    if args.task != "camelyon16":
-        raise InputError(f"--supervision slide: slide-label training is camelyon16's; --task {args.task} trains on its labels")
+    if args.task not in tasks_with("slide_labels"):
+        raise InputError(f"--supervision slide: slide-label training is {', '.join(tasks_with('slide_labels'))}'s; --task {args.task} trains on its labels")
     for option in ("model", "mode"):
         if getattr(args, option) is not None:
             raise InputError(f"--{option} with --supervision slide: the model is MONAI's MILModel on patch features (--mil-mode, config mil)")
@@ -64,7 +64,7 @@ def train_slide_labels(args, invocation: Invocation) -> dict:
         config["mil"]["mil_mode"] = args.mil_mode
     if args.max_steps is None and args.max_epochs is None:
         config["trainer"].update(max_epochs=config["mil"]["epochs"], max_steps=None)
-    if args.output is None and config["output"] == task_config("camelyon16")["output"]:  # apart from the patch classifier's run
+    if args.output is None and config["output"] == task_config(args.task)["output"]:  # apart from the patch classifier's run
         config["output"] = f"{config['output']}_slide"
     output = invocation.writable_folder(config["output"], "--output")
     L.seed_everything(config["seed"], workers=True, verbose=False)
