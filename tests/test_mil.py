@@ -171,3 +171,21 @@ def test_cli_refuses_bad_input_in_one_line(tmp_path, capsys, rows, message):
 def test_slide_options_need_slide_supervision(tmp_path, capsys):
     line = cli_error(capsys, ["train", "--task", "camelyon16", "--features", str(tmp_path), "--output", str(tmp_path / "run")])
     assert "--features: an option of --supervision slide" in line
+
+
+def test_auc_interval_is_the_percentiles_of_resampled_aucs():
+    """Against scikit-learn's AUC on the same resamples (the same seeded draws), and the hand cases:
+    perfect separation gives [1, 1]; too few slides of a class give none."""
+    from sklearn.metrics import roc_auc_score
+
+    from hsmla_med.metrics.pathology import auc_interval, balanced_accuracy
+
+    rng = np.random.default_rng(3)
+    labels = np.array([0] * 12 + [1] * 9)
+    scores = rng.normal(labels * 1.2, 1.0)
+    picks = np.random.default_rng(0).integers(0, len(scores), size=(1000, len(scores)))
+    reference = [roc_auc_score(labels[p], scores[p]) for p in picks if np.unique(labels[p]).size == 2]
+    np.testing.assert_allclose(auc_interval(scores, labels), np.percentile(reference, [2.5, 97.5]), rtol=1e-12)
+    assert auc_interval(labels + 0.5, labels) == [1.0, 1.0]
+    assert auc_interval([0.1, 0.9, 0.8], [0, 1, 1]) is None
+    assert balanced_accuracy([0.2, 0.7, 0.6, 0.4], [0, 0, 1, 1]) == 0.5  # specificity 1/2, sensitivity 1/2

@@ -16,9 +16,9 @@ from torch.nn import functional as F
 
 from hsmla_med.engine.base import GatedModule
 from hsmla_med.errors import ConfigError
-from hsmla_med.metrics.pathology import auc
+from hsmla_med.metrics.pathology import auc, balanced_accuracy
 
-__all__ = ["MIL_MODES", "MILModule", "auc_interval", "balanced_accuracy", "mil_network"]
+__all__ = ["MIL_MODES", "MILModule", "mil_network"]
 
 #: the MILModel modes that pool with attention, whose weights the heatmaps draw (``mean`` and
 #: ``max`` have none; ``att_trans_pyramid`` needs MILModel's own ResNet, not features)
@@ -43,32 +43,6 @@ def mil_network(network: dict) -> MILModel:
                           f"got {network['in_features']}")
     return MILModel(num_classes=1, mil_mode=mode, pretrained=False, backbone=nn.Identity(), backbone_num_features=network["in_features"],
                     trans_blocks=network["trans_blocks"], trans_dropout=network["dropout"])
-
-
-def balanced_accuracy(scores, labels, threshold: float = 0.5) -> float | None:
-    """The mean of sensitivity and specificity of ``scores > threshold``; ``None`` with one class."""
-    scores, labels = np.asarray(scores, np.float64), np.asarray(labels, np.int64)
-    if np.unique(labels).size < 2:
-        return None
-    predicted = scores > threshold
-    return float((predicted[labels == 1].mean() + (~predicted[labels == 0]).mean()) / 2)
-
-
-def auc_interval(scores, labels, draws: int = 1000, seed: int = 0, confidence: float = 0.95) -> list[float] | None:
-    """Percentile bootstrap interval of the slide AUC (:func:`~hsmla_med.metrics.pathology.auc`):
-    slides drawn with replacement ``draws`` times from a seeded generator, draws holding one class
-    only (their AUC undefined) left out. ``None`` with fewer than two slides of either class.
-
-    Written here rather than with :func:`~hsmla_med.metrics.summary.bootstrap_means`, whose
-    statistic is a mean of per-case values: an AUC ranks the slides against each other.
-    """
-    scores, labels = np.asarray(scores, np.float64), np.asarray(labels, np.int64)
-    if min((labels == 0).sum(), (labels == 1).sum()) < 2:
-        return None
-    picks = np.random.default_rng(seed).integers(0, len(scores), size=(draws, len(scores)))
-    values = [auc(scores[p], labels[p]) for p in picks]
-    values = [v for v in values if not math.isnan(v)]
-    return [float(v) for v in np.percentile(values, [50 * (1 - confidence), 50 * (1 + confidence)])]
 
 
 class MILModule(GatedModule):

@@ -42,7 +42,7 @@ from monai.transforms import ProbNMS
 # named in __all__ as one of the metrics' functions too
 from hsmla_med.io.smoothing import smooth_map
 
-__all__ = ["FP_RATES", "OFFICIAL_MPP", "OFFICIAL_LEVEL", "auc", "detect_lesions", "evaluation_geometry", "evaluation_mask", "lesion_froc",
+__all__ = ["FP_RATES", "OFFICIAL_MPP", "OFFICIAL_LEVEL", "auc", "auc_interval", "balanced_accuracy", "detect_lesions", "evaluation_geometry", "evaluation_mask", "lesion_froc",
            "slide_fp_tp", "slide_score", "smooth_map"]
 
 FP_RATES = (0.25, 0.5, 1, 2, 4, 8)
@@ -75,6 +75,33 @@ def auc(scores, labels) -> float:
     if np.unique(labels).size < 2:
         return math.nan
     return float(compute_roc_auc(torch.from_numpy(scores), torch.from_numpy(labels.astype(np.float64))))
+
+
+
+def balanced_accuracy(scores, labels, threshold: float = 0.5) -> float | None:
+    """The mean of sensitivity and specificity of ``scores > threshold``; ``None`` with one class."""
+    scores, labels = np.asarray(scores, np.float64), np.asarray(labels, np.int64)
+    if np.unique(labels).size < 2:
+        return None
+    predicted = scores > threshold
+    return float((predicted[labels == 1].mean() + (~predicted[labels == 0]).mean()) / 2)
+
+
+def auc_interval(scores, labels, draws: int = 1000, seed: int = 0, confidence: float = 0.95) -> list[float] | None:
+    """Percentile bootstrap interval of the slide AUC (:func:`~hsmla_med.metrics.pathology.auc`):
+    slides drawn with replacement ``draws`` times from a seeded generator, draws holding one class
+    only (their AUC undefined) left out. ``None`` with fewer than two slides of either class.
+
+    Written here rather than with :func:`~hsmla_med.metrics.summary.bootstrap_means`, whose
+    statistic is a mean of per-case values: an AUC ranks the slides against each other.
+    """
+    scores, labels = np.asarray(scores, np.float64), np.asarray(labels, np.int64)
+    if min((labels == 0).sum(), (labels == 1).sum()) < 2:
+        return None
+    picks = np.random.default_rng(seed).integers(0, len(scores), size=(draws, len(scores)))
+    values = [auc(scores[p], labels[p]) for p in picks]
+    values = [v for v in values if not math.isnan(v)]
+    return [float(v) for v in np.percentile(values, [50 * (1 - confidence), 50 * (1 + confidence)])]
 
 
 def slide_score(prob_map: np.ndarray, sigma: float = 1.0) -> float:

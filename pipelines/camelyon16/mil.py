@@ -34,7 +34,8 @@ import torch
 from hsmla_med.data.synthetic.wsi import SLIDE_LABELS, generate_camelyon16
 from hsmla_med.data.splits import fold_cases
 from hsmla_med.engine.base import hparams
-from hsmla_med.engine.mil import MIL_MODES, MILModule, auc_interval
+from hsmla_med.engine.mil import MIL_MODES, MILModule
+from hsmla_med.metrics.pathology import auc_interval
 from hsmla_med.engine.run import evaluate, fit, load_module
 from hsmla_med.errors import ConfigError, DataError, InputError
 from hsmla_med.io import atomic_path, write_json
