@@ -112,6 +112,50 @@ def test_evaluate_reproduces_the_held_out_summary(run, tmp_path):
         assert summary[key] == run["summary"][key], key
 
 
+def test_cross_validation_scores_each_training_slide_once_by_a_fold_that_did_not_train_on_it(run, tmp_path, capsys):
+    """cross-validate --supervision slide on the run's features: folds by slide over the 24
+    training slides (the test slides in none), each fold's validation slides those of
+    splits_final.json, never among its own training slides; the pooled slide AUC and balanced
+    accuracy against scikit-learn and a hand count on the pooled scores, the pooled lesion FROC
+    over all of them; a second run skips every fold and pools the same."""
+    from sklearn.metrics import roc_auc_score
+
+    from hsmla_med.engine.checkpoint import read_hparams
+
+    output, config = tmp_path / "cv", tmp_path / "cv.yaml"
+    settings = yaml.safe_load(run["config"].read_text())
+    config.write_text(yaml.safe_dump({**settings, "data": {**settings["data"], "folds": 3, "splits_file": str(tmp_path / "splits_final.json")}}))
+    command = ["cross-validate", "--task", "camelyon16", "--supervision", "slide", "--config", str(config), "--features",
+               str(run["output"] / "features"), "--output", str(output), "--max-epochs", "2"]
+    assert main(command) == 0
+    splits = json.loads((tmp_path / "splits_final.json").read_text())
+    report = json.loads((output / "crossval.json").read_text())
+    assert len(report["folds"]) == len(splits) == 3
+    labels = {r["slide"]: r["label"] for r in read_slide_labels(run["data"] / SLIDE_LABELS)}
+    training = sorted(s for s in labels if not s.startswith("test_"))
+    for k, fold in enumerate(report["folds"]):
+        assert sorted(fold["slides"]) == sorted(splits[k]["val"])
+        trained = read_hparams(output / f"fold_{k}" / "last.ckpt")["split"]["train"]
+        assert sorted(trained + fold["slides"]) == training, k
+        assert {labels[s] for s in fold["slides"]} == {0, 1}, fold  # stratified by label
+    pooled = json.loads((output / "crossval" / "summary.json").read_text())
+    rows = pooled["metric_per_case"]
+    assert sorted(r["slide"] for r in rows) == training
+    scores, truth = np.array([r["score"] for r in rows]), np.array([labels[r["slide"]] for r in rows])
+    assert pooled["auc"] == pytest.approx(roc_auc_score(truth, scores))
+    sensitivity, specificity = (scores[truth == 1] > 0.5).mean(), (scores[truth == 0] <= 0.5).mean()
+    assert pooled["balanced_accuracy"] == pytest.approx((sensitivity + specificity) / 2)
+    lesions = json.loads((output / "crossval" / "heatmaps" / "summary.json").read_text())
+    assert lesions["slides"] == len(training) and pooled["froc"] == lesions["froc"] is not None
+    assert "pooled validation: 24 held-out slides: slide AUC" in capsys.readouterr().out
+    assert main(command) == 0
+    again = json.loads((output / "crossval.json").read_text())
+    assert all(fold["seconds"] is None for fold in again["folds"])  # done before: skipped
+    assert json.loads((output / "crossval" / "summary.json").read_text()) == pooled
+    line = cli_error(capsys, [*command, "--folds", "0,9"])
+    assert "--folds [9]" in line
+
+
 def test_label_csv_layouts_parse_alike(tmp_path):
     reference = tmp_path / "reference.csv"
     reference.write_text("test_001,Tumor,Micro\ntest_002,Normal\ntest_003,Tumor,Macro\n")

@@ -20,39 +20,36 @@ def add_parser(sub) -> None:
     add_training_options(p, "run folder (config: output, default runs/<task>)")
     p.add_argument("--resume", action="store_true", help="continue from OUTPUT/last.ckpt (weights, optimizer, schedule, step)")
     p.add_argument("--fold", type=int, help="cross-validation fold of splits_final.json to train (config: fold, default 0)")
+    add_slide_options(p, "scored on the held-out slides (summary.json, attention/, heatmaps/: its attention as wsi-heatmap's files, with the "
+                      "lesion FROC)", "held out: split test, else the slides named test_*, else the fold's validation slides")
+
+
+def add_slide_options(p, scored: str, held: str) -> None:
+    """``--supervision``, ``--features``, ``--labels`` and ``--mil-mode`` of ``train`` and
+    ``cross-validate``: ``scored`` and ``held`` say what the command scores."""
     g = p.add_argument_group("slide labels alone (camelyon16): attention multiple-instance learning on patch features")
     g.add_argument("--supervision", choices=["patch", "slide"], default="patch", help="patch (default): a patch classifier from the lesion "
-                   "outlines; slide: MONAI's MILModel on bags of frozen patch features from each slide's diagnosis alone, scored on the "
-                   "held-out slides (summary.json, attention/, heatmaps/: its attention as wsi-heatmap's files, with the lesion FROC)")
+                   f"outlines; slide: MONAI's MILModel on bags of frozen patch features from each slide's diagnosis alone, {scored}")
     g.add_argument("--features", metavar="FEATS", help="with --supervision slide: the feature folder (CLAM's h5_files/<slide>.h5, as "
                    "wsi-features writes it); default: the dataset's slides encoded with config mil.features into OUTPUT/features")
     g.add_argument("--labels", metavar="CSV", help="with --supervision slide: the slides' labels, CLAM's slide_id,label[,split] or "
-                   "CAMELYON16's reference.csv; held out: split test, else the slides named test_*, else the fold's validation slides; "
-                   "default: the dataset's slide_labels.csv")
+                   f"CAMELYON16's reference.csv; {held}; default: the dataset's slide_labels.csv")
     g.add_argument("--mil-mode", choices=["att", "att_trans"], help="with --supervision slide: MILModel's pooling (config: mil.mil_mode, default att)")
 
 
-def run(args, invocation: Invocation) -> dict:
+def check_patch_options(args) -> None:
+    """Refuse the slide-label options without ``--supervision slide``."""
     from hsmla_med.errors import InputError
 
-    if args.supervision == "slide":
-        return train_slide_labels(args, invocation)
     for option in ("features", "labels", "mil_mode"):
         if getattr(args, option) is not None:
             raise InputError(f"--{option.replace('_', '-')}: an option of --supervision slide (multiple-instance learning from slide labels)")
-    return train(run_config(args), invocation, args.resume)
 
 
-def train_slide_labels(args, invocation: Invocation) -> dict:
-    """``train --task camelyon16 --supervision slide``: attention MIL on patch features from the
-    slides' labels alone (:func:`~hsmla_med.pipelines.camelyon16.mil.train_slides`); its
-    held-out summary."""
-    import lightning as L
-
-    from hsmla_med.config import task_config
+def slide_config(args) -> dict:
+    """The task config of a slide-label run (``--supervision slide``) from the command line:
+    ``--mil-mode`` into ``mil``; ``mil.epochs`` unless ``--max-epochs`` or ``--max-steps``."""
     from hsmla_med.errors import InputError
-    from hsmla_med.io import write_yaml
-    from hsmla_med.pipelines.camelyon16.mil import train_slides
 
     if args.task not in tasks_with("slide_labels"):
         raise InputError(f"--supervision slide: slide-label training is {', '.join(tasks_with('slide_labels'))}'s; --task {args.task} trains on its labels")
@@ -64,6 +61,26 @@ def train_slide_labels(args, invocation: Invocation) -> dict:
         config["mil"]["mil_mode"] = args.mil_mode
     if args.max_steps is None and args.max_epochs is None:
         config["trainer"].update(max_epochs=config["mil"]["epochs"], max_steps=None)
+    return config
+
+def run(args, invocation: Invocation) -> dict:
+    if args.supervision == "slide":
+        return train_slide_labels(args, invocation)
+    check_patch_options(args)
+    return train(run_config(args), invocation, args.resume)
+
+
+def train_slide_labels(args, invocation: Invocation) -> dict:
+    """``train --task camelyon16 --supervision slide``: attention MIL on patch features from the
+    slides' labels alone (:func:`~hsmla_med.pipelines.camelyon16.mil.train_slides`); its
+    held-out summary."""
+    import lightning as L
+
+    from hsmla_med.config import task_config
+    from hsmla_med.io import write_yaml
+    from hsmla_med.pipelines.camelyon16.mil import train_slides
+
+    config = slide_config(args)
     if args.output is None and config["output"] == task_config(args.task)["output"]:  # apart from the patch classifier's run
         config["output"] = f"{config['output']}_slide"
     output = invocation.writable_folder(config["output"], "--output")

@@ -38,7 +38,7 @@ from hsmla_med.pipelines.task import InferenceOptions, Task, input_files, predic
 
 __all__ = ["TASK", "LABELS", "find_slides", "datalist", "slide_patches", "datamodule", "transforms", "ReadPatchd", "patch_collate",
            "module_config", "grid_patches", "SlideHeatmaps", "SlideFeatures", "held_out", "infer", "extract_features", "slide_truth",
-           "read_lesion_csv", "read_slide_csv", "score_predictions", "crossval_score", "LESIONS", "SLIDE_CSV", "FEATURES_H5", "FEATURES_PT"]
+           "read_lesion_csv", "read_slide_csv", "score_predictions", "crossval_score", "pool_lesions", "LESIONS", "SLIDE_CSV", "FEATURES_H5", "FEATURES_PT"]
 
 log = logging.getLogger("hsmla_med")
 
@@ -161,22 +161,30 @@ def _predict_patches(module: ClassificationModule, items: list[dict], sink: Slid
 
 
 def crossval_score(folds: list[tuple[Datalist, Path]], output: Path, config: dict) -> dict:
-    """Every fold's validation lesion CSVs linked into ``output/predictions/lesions``, their
-    slide scores merged into one ``slides.csv``, their annotations linked into
-    ``output/labels``, scored by the official rules (the slides' sizes from the dataset)."""
+    """Every fold's validation heatmaps scored together (:func:`pool_lesions`), the slides'
+    sizes from the dataset."""
+    return pool_lesions([(folder, cases.validation) for cases, folder in folds], output, folds[0][0].source)
+
+
+def pool_lesions(folds: list[tuple[Path, list[dict]]], output: Path, data_dir: Path | None) -> dict:
+    """Folders of ``wsi-heatmap``'s files scored together, as the official rules score one: per
+    folder, the slides (``{"slide", "annotation"}``) whose lesion CSVs it holds. Their lesion
+    CSVs linked into ``output/predictions/lesions``, their slide scores merged into one
+    ``slides.csv``, their annotations linked into ``output/labels``; :func:`score_predictions`
+    writes ``output/summary.json``."""
     from hsmla_med.crossval import pool_file
 
     scores: dict[str, float] = {}
-    for cases, folder in folds:
+    for folder, cases in folds:
         scores.update(read_slide_csv(folder / SLIDE_CSV))
-        for case in cases.validation:
+        for case in cases:
             name = Path(case["slide"]).stem
             pool_file(folder / LESIONS / f"{name}.csv", output / "predictions" / LESIONS / f"{name}.csv")
             if case["annotation"]:
                 pool_file(Path(case["annotation"]), output / "labels" / f"{name}.xml")
     (output / "labels").mkdir(parents=True, exist_ok=True)  # all normal: no annotation at all
     write_slide_csv(output / "predictions" / SLIDE_CSV, scores)
-    return score_predictions(output / "predictions", output / "labels", output, {"data_dir": folds[0][0].source})
+    return score_predictions(output / "predictions", output / "labels", output, {"data_dir": data_dir})
 
 
 def score_predictions(predictions: Path, labels: Path, output: Path, options: dict) -> dict:

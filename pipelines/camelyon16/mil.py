@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import csv
 import logging
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -45,8 +46,8 @@ from hsmla_med.pipelines.camelyon16.data import LABELS, _grid_params, find_slide
 from hsmla_med.pipelines.camelyon16.writers import SlideHeatmaps
 from hsmla_med.pipelines.task import InferenceOptions, synthetic_root
 
-__all__ = ["ATTENTION", "HEATMAPS", "TOP_PATCHES", "attention_in_lesions", "check_mil_config", "module_config", "score_bags", "slide_checkpoint",
-           "train_slides", "evaluate_slides"]
+__all__ = ["ATTENTION", "HEATMAPS", "TOP_PATCHES", "SlideBags", "attention_in_lesions", "check_mil_config", "evaluate_slides", "module_config",
+           "score_bags", "slide_bags", "slide_checkpoint", "slide_fold", "train_bags", "train_slides"]
 
 log = logging.getLogger("hsmla_med")
 
@@ -85,8 +86,8 @@ def module_config(config: dict, dim: int, split: dict, min_tissue: float | None 
     """The hyper-parameters of :class:`MILModule` for a task config and features of width ``dim``:
     the network (``mil_mode``, ``in_features``, dropouts), AdamW's ``lr`` and ``weight_decay``
     from ``mil``, the task's ``inference`` (the heatmaps' lesion and region settings), ``data``
-    (the grid settings the heatmaps re-cut a slide's grid by; ``min_tissue`` the features' where
-    the run encoded them, else ``data.min_tissue``, ``wsi-features``' default), ``supervision:
+    (the grid settings the heatmaps re-cut a slide's grid by; ``min_tissue`` the features' as
+    their h5 attributes record it, else ``data.min_tissue``, ``wsi-features``' default), ``supervision:
     slide`` and the ``split`` the bags were drawn from."""
     mil = check_mil_config(config)
     network = {"mil_mode": mil["mil_mode"], "in_features": dim, "dropout": mil["dropout"], "feature_dropout": mil["dropout"],
@@ -134,6 +135,49 @@ def _encode(config: dict, slides: list[str], output: Path, progress) -> Path:
     return output
 
 
+@dataclass
+class SlideBags:
+    """The slides of a slide-label run, read once (:func:`slide_bags`) and trained on by one run
+    or by each fold of a cross-validation.
+
+    Attributes:
+        root: the dataset folder (``None`` where features and labels are given without
+            ``--data-dir``: no slide files, so no heatmaps).
+        synthetic: whether it is the synthetic default.
+        cases: its slides by name (``{"slide", "annotation", "label"}``).
+        features: the feature folder; ``encoded`` whether the run wrote it (``mil.features``).
+        labels: the label CSV.
+        bags: a bag per labelled slide.
+        test: the held-out slides the label CSV names (:func:`~.bags.held_out`).
+    """
+
+    root: Path | None
+    synthetic: bool
+    cases: dict[str, dict]
+    features: Path
+    encoded: bool
+    labels: Path
+    bags: list[Bag]
+    test: set[str]
+
+
+def slide_bags(config: dict, output: Path, features: str | Path | None = None, labels: str | Path | None = None, progress=print) -> SlideBags:
+    """The slides of a run: ``features`` (``None``: the dataset's slides encoded with
+    ``mil.features``' encoder into ``output/features``, slides done before skipped) and
+    ``labels`` (``None``: the dataset's ``slide_labels.csv``) read into bags."""
+    known = features is None or labels is None or config["data"]["data_dir"]
+    root, synthetic, cases = _dataset(config) if known else (None, False, {})
+    encoded = features is None
+    if encoded:
+        features = _encode(config, sorted(c["slide"] for c in cases.values()), output / "features", progress)
+    if labels is None:
+        labels = root / SLIDE_LABELS
+        if not labels.is_file():
+            raise InputError(f"{root}: no {SLIDE_LABELS}; give the slides' labels with --labels CSV (slide_id,label[,split] or CAMELYON16's reference.csv)")
+    rows = read_slide_labels(labels)
+    return SlideBags(root, synthetic, cases, Path(features), encoded, Path(labels), load_bags(features, rows, labels), set(held_out(rows)))
+
+
 def train_slides(config: dict, output: Path, features: str | Path | None = None, labels: str | Path | None = None, resume: bool = False,
                  progress=print) -> dict:
     """Train attention MIL on slide labels and score it on the held-out slides (module docstring).
@@ -153,44 +197,52 @@ def train_slides(config: dict, output: Path, features: str | Path | None = None,
     Returns:
         The held-out summary (``summary.json``).
     """
-    known = features is None or labels is None or config["data"]["data_dir"]
-    root, synthetic, cases = _dataset(config) if known else (None, False, {})
-    encoded = features is None
-    if encoded:
-        features = _encode(config, sorted(c["slide"] for c in cases.values()), output / "features", progress)
-    if labels is None:
-        labels = root / SLIDE_LABELS
-        if not labels.is_file():
-            raise InputError(f"{root}: no {SLIDE_LABELS}; give the slides' labels with --labels CSV (slide_id,label[,split] or CAMELYON16's reference.csv)")
-    rows = read_slide_labels(labels)
-    bags = load_bags(features, rows, labels)
-    test = set(held_out(rows))
-    pool = [b for b in bags if b.slide not in test]
+    return train_bags(config, output, slide_bags(config, output, features, labels, progress), resume, progress)
+
+
+def _pool(data: SlideBags) -> list[Bag]:
+    """The slides that may train: all but the held-out ones."""
+    pool = [b for b in data.bags if b.slide not in data.test]
     if not pool:
-        raise DataError(f"{labels}: every slide is held out (split test): none left to train on")
-    if test:  # nnU-Net's fold "all": every labelled slide trains, and the final validation checks the fit on them
-        training, validation = pool, pool
-        record = {"file": None, "fold": "all", "folds": None, "train": sorted(b.slide for b in pool), "val": []}
-    else:  # the fold's validation slides are the held-out ones; splits_final.json, stratified by label, beside the slides for the
-        # features this run encoded (the patch classifier's folds of the same slides), else beside the features
-        training, validation, record = fold_cases(config, root if encoded else Path(features), pool, [b.slide for b in pool],
-                                                  synthetic and encoded, classes=[b.label for b in pool])
-    scored = [b for b in bags if b.slide in test] or validation
-    trained = {b.slide for b in training}
-    for bag in bags:
-        bag.split = "test" if bag.slide in test else "train" if bag.slide in trained else "val"
+        raise DataError(f"{data.labels}: every slide is held out (split test): none left to train on")
+    return pool
+
+
+def slide_fold(config: dict, data: SlideBags) -> tuple[list[Bag], list[Bag], dict]:
+    """Fold ``config["fold"]`` of ``splits_final.json`` over the slides that are not held out
+    (:func:`~hsmla_med.data.splits.fold_cases`; made on first use, stratified by label, with
+    ``data.folds`` folds): its training and validation bags and the checkpoint's record. The
+    file lies beside the slides for features the run encoded (the patch classifier's folds of
+    the same slides), else beside the features."""
+    pool = _pool(data)
+    return fold_cases(config, data.root if data.encoded else data.features, pool, [b.slide for b in pool], data.synthetic and data.encoded,
+                      classes=[b.label for b in pool])
+
+
+def train_bags(config: dict, output: Path, data: SlideBags, resume: bool = False, progress=print, fold: bool = False) -> dict:
+    """:func:`train_slides` on slides read before: every slide but the held-out ones trains
+    (nnU-Net's fold ``all``) and the held-out ones are scored; with ``fold`` (a fold of
+    ``cross-validate``), or where the label CSV holds none out, fold ``config["fold"]`` of
+    ``splits_final.json`` over the other slides, its validation slides scored."""
+    if data.test and not fold:  # nnU-Net's fold "all": every labelled slide trains, and the final validation checks the fit on them
+        training = validation = _pool(data)
+        record = {"file": None, "fold": "all", "folds": None, "train": sorted(b.slide for b in training), "val": []}
+    else:
+        training, validation, record = slide_fold(config, data)
+    scored = validation if fold or not data.test else [b for b in data.bags if b.slide in data.test]
+    scored = [replace(b, split="test" if b.slide in data.test else "val") for b in scored]  # the rows of summary.json say which
     log.info("camelyon16 (slide labels): %d training slides, %d held-out slides (%s); %d features per patch", len(training), len(scored),
-             "split test" if test else "the fold's validation", bags[0].dim)
+             "split test" if data.test and not fold else f"fold {config['fold']}'s validation", training[0].dim)
     mil = config["mil"]
-    module = MILModule(module_config(config, bags[0].dim, {**record, "test": sorted(test)}, mil["features"]["min_tissue"] if encoded else None))
+    module = MILModule(module_config(config, training[0].dim, {**record, "test": sorted(data.test)}, training[0].attrs.get("min_tissue")))
     module.set_standardisation(training_statistics(training))
-    data = BagDataModule(training, validation, mil["batch_size"], mil["max_patches"], mil["patch_dropout"], config["seed"])
+    loaders = BagDataModule(training, validation, mil["batch_size"], mil["max_patches"], mil["patch_dropout"], config["seed"])
     trainer = {**config["trainer"], "check_val_every_n_epoch": _FINAL_ONLY, "gradient_clip_val": mil["gradient_clip_val"],
                "log_every_n_steps": min(config["trainer"]["log_every_n_steps"], len(training))}
-    fit(module, data, output, trainer, resume=resume)
+    fit(module, loaders, output, trainer, resume=resume)
     final, _ = load_module(output / "last.ckpt", MILModule, "camelyon16")
-    return score_bags(final, scored, output, trainer, cases, root, {"checkpoint": str(output / "last.ckpt"), "features": str(features),
-                                                                   "labels": str(labels)}, progress)
+    return score_bags(final, scored, output, trainer, data.cases, data.root, {"checkpoint": str(output / "last.ckpt"),
+                                                                            "features": str(data.features), "labels": str(data.labels)}, progress)
 
 
 def evaluate_slides(checkpoint: str | Path, features: str | Path, labels: str | Path, output: Path, trainer: dict, data_dir: str | None = None,
@@ -312,7 +364,7 @@ def _attention_heatmaps(module: MILModule, bags: list[Bag], records: dict, folde
                     len(bags) - len(found), len(bags), data_dir)
     attrs = found[0].attrs
     data = {**module.config["data"], "level": int(attrs["patch_level"]), "mpp": None, "patch_size": int(attrs["patch_size"]),
-            "stride": int(attrs["patch_size"])}
+            "stride": int(attrs["patch_size"]), "min_tissue": float(attrs.get("min_tissue", module.config["data"]["min_tissue"]))}
     heatmaps = SlideHeatmaps(module, folder, data, progress)
     heatmaps.patches([{"name": b.slide, "slide": cases[b.slide]["slide"], "output": folder / f"{b.slide}.json"} for b in found])
     drawn = []

@@ -255,6 +255,7 @@ class SlideFeatures(_SlideSink):
             "patch_size_level0": int(round(self.data["patch_size"] * downsample)),
             "downsample": (downsample, downsample), "level_dim": grid["level_dimensions"], "downsampled_level_dim": grid["level_dimensions"],
             "level0_width": grid["dimensions"][0], "level0_height": grid["dimensions"][1], "name": stem,
+            "min_tissue": float(self.data["min_tissue"]),  # the grid's tissue threshold: a heatmap of the features cuts the same grid
         }
         handle = open_slide(slide["slide"])
         mpp = slide_mpp(handle)
