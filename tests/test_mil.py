@@ -156,6 +156,24 @@ def test_cross_validation_scores_each_training_slide_once_by_a_fold_that_did_not
     assert "--folds [9]" in line
 
 
+def test_demo_shows_both_ways_of_learning(tmp_path, capsys):
+    """demo --task camelyon16: the patch classifier from the lesion outlines, then the same task
+    from slide labels alone into <task>_slide, each with its line; --max-steps reaches both."""
+    config = tmp_path / "demo.yaml"
+    config.write_text(yaml.safe_dump({"data": {"cache_dir": str(tmp_path / "cache"), "synthetic": {"num_normal": 1, "num_tumor": 1, "num_test": 2,
+                                                                                                   "size": [1536, 1024]}},
+                                      "mil": {"synthetic": {"num_normal": 3, "num_tumor": 3, "num_test": 2}}}))
+    assert main(["demo", "--task", "camelyon16", "--config", str(config), "--output", str(tmp_path / "demo"), "--max-steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "\ncamelyon16: auc" in out and "\ncamelyon16 from slide labels alone (attention MIL): slide AUC" in out, out
+    patch, slide = tmp_path / "demo" / "camelyon16", tmp_path / "demo" / "camelyon16_slide"
+    assert (patch / "predictions" / "slides.csv").is_file() and (slide / "heatmaps" / "slides.csv").is_file()
+    summary = json.loads((slide / "summary.json").read_text())
+    assert [r["slide"] for r in summary["metric_per_case"]] == ["test_001", "test_002"]
+    for run in (patch, slide):
+        assert torch.load(run / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 2, run
+
+
 def test_label_csv_layouts_parse_alike(tmp_path):
     reference = tmp_path / "reference.csv"
     reference.write_text("test_001,Tumor,Micro\ntest_002,Normal\ntest_003,Tumor,Macro\n")

@@ -71,23 +71,29 @@ def run(args, invocation: Invocation) -> dict:
 
 
 def train_slide_labels(args, invocation: Invocation) -> dict:
-    """``train --task camelyon16 --supervision slide``: attention MIL on patch features from the
-    slides' labels alone (:func:`~hsmla_med.pipelines.camelyon16.mil.train_slides`); its
-    held-out summary."""
-    import lightning as L
-
+    """``train --task camelyon16 --supervision slide`` (:func:`run_slide_labels`)."""
     from hsmla_med.config import task_config
-    from hsmla_med.io import write_yaml
-    from hsmla_med.pipelines.camelyon16.mil import train_slides
 
     config = slide_config(args)
     if args.output is None and config["output"] == task_config(args.task)["output"]:  # apart from the patch classifier's run
         config["output"] = f"{config['output']}_slide"
+    return run_slide_labels(config, invocation, args.features, args.labels, args.resume)
+
+
+def run_slide_labels(config: dict, invocation: Invocation, features: str | None = None, labels: str | None = None, resume: bool = False) -> dict:
+    """Attention MIL on patch features from the slides' labels alone into ``config["output"]``
+    (:func:`~hsmla_med.pipelines.camelyon16.mil.train_slides`), its summary printed and its
+    report written; the held-out summary."""
+    import lightning as L
+
+    from hsmla_med.io import write_yaml
+    from hsmla_med.pipelines.camelyon16.mil import train_slides
+
     output = invocation.writable_folder(config["output"], "--output")
     L.seed_everything(config["seed"], workers=True, verbose=False)
     if first_process():
         write_yaml(output / "config.yaml", config)
-    summary = train_slides(config, output, args.features, args.labels, args.resume)
+    summary = train_slides(config, output, features, labels, resume)
     if first_process():
         print("\n" + "\n".join(slide_summary_lines(summary, output)))
     invocation.write_html_report(output)
